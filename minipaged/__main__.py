@@ -1,0 +1,5 @@
+import sys
+
+from minipaged.cli import main
+
+sys.exit(main())

@@ -1,0 +1,494 @@
+"""The LLMEngine: continuous batching, one ``step()`` at a time (lesson 06).
+
+    step() = schedule -> move cache blocks -> run the model on the flattened batch -> sample
+             -> append tokens, fork/free beams, check stops -> free finished groups -> observers
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from minipaged import model_loader
+from minipaged.block_manager import BlockSpaceManager
+from minipaged.cache_engine import CacheEngine, cache_block_bytes
+from minipaged.model_runner import ModelRunner, prepare_inputs
+from minipaged.models import get_model_class
+from minipaged.outputs import RequestOutput
+from minipaged.sampler import Sampler, SequenceOutput
+from minipaged.sampling_params import SamplingParams
+from minipaged.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutputs
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    """Counters the tests and lessons read (``llm.llm_engine.stats``)."""
+
+    num_steps: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_blocks_copied: int = 0
+    num_blocks_swapped_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_aborted_by_engine: int = 0
+    peak_gpu_blocks_used: int = 0
+    # Where a step's time goes, in seconds, summed over all steps.
+    time_schedule: float = 0.0
+    time_prepare: float = 0.0
+    time_model: float = 0.0
+    time_sample: float = 0.0
+    time_update: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepSnapshot:
+    """What an observer sees after each step: plain data only."""
+
+    step: int
+    scheduled: list[str]
+    prompt_run: list[bool]
+    blocks_to_swap_in: dict[int, int]
+    blocks_to_swap_out: dict[int, int]
+    blocks_to_copy: dict[int, list[int]]
+    preempted: list[tuple[str, str]]
+    finished: list[str]
+    block_manager: dict
+    scheduler: dict
+    stats: dict = field(default_factory=dict)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype, config, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+             "half": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype in names:
+        return names[dtype]
+    if dtype != "auto":
+        raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    if device.type != "cuda":
+        return torch.float32  # half precision matmuls are slow or missing on CPUs
+    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if config_dtype in (torch.bfloat16, "bfloat16"):
+        return torch.bfloat16
+    return torch.float16
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler and the sampler.
+
+    Args:
+        model: a Hugging Face id, a local ``save_pretrained`` directory, or None for the
+            embedded SmolLM2-135M-Instruct.
+        tokenizer: where to load the tokenizer from, if not from ``model``.
+        dtype: "auto" (float32 on CPU, the checkpoint's half type on CUDA) or a dtype name.
+        device: "auto", "cpu" or "cuda".
+        block_size: tokens per KV block.
+        seed: seeds requests that bring no seed of their own.
+        gpu_memory_utilization: on CUDA, the fraction of GPU memory for weights, activations and
+            the KV pool; the pool gets what a profiled forward pass leaves.
+        kv_cache_bytes: on CPU, the byte budget of the KV pool (default 1 GiB).
+        swap_space: GiB of CPU memory for swapped-out blocks.
+        num_gpu_blocks, num_cpu_blocks: explicit pool sizes, overriding the budgets.
+        max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits.
+        preemption_mode: None (recompute single sequences, swap groups), "recompute" or "swap".
+        watermark: fraction of the GPU pool kept free when admitting prompts.
+        load_format: "auto" (read the checkpoint) or "dummy" (random weights from the config).
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None,
+                 dtype="auto", device: str = "auto", block_size: int = 16, seed: int = 0,
+                 gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
+                 swap_space: float = 1.0, num_gpu_blocks: int | None = None,
+                 num_cpu_blocks: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 preemption_mode: str | None = None, watermark: float = 0.01,
+                 load_format: str = "auto", hf_config=None) -> None:
+        if block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two from 1 to 128, got {block_size}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {gpu_memory_utilization}")
+        if preemption_mode is not None:
+            PreemptionMode(preemption_mode)  # raises ValueError on anything else
+        self.device = _resolve_device(device)
+        self.block_size = block_size
+        self.seed = seed
+
+        # -- the model ---------------------------------------------------------------------------
+        source = model_loader.resolve(model) if hf_config is None else model
+        self.hf_config = hf_config or model_loader.load_config(source)
+        self.dtype = _resolve_dtype(dtype, self.hf_config, self.device)
+        self.model = self._build_model(source, load_format)
+        self.tokenizer = (model_loader.load_tokenizer(source, tokenizer)
+                          if source is not None else None)
+        cfg = self.hf_config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.vocab_size = cfg.vocab_size
+        model_max = cfg.max_position_embeddings
+        self.max_model_len = min(max_model_len or model_max, model_max)
+        self.eos_token_ids = self._eos_token_ids()
+
+        # -- the KV cache ------------------------------------------------------------------------
+        self.block_bytes = cache_block_bytes(block_size, self.num_layers, self.num_kv_heads,
+                                             self.head_size, self.dtype)
+        max_num_batched_tokens = max_num_batched_tokens or max(4096, self.max_model_len)
+        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                                self.max_model_len, preemption_mode)
+        blocks_cap = max_num_seqs * math.ceil(self.max_model_len / block_size)
+        if num_gpu_blocks is None:
+            if self.device.type == "cuda":
+                num_gpu_blocks = self._profile_num_gpu_blocks(gpu_memory_utilization)
+            else:
+                budget = kv_cache_bytes if kv_cache_bytes is not None else GiB
+                num_gpu_blocks = min(int(budget // self.block_bytes), blocks_cap)
+        if num_cpu_blocks is None:
+            num_cpu_blocks = min(int(swap_space * GiB // self.block_bytes), blocks_cap)
+        if num_gpu_blocks < 1:
+            raise ValueError(f"the KV pool has no room for a single block of "
+                             f"{self.block_bytes} bytes; give more memory or num_gpu_blocks")
+        self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_size,
+                                        block_size, num_gpu_blocks, num_cpu_blocks, self.dtype,
+                                        self.device)
+        self.block_manager = BlockSpaceManager(block_size, num_gpu_blocks, num_cpu_blocks,
+                                               watermark)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.model_runner = ModelRunner(self.model, block_size, self.device)
+        self.sampler = Sampler()
+
+        self.stats = EngineStats()
+        self._observers: list[Callable[[StepSnapshot], None]] = []
+        self._generators: dict[str, torch.Generator] = {}
+        self._seq_counter = itertools.count()
+        self._request_counter = itertools.count()
+
+    # -- construction helpers --------------------------------------------------------------------
+    def _build_model(self, source, load_format: str) -> torch.nn.Module:
+        model_class = get_model_class(self.hf_config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class(self.hf_config)
+        finally:
+            torch.set_default_dtype(previous)
+        if load_format == "dummy":
+            # Random weights (for benchmarks without a model hub), initialised on the device.
+            std = getattr(self.hf_config, "initializer_range", 0.02)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() == 1:
+                        p.fill_(1.0 if "norm" in name or "ln" in name else 0.0)
+                    else:
+                        p.normal_(0.0, std)
+        elif load_format == "auto":
+            model.load_weights(model_loader.load_state_dict(source))
+        else:
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        return model.eval()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        for value in (getattr(self.hf_config, "eos_token_id", None),
+                      getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    @torch.inference_mode()
+    def _profile_num_gpu_blocks(self, gpu_memory_utilization: float) -> int:
+        """Run the largest step the scheduler allows, without a cache, and see what is left."""
+        from minipaged.input_metadata import InputMetadata
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = self.scheduler_config.max_num_batched_tokens
+        max_len = self.max_model_len
+        prompt_lens = [max_len] * (num_tokens // max_len)
+        if num_tokens % max_len:
+            prompt_lens.append(num_tokens % max_len)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in prompt_lens])
+        meta = InputMetadata(prompt_lens, torch.full((num_tokens,), -1, device=self.device),
+                             torch.zeros(0, 0, dtype=torch.int32, device=self.device),
+                             torch.zeros(0, dtype=torch.int32, device=self.device), 0)
+        hidden = self.model(ids, positions, None, meta)
+        self.model.compute_logits(hidden[-min(num_tokens, 256):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.empty_cache()
+        return max(int((total * gpu_memory_utilization - peak) // self.block_bytes), 0)
+
+    # -- requests --------------------------------------------------------------------------------
+    def max_blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
+        """The most GPU blocks one request can ever hold at once."""
+        total = min(prompt_len + params.max_tokens, self.max_model_len)
+        shared = prompt_len // self.block_size if params.best_of > 1 else 0
+        per_seq = math.ceil((total - shared * self.block_size) / self.block_size)
+        return shared + params.best_of * per_seq
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if this request could never run; do nothing else."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt is {n} tokens long; the model's maximum length is "
+                             f"{self.max_model_len} tokens (prompt plus at least one new token)")
+        bad = [t for t in prompt_token_ids
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), "
+                             f"got {bad[:5]}")
+        if n > self.scheduler_config.max_num_batched_tokens:
+            raise ValueError(f"prompt is {n} tokens long, more than max_num_batched_tokens "
+                             f"({self.scheduler_config.max_num_batched_tokens})")
+        if params.best_of > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"best_of ({params.best_of}) is more than max_num_seqs "
+                             f"({self.scheduler_config.max_num_seqs})")
+        need = self.max_blocks_needed(n, params)
+        room = self.block_manager.num_total_gpu_blocks - self.block_manager.watermark_blocks
+        if need > room:
+            raise ValueError(
+                f"request can never fit in the KV pool: it may need {need} blocks of "
+                f"{self.block_size} tokens (prompt {n} + max_tokens {params.max_tokens}, "
+                f"best_of {params.best_of}) but the pool has {room} usable blocks; lower "
+                f"max_tokens or give a larger pool")
+
+    def add_request(self, request_id: str | None, prompt: str | None,
+                    sampling_params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue one request. Returns its id."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            prompt_token_ids = self.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate_request(prompt_token_ids, sampling_params)
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+        if request_id in self._generators:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seqs = [Sequence(next(self._seq_counter), prompt, prompt_token_ids, self.block_size)
+                for _ in range(sampling_params.best_of)]
+        group = SequenceGroup(request_id, seqs, sampling_params,
+                              arrival_time if arrival_time is not None else time.monotonic())
+        generator = torch.Generator(device="cpu")
+        seed = sampling_params.seed
+        if seed is None:
+            # Deterministic across processes (Python's str hash is salted per process).
+            digest = hashlib.sha256(f"{self.seed}:{request_id}".encode()).hexdigest()
+            seed = int(digest[:15], 16)
+        generator.manual_seed(seed)
+        self._generators[request_id] = generator
+        self.scheduler.add_seq_group(group)
+        return request_id
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer files: pass "
+                             "prompt_token_ids, or a tokenizer=")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        return self.tokenizer.encode(prompt)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks return to the pool."""
+        group = self.scheduler.abort_seq_group(request_id)
+        if group is None:
+            return None
+        self._generators.pop(request_id, None)
+        self._detokenize_all(group)
+        return RequestOutput.from_seq_group(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    def add_observer(self, fn: Callable[[StepSnapshot], None]) -> None:
+        """Call ``fn(snapshot)`` after every step (the live visualizer uses this)."""
+        self._observers.append(fn)
+
+    def remove_observer(self, fn: Callable[[StepSnapshot], None]) -> None:
+        self._observers.remove(fn)
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of the groups touched by it."""
+        t0 = time.perf_counter()
+        outs = self.scheduler.schedule()
+        for _, mode in outs.preempted:
+            if mode == "recompute":
+                self.stats.num_preemptions_recompute += 1
+            elif mode == "swap":
+                self.stats.num_preemptions_swap += 1
+        ended = self._collect_aborted()
+        if outs.is_empty() and not outs.preempted and not self.scheduler.running:
+            ended += self._break_stall()
+        t1 = time.perf_counter()
+
+        # Data moves only here, before the model reads the cache.
+        if outs.blocks_to_swap_out:
+            self.cache_engine.swap_out(outs.blocks_to_swap_out)
+        if outs.blocks_to_swap_in:
+            self.cache_engine.swap_in(outs.blocks_to_swap_in)
+        if outs.blocks_to_copy:
+            self.cache_engine.copy(outs.blocks_to_copy)
+        self.stats.num_blocks_swapped_out += len(outs.blocks_to_swap_out)
+        self.stats.num_blocks_swapped_in += len(outs.blocks_to_swap_in)
+        self.stats.num_blocks_copied += sum(len(d) for d in outs.blocks_to_copy.values())
+        used = self.block_manager.num_total_gpu_blocks - self.block_manager.get_num_free_gpu_blocks()
+        self.stats.peak_gpu_blocks_used = max(self.stats.peak_gpu_blocks_used, used)
+
+        inputs = prepare_inputs(outs.scheduled_seq_groups, self.block_manager, self.block_size,
+                                self.device)
+        t2 = time.perf_counter()
+        if inputs.rows:
+            logits = self.model_runner.execute_model(inputs, self.cache_engine.gpu_cache)
+            t3 = time.perf_counter()
+            results = self.sampler(logits, inputs.rows, self._generators)
+            t4 = time.perf_counter()
+            self.stats.num_prompt_tokens += inputs.meta.num_prompt_tokens
+            self.stats.num_generation_tokens += inputs.meta.num_generation_tokens
+            for row in inputs.rows:  # everything computed this step is now in the cache
+                for seq_id in row.seq_ids:
+                    seq = row.seq_group.find(seq_id)
+                    seq.num_computed_tokens = seq.get_len()
+            for group in outs.scheduled_seq_groups:
+                if group.request_id in results:
+                    self._process_outputs(group, results[group.request_id])
+        else:
+            t3 = t4 = time.perf_counter()
+        finished = self.scheduler.free_finished_seq_groups()
+        for group in finished:
+            self._generators.pop(group.request_id, None)
+        t5 = time.perf_counter()
+
+        self.stats.num_steps += 1
+        self.stats.time_schedule += t1 - t0
+        self.stats.time_prepare += t2 - t1
+        self.stats.time_model += t3 - t2
+        self.stats.time_sample += t4 - t3
+        self.stats.time_update += t5 - t4
+        if self._observers:
+            self._notify(outs, finished + ended)
+        touched = {g.request_id: g for g in outs.scheduled_seq_groups + ended}
+        return [RequestOutput.from_seq_group(g) for g in touched.values()]
+
+    def _process_outputs(self, group: SequenceGroup, outputs: dict[int, SequenceOutput]) -> None:
+        # 1. Beam search: a sequence whose beam was dropped becomes a copy of its new parent.
+        for seq_id, out in outputs.items():
+            if out.parent_seq_id != seq_id:
+                seq, parent = group.find(seq_id), group.find(out.parent_seq_id)
+                self.block_manager.free(seq)
+                seq.copy_state_from(parent)
+                self.block_manager.fork(parent, seq)
+        # 2. Append the new tokens, then check whether each sequence is done.
+        params = group.sampling_params
+        for seq_id, out in outputs.items():
+            seq = group.find(seq_id)
+            seq.append_token_id(out.token_id, out.logprobs)
+            self._check_stop(seq, params)
+            if seq.is_finished():
+                self.block_manager.free(seq)
+        if group.is_finished():
+            self._detokenize_all(group)
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
+        if params.stop_strings and self.tokenizer is not None:
+            previous = len(seq.output_text)
+            seq.output_text = self._decode(seq.output_token_ids)
+            start = max(0, previous - max(len(s) for s in params.stop_strings))
+            hits = [i for s in params.stop_strings
+                    if (i := seq.output_text.find(s, start)) != -1]
+            if hits:
+                seq.output_text = seq.output_text[:min(hits)]  # the stop string is not returned
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+        if not params.ignore_eos and seq.get_last_token_id() in self.eos_token_ids:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _detokenize_all(self, group: SequenceGroup) -> None:
+        for seq in group.get_seqs():
+            if not (seq.status is SequenceStatus.FINISHED_STOPPED
+                    and group.sampling_params.stop_strings):
+                seq.output_text = self._decode(seq.output_token_ids)
+
+    def _collect_aborted(self) -> list[SequenceGroup]:
+        aborted, self.scheduler.aborted = self.scheduler.aborted, []
+        for group in aborted:
+            self.stats.num_aborted_by_engine += 1
+            self._generators.pop(group.request_id, None)
+            self._detokenize_all(group)
+        return aborted
+
+    def _break_stall(self) -> list[SequenceGroup]:
+        """Nothing runs and the head of a queue can never be admitted: abort it, keep the rest.
+
+        ``validate_request`` rejects requests that cannot fit, so this is a safety net (e.g. a
+        swapped group whose blocks plus watermark exceed the pool)."""
+        sched = self.scheduler
+        queue = sched.swapped if sched.swapped else sched.waiting
+        if not queue:
+            return []
+        group = queue[0]
+        group.error = (f"request {group.request_id} can never be scheduled: it needs more KV "
+                       f"blocks than the pool of {self.block_manager.num_total_gpu_blocks} has "
+                       f"free while nothing else runs")
+        sched.abort_seq_group(group.request_id)
+        sched.aborted.append(group)
+        return self._collect_aborted()
+
+    def _notify(self, outs: SchedulerOutputs, finished: list[SequenceGroup]) -> None:
+        snap = StepSnapshot(
+            step=self.stats.num_steps,
+            scheduled=[g.request_id for g in outs.scheduled_seq_groups],
+            prompt_run=list(outs.prompt_run),
+            blocks_to_swap_in=dict(outs.blocks_to_swap_in),
+            blocks_to_swap_out=dict(outs.blocks_to_swap_out),
+            blocks_to_copy={k: list(v) for k, v in outs.blocks_to_copy.items()},
+            preempted=list(outs.preempted),
+            finished=[g.request_id for g in finished],
+            block_manager=self.block_manager.snapshot(),
+            scheduler=self.scheduler.snapshot(),
+            stats=self.stats.as_dict(),
+        )
+        for fn in list(self._observers):
+            fn(snap)

@@ -1,0 +1,112 @@
+"""``LLM``: generate text for a list of prompts in one call (lesson 06, vLLM's offline API)."""
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from minipaged.engine import LLMEngine
+from minipaged.outputs import RequestOutput
+from minipaged.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model with a paged KV cache and a continuous-batching engine.
+
+    ``LLM()`` loads the embedded SmolLM2-135M-Instruct. Every keyword of ``LLMEngine`` is
+    accepted (``num_gpu_blocks``, ``kv_cache_bytes``, ``gpu_memory_utilization``, ...).
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None,
+                 dtype="auto", device: str = "auto", block_size: int = 16, seed: int = 0,
+                 **engine_kwargs) -> None:
+        self.llm_engine = LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device,
+                                    block_size=block_size, seed=seed, **engine_kwargs)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions; returns one RequestOutput per prompt, in input order.
+
+        Every prompt is checked before any is queued, so a bad prompt raises ValueError and
+        nothing else of this call has started.
+        """
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompt_token_ids is not None and prompt_token_ids and \
+                isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        if prompts is not None and prompt_token_ids is not None \
+                and len(prompts) != len(prompt_token_ids):
+            raise ValueError(f"got {len(prompts)} prompts but {len(prompt_token_ids)} "
+                             f"prompt_token_ids lists")
+        num = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * num)
+        if len(params) != num:
+            raise ValueError(f"got {len(params)} sampling_params for {num} prompts")
+
+        engine = self.llm_engine
+        requests = []
+        for i in range(num):
+            text = prompts[i] if prompts is not None else None
+            if prompt_token_ids is not None:
+                ids = list(prompt_token_ids[i])
+            else:
+                if not isinstance(text, str):
+                    raise ValueError(f"prompts[{i}] must be a string, got {type(text).__name__}")
+                ids = engine.encode(text)
+            try:
+                engine.validate_request(ids, params[i])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            requests.append((text, ids, params[i]))
+
+        request_ids = [engine.add_request(None, text, p, ids) for text, ids, p in requests]
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations, formatted by the tokenizer's chat template.
+
+        ``messages`` is one conversation (a list of {"role", "content"} dicts) or a list of them.
+        """
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        texts, ids = [], []
+        for conversation in messages:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                 tokenize=False)
+            texts.append(text)
+            ids.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(texts, sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(done) < len(wanted):
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted \
+                            and output.request_id not in done:
+                        done[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            for request_id in wanted - set(done):  # leave the engine clean for the next call
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in request_ids]

@@ -1,0 +1,49 @@
+"""The paged attention layer shared by all models (lesson 06).
+
+It replaces the usual "concatenate past keys" attention: new keys and values are written into
+their cache slots, prompts attend to themselves, and decode tokens read their context through the
+block table.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minipaged import ops
+from minipaged.input_metadata import InputMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        assert self.num_heads % self.num_kv_heads == 0
+
+    def forward(
+        self,
+        query: torch.Tensor,  # (T, num_heads * head_size)
+        key: torch.Tensor,  # (T, num_kv_heads * head_size)
+        value: torch.Tensor,  # (T, num_kv_heads * head_size)
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: InputMetadata,
+    ) -> torch.Tensor:  # (T, num_heads * head_size)
+        T = query.shape[0]
+        q = query.view(T, self.num_heads, self.head_size)  # (T, H, D)
+        k = key.view(T, self.num_kv_heads, self.head_size)  # (T, KVH, D)
+        v = value.view(T, self.num_kv_heads, self.head_size)  # (T, KVH, D)
+        if kv_cache is not None:
+            key_cache, value_cache = kv_cache
+            ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(q)  # (T, H, D)
+        P = meta.num_prompt_tokens
+        if P:
+            out[:P] = ops.prefill_attention(q[:P], k[:P], v[:P], meta.prompt_lens, self.scale)
+        if T > P:
+            assert kv_cache is not None, "decode tokens need a KV cache"
+            out[P:] = ops.paged_attention(q[P:], key_cache, value_cache, meta.block_tables,
+                                          meta.context_lens, self.scale, meta.max_context_len)
+        return out.view(T, self.num_heads * self.head_size)

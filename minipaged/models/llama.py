@@ -1,0 +1,126 @@
+"""LLaMA (and SmolLM2) with paged attention (lesson 06).
+
+Same weights and arithmetic as transformers' LlamaForCausalLM: RMSNorm, grouped-query attention
+with RoPE, a SwiGLU MLP, optionally tied input and output embeddings. The model works on a flat
+batch of tokens (no batch dimension): see ``InputMetadata``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipaged.input_metadata import InputMetadata
+from minipaged.models.attention import PagedAttention
+from minipaged.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = (getattr(config, "head_dim", None)
+                          or config.hidden_size // config.num_attention_heads)
+        bias = getattr(config, "attention_bias", False)
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=bias)
+        self.rotary = RotaryEmbedding(config, self.head_size, config.max_position_embeddings)
+        self.attn = PagedAttention(self.num_heads, self.head_size, self.head_size ** -0.5,
+                                   self.num_kv_heads)
+
+    def forward(self, positions, hidden, kv_cache, meta: InputMetadata) -> torch.Tensor:
+        T = hidden.shape[0]
+        q = self.q_proj(hidden).view(T, self.num_heads, self.head_size)  # (T, H, D)
+        k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_size)  # (T, KVH, D)
+        v = self.v_proj(hidden)  # (T, KVH * D)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, meta)  # (T, H * D)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (LLaMA uses silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta: InputMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(positions, hidden, kv_caches[i] if kv_caches else None, meta)
+        return self.norm(hidden)  # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return hidden @ weight.t()  # (N, vocab)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy weights from a transformers LlamaForCausalLM state dict."""
+        ours = self.state_dict()
+        loaded = set()
+        for name, tensor in state_dict.items():
+            if "rotary_emb" in name:
+                continue
+            key = name.removeprefix("model.")
+            if key == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if key not in ours:
+                raise KeyError(f"unexpected weight {name!r} in the checkpoint")
+            if ours[key].shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(ours[key].shape)}")
+            ours[key].copy_(tensor)
+            loaded.add(key)
+        missing = set(ours) - loaded
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")

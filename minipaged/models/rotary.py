@@ -1,0 +1,53 @@
+"""Rotary position embeddings (RoPE) as LLaMA uses them, settings read from the HF config."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(config, head_size: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling factor, from ``config.rope_parameters``."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:  # older configs keep the settings flat
+        params = {"rope_theta": getattr(config, "rope_theta", 10000.0), "rope_type": "default"}
+        if getattr(config, "rope_scaling", None):
+            params.update(config.rope_scaling)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params["rope_theta"]
+        exponents = torch.arange(0, head_size, 2, dtype=torch.float) / head_size
+        return 1.0 / (base ** exponents), 1.0
+    # Scaled variants (linear, dynamic, yarn, llama3, ...): transformers implements the formulas;
+    # we use its functions so that the numbers match the reference exactly.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r} in the model config")
+    if rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' changes with sequence length; not supported")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates query and key vectors by their position (rotate-half layout, as in HF LLaMA)."""
+
+    def __init__(self, config, head_size: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config, head_size)  # (D/2,)
+        positions = torch.arange(max_position, dtype=torch.float)  # (P,)
+        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: (T, H, D), k: (T, KVH, D), positions: (T,)
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
+        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,199 @@
+"""The attention and cache operations, in plain torch (lessons 02, 05 and 06).
+
+These functions are the *reference*: they are written to be obviously right, and the CUDA kernels
+in ``csrc/`` and the NumPy emulator in ``kernel_emulator.py`` are checked against them. On a CUDA
+tensor each public function hands the work to our compiled kernels when they are available
+(``minipaged.cuda_ops``); everywhere else the torch code below runs.
+
+The KV cache layout (one layout everywhere, see DESIGN §4):
+
+    key_cache   [num_blocks, num_kv_heads, head_size // x, block_size, x]   x = 16 // element_size
+    value_cache [num_blocks, num_kv_heads, head_size, block_size]
+
+A token's *slot* is ``physical_block_number * block_size + offset_in_block``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def key_vector_size(dtype: torch.dtype) -> int:
+    """How many elements fit in one 16-byte vector: the ``x`` of the key cache layout."""
+    return 16 // torch.tensor([], dtype=dtype).element_size()
+
+
+def _cuda():
+    """Our compiled kernels, or None (CPU tensors, no compiler, or the build failed)."""
+    from minipaged import cuda_ops  # imported lazily: CPU users never touch it
+
+    return cuda_ops.load()
+
+
+def _use_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda and _cuda() is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing new keys and values into their slots
+# ----------------------------------------------------------------------------------------------
+def reshape_and_cache(
+    key: torch.Tensor,  # (T, num_kv_heads, head_size)
+    value: torch.Tensor,  # (T, num_kv_heads, head_size)
+    key_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
+    slot_mapping: torch.Tensor,  # (T,) int, -1 = padding token, not cached
+) -> None:
+    """Write each token's key and value into the cache slot ``slot_mapping[token]``."""
+    if _use_cuda(key_cache):
+        return _cuda().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
+    num_tokens, num_kv_heads, head_size = key.shape
+    block_size, x = key_cache.shape[3], key_cache.shape[4]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()  # (T',)
+    block_idx = slots // block_size  # (T',)
+    offset = slots % block_size  # (T',)
+    # Advanced indices on dims 0 and 3 put the token dim first: (T', kv_heads, head_size//x, x)
+    key_cache[block_idx, :, :, offset, :] = key[keep].reshape(-1, num_kv_heads, head_size // x, x)
+    # (T', kv_heads, head_size)
+    value_cache[block_idx, :, :, offset] = value[keep]
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: one query token per sequence, keys and values read through the block table
+# ----------------------------------------------------------------------------------------------
+def paged_attention(
+    query: torch.Tensor,  # (num_seqs, num_heads, head_size)
+    key_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int
+    context_lens: torch.Tensor,  # (num_seqs,) int
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:  # (num_seqs, num_heads, head_size)
+    """Single-query attention of each sequence's newest token over its cached context.
+
+    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+    """
+    if _use_cuda(key_cache):
+        if max_context_len is None:
+            max_context_len = int(context_lens.max().item()) if context_lens.numel() else 0
+        return _cuda().paged_attention(
+            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+        )
+    return paged_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def gather_kv(key_cache, value_cache, block_tables):
+    """Read every sequence's cached keys and values into padded dense tensors.
+
+    Returns keys and values of shape (num_seqs, num_kv_heads, max_blocks * block_size, head_size);
+    positions past a sequence's context length hold whatever the padding blocks contain.
+    """
+    num_seqs, max_blocks = block_tables.shape
+    _, num_kv_heads, _, block_size, _ = key_cache.shape
+    head_size = value_cache.shape[2]
+    tables = block_tables.long()
+    k = key_cache[tables]  # (S, B, kv_heads, head_size//x, block_size, x)
+    k = k.permute(0, 2, 1, 4, 3, 5)  # (S, kv_heads, B, block_size, head_size//x, x)
+    k = k.reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
+    v = value_cache[tables]  # (S, B, kv_heads, head_size, block_size)
+    v = v.permute(0, 2, 1, 4, 3)  # (S, kv_heads, B, block_size, head_size)
+    v = v.reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
+    return k, v
+
+
+def paged_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale):
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[1]
+    group = num_heads // num_kv_heads  # query heads per kv head
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    k, v = gather_kv(key_cache, value_cache, block_tables)  # (S, kv_heads, L, head_size) each
+    length = k.shape[2]
+    q = query.reshape(num_seqs, num_kv_heads, group, head_size).float()  # (S, kv_heads, G, D)
+    logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # (S, kv_heads, G, L)
+    positions = torch.arange(length, device=query.device)  # (L,)
+    beyond = positions[None, :] >= context_lens.to(query.device).long()[:, None]  # (S, L)
+    logits = logits.masked_fill(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # fp32 softmax
+    # Slots past the context hold whatever was there before; zero them so that even NaN garbage
+    # cannot leak through (probability 0 times NaN is NaN).
+    v = v.float().masked_fill(beyond[:, None, :, None], 0.0)  # (S, kv_heads, L, D)
+    out = torch.matmul(probs, v)  # (S, kv_heads, G, D)
+    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill: several prompts packed one after another, each attending causally to itself only
+# ----------------------------------------------------------------------------------------------
+def prefill_attention(
+    query: torch.Tensor,  # (T, num_heads, head_size), the prompts packed one after another
+    key: torch.Tensor,  # (T, num_kv_heads, head_size)
+    value: torch.Tensor,  # (T, num_kv_heads, head_size)
+    prompt_lens: list[int],
+    scale: float,
+) -> torch.Tensor:  # (T, num_heads, head_size)
+    """Causal attention inside each prompt of a packed batch (torch SDPA, one call per prompt).
+
+    On CUDA with xformers installed, its block-diagonal causal attention does all prompts in one
+    call; the result is the same.
+    """
+    if query.is_cuda and len(prompt_lens) > 1:
+        from minipaged import cuda_ops
+
+        out = cuda_ops.xformers_prefill(query, key, value, prompt_lens, scale)
+        if out is not None:
+            return out
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    start = 0
+    for length in prompt_lens:
+        end = start + length
+        q = query[start:end].transpose(0, 1)  # (heads, len, D)
+        k = key[start:end].transpose(0, 1)  # (kv_heads, len, D)
+        v = value[start:end].transpose(0, 1)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)  # (heads, len, D)
+            v = v.repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (heads, len, D)
+        out[start:end] = o.transpose(0, 1)
+        start = end
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Moving whole blocks: copy-on-write and swapping
+# ----------------------------------------------------------------------------------------------
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: dict[int, list[int]],
+) -> None:
+    """Copy-on-write: copy block ``src`` to every ``dst`` in ``block_mapping[src]``, every layer."""
+    if not block_mapping:
+        return
+    if _use_cuda(key_caches[0]):
+        return _cuda().copy_blocks(key_caches, value_caches, block_mapping)
+    src = [s for s, dsts in block_mapping.items() for _ in dsts]
+    dst = [d for dsts in block_mapping.values() for d in dsts]
+    src_t = torch.tensor(src, dtype=torch.long, device=key_caches[0].device)
+    dst_t = torch.tensor(dst, dtype=torch.long, device=key_caches[0].device)
+    for key_cache, value_cache in zip(key_caches, value_caches):
+        key_cache[dst_t] = key_cache[src_t]
+        value_cache[dst_t] = value_cache[src_t]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: dict[int, int]) -> None:
+    """Copy blocks between two caches of one layer (GPU <-> CPU): ``dst[d] = src[s]``."""
+    if not block_mapping:
+        return
+    if (src.is_cuda or dst.is_cuda) and _cuda() is not None:
+        return _cuda().swap_blocks(src, dst, block_mapping)
+    for s, d in block_mapping.items():
+        dst[d].copy_(src[s], non_blocking=src.is_cuda or dst.is_cuda)

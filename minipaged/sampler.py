@@ -1,0 +1,153 @@
+"""From logits to next tokens: penalties, temperature, top-k, top-p, greedy, beam search (lesson 06).
+
+The sampler sees one row of logits per *row* of the step (see ``model_runner.Row``). A fresh
+group's sequences share one prompt row, and draw ``best_of`` tokens from it. For beam search the
+candidates of all beams of a group compete, and each surviving candidate names its parent beam.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minipaged.model_runner import Row
+from minipaged.sampling_params import SamplingParams
+from minipaged.sequence import SequenceGroup
+
+
+@dataclass
+class SequenceOutput:
+    parent_seq_id: int  # the sequence this token continues (another beam for beam search)
+    token_id: int
+    logprobs: dict[int, float]  # the chosen token's logprob, plus the top-k asked for
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """Presence and frequency penalties over each row's *generated* tokens (not the prompt)."""
+    pres = [r.seq_group.sampling_params.presence_penalty for r in rows]
+    freq = [r.seq_group.sampling_params.frequency_penalty for r in rows]
+    if not any(pres) and not any(freq):
+        return logits
+    num_rows, vocab = logits.shape
+    counts = torch.zeros(num_rows, vocab, device=logits.device)  # (R, V)
+    for i, row in enumerate(rows):
+        output = row.seq_group.find(row.seq_ids[0]).output_token_ids
+        if output:
+            ids = torch.tensor(output, device=logits.device)
+            counts[i].index_add_(0, ids, torch.ones(len(output), device=logits.device))
+    pres_t = torch.tensor(pres, device=logits.device)[:, None]  # (R, 1)
+    freq_t = torch.tensor(freq, device=logits.device)[:, None]  # (R, 1)
+    return logits - freq_t * counts - pres_t * (counts > 0).float()
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set the logits of tokens outside the top-k / nucleus of one row (V,) to -inf."""
+    if top_k != -1 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens *before* it already reach top_p (the top one always stays).
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[Row],
+                 generators: dict[str, torch.Generator]) -> dict[str, dict[int, SequenceOutput]]:
+        """Returns, per request id, the next token of each of its sequences in this step."""
+        logits = apply_penalties(logits, rows)  # (R, V)
+        # NOTE: as in vLLM v0.1, returned logprobs are those of the distribution after penalties
+        # and temperature (temperature 1 for greedy and beam search), before top-k/top-p.
+        temps = torch.tensor([r.seq_group.sampling_params.temperature or 1.0 for r in rows],
+                             device=logits.device)
+        logits = logits / temps[:, None]
+        logprobs = torch.log_softmax(logits, dim=-1)  # (R, V)
+
+        by_group: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_group.setdefault(row.seq_group.request_id, []).append(i)
+        results: dict[str, dict[int, SequenceOutput]] = {}
+        for request_id, idx in by_group.items():
+            group = rows[idx[0]].seq_group
+            params = group.sampling_params
+            group_rows = [rows[i] for i in idx]
+            if params.use_beam_search:
+                choices = self._beam_search(group, group_rows, logprobs[idx])
+            elif params.temperature == 0.0:
+                choices = self._greedy(group_rows, logits[idx])
+            else:
+                choices = self._random(group_rows, logits[idx], params,
+                                       generators[request_id])
+            results[request_id] = {
+                seq_id: SequenceOutput(parent, token,
+                                       self._logprob_dict(logprobs[idx[row_pos]], token,
+                                                          params.logprobs))
+                for seq_id, (row_pos, parent, token) in choices.items()}
+        return results
+
+    # Each strategy returns {seq_id: (row position within the group, parent seq id, token)}.
+    @staticmethod
+    def _greedy(rows: list[Row], logits: torch.Tensor) -> dict:
+        best = torch.argmax(logits, dim=-1).tolist()  # (R,)
+        return {seq_id: (i, seq_id, best[i])
+                for i, row in enumerate(rows) for seq_id in row.seq_ids}
+
+    @staticmethod
+    def _random(rows: list[Row], logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> dict:
+        choices = {}
+        for i, row in enumerate(rows):
+            filtered = top_k_top_p_filter(logits[i], params.top_k, params.top_p)
+            probs = torch.softmax(filtered, dim=-1)  # (V,)
+            # A shared prompt row draws one token per sequence, independently.
+            tokens = torch.multinomial(probs.cpu(), len(row.seq_ids), replacement=True,
+                                       generator=generator).tolist()
+            for seq_id, token in zip(row.seq_ids, tokens):
+                choices[seq_id] = (i, seq_id, token)
+        return choices
+
+    @staticmethod
+    def _beam_search(group: SequenceGroup, rows: list[Row], logprobs: torch.Tensor) -> dict:
+        """Keep the best continuations of all beams together, by cumulative logprob."""
+        seq_ids = [seq_id for row in rows for seq_id in row.seq_ids]
+        width = len(seq_ids)  # live beams of this group
+        if len(rows) == 1 and len(rows[0].seq_ids) > 1:
+            # First step: every beam is the same prompt, so take the top `width` tokens of it.
+            top = torch.topk(logprobs[0], width)
+            candidates = [(0, t) for t in top.indices.tolist()]
+        else:
+            cum = torch.tensor([group.find(r.seq_ids[0]).cumulative_logprob for r in rows],
+                               device=logprobs.device, dtype=logprobs.dtype)
+            scores = (cum[:, None] + logprobs).flatten()  # (beams * V,)
+            top = torch.topk(scores, width).indices.tolist()
+            vocab = logprobs.shape[-1]
+            candidates = [(i // vocab, i % vocab) for i in top]
+        # A beam that is a parent of some candidate keeps its own sequence; sequences whose beam
+        # was dropped are reused for the other candidates (the engine re-forks them).
+        choices: dict[int, tuple[int, int, int]] = {}
+        leftovers = []
+        for row_pos, token in candidates:
+            parent = rows[row_pos].seq_ids[0]
+            if len(rows[row_pos].seq_ids) == 1 and parent not in choices:
+                choices[parent] = (row_pos, parent, token)
+            else:
+                leftovers.append((row_pos, parent, token))
+        free_ids = [s for s in seq_ids if s not in choices]
+        for seq_id, (row_pos, parent, token) in zip(free_ids, leftovers):
+            if len(rows[row_pos].seq_ids) > 1:
+                parent = seq_id  # first step: all beams are still identical copies
+            choices[seq_id] = (row_pos, parent, token)
+        return choices
+
+    @staticmethod
+    def _logprob_dict(row_logprobs: torch.Tensor, token: int, num_top: int | None) -> dict:
+        result = {token: float(row_logprobs[token])}
+        if num_top:
+            top = torch.topk(row_logprobs, min(num_top, row_logprobs.shape[-1]))
+            for t, lp in zip(top.indices.tolist(), top.values.tolist()):
+                result.setdefault(t, lp)
+        return result

@@ -1,0 +1,103 @@
+"""How to pick the next token: the user-facing knobs of one request (lessons 03 and 06)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request, with vLLM v0.1's names and rules.
+
+    Args:
+        n: number of outputs returned.
+        best_of: number of sequences generated, of which the ``n`` with the highest cumulative
+            logprob are returned (default ``n``). With beam search it is the beam width.
+        presence_penalty: subtracted once from the logit of every token already generated.
+        frequency_penalty: subtracted from a token's logit once per time it was generated.
+        temperature: 0 means greedy; higher is more random.
+        top_p: keep the smallest set of tokens whose probability sum reaches ``top_p``.
+        top_k: keep the ``top_k`` most likely tokens (-1 keeps all).
+        use_beam_search: beam search of width ``best_of`` instead of sampling.
+        stop: strings that end generation; they are not included in the returned text.
+        ignore_eos: keep generating after the end-of-sequence token.
+        max_tokens: the most tokens generated per output.
+        logprobs: return the log probabilities of this many most likely tokens at each step
+            (plus the chosen token's).
+        seed: a per-request random seed, so the request samples the same tokens in any batch.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    use_beam_search: bool = False
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    logprobs: int | None = None
+    seed: int | None = None
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_strings = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        self._verify()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 and not self.use_beam_search
+
+    def _verify(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if not is_int(self.best_of) or self.best_of < self.n:
+            raise ValueError(
+                f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
+            raise bad("temperature", "a number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", "-1 (disabled) or an integer >= 1")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", "None or an integer >= 0")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "None or an integer")
+        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if self.use_beam_search:
+            if self.best_of == 1:
+                raise ValueError(f"best_of must be > 1 with beam search, got {self.best_of}")
+            if self.temperature != 0.0:
+                raise ValueError(
+                    f"temperature must be 0 with beam search, got {self.temperature}"
+                )
+            if self.top_p != 1.0:
+                raise ValueError(f"top_p must be 1 with beam search, got {self.top_p}")
+            if self.top_k != -1:
+                raise ValueError(f"top_k must be -1 with beam search, got {self.top_k}")

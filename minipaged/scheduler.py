@@ -1,0 +1,252 @@
+"""The scheduler: which sequence groups run this step, and what happens to the cache (lesson 04).
+
+Three queues, first-come-first-served:
+
+    waiting  -- new requests, and groups preempted by recompute (their blocks were freed)
+    running  -- groups with GPU blocks, all scheduled every step
+    swapped  -- groups whose blocks were moved to the CPU pool
+
+One call to ``schedule()`` decides the step and returns the block operations that must happen
+before the model runs (``blocks_to_swap_in``, ``blocks_to_swap_out``, ``blocks_to_copy``).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from minipaged.block_manager import BlockSpaceManager
+from minipaged.sequence import SequenceGroup, SequenceStatus
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"  # free the blocks; compute the tokens again when readmitted
+    SWAP = "swap"  # move the blocks to CPU memory and back
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences running at once
+    max_num_batched_tokens: int = 4096  # tokens in one step (prompt tokens + one per decode)
+    max_model_len: int = 2048
+    preemption_mode: str | None = None  # None: recompute single sequences, swap groups
+
+
+@dataclass
+class SchedulerOutputs:
+    scheduled_seq_groups: list[SequenceGroup]
+    prompt_run: list[bool]  # per scheduled group: is this its prefill run?
+    num_batched_tokens: int
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
+    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request_id, mode)
+
+    def is_empty(self) -> bool:
+        return (not self.scheduled_seq_groups and not self.blocks_to_swap_in
+                and not self.blocks_to_swap_out and not self.blocks_to_copy)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockSpaceManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
+        self.aborted: list[SequenceGroup] = []  # groups the scheduler had to give up on
+        self.forced_mode = (PreemptionMode(config.preemption_mode)
+                            if config.preemption_mode else None)
+
+    # -- queues ----------------------------------------------------------------------------------
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
+        for queue in (self.waiting, self.running, self.swapped):
+            for seq_group in queue:
+                if seq_group.request_id == request_id:
+                    queue.remove(seq_group)
+                    for seq in seq_group.get_seqs():
+                        if not seq.is_finished():
+                            seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                    return seq_group
+        return None
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def free_finished_seq_groups(self) -> list[SequenceGroup]:
+        finished = [g for g in self.running if g.is_finished()]
+        self.running = [g for g in self.running if not g.is_finished()]
+        return finished
+
+    def snapshot(self) -> dict:
+        def badge(g: SequenceGroup) -> dict:
+            return {"request_id": g.request_id, "num_seqs": g.num_seqs(),
+                    "num_unfinished": sum(not s.is_finished() for s in g.get_seqs()),
+                    "num_tokens": max(s.get_len() for s in g.get_seqs()),
+                    "seq_ids": [s.seq_id for s in g.get_seqs()]}
+
+        bm = self.block_manager
+        return {
+            "waiting": [badge(g) for g in self.waiting],
+            "running": [badge(g) for g in self.running],
+            "swapped": [badge(g) for g in self.swapped],
+            "num_gpu_blocks": bm.num_total_gpu_blocks,
+            "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
+            "num_cpu_blocks": bm.num_total_cpu_blocks,
+            "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
+        }
+
+    # -- the decision ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutputs:
+        blocks_to_swap_in: dict[int, int] = {}
+        blocks_to_swap_out: dict[int, int] = {}
+        blocks_to_copy: dict[int, list[int]] = {}
+        preempted: list[SequenceGroup] = []
+        preempted_log: list[tuple[str, str]] = []
+
+        # 1. Running groups first, oldest first.
+        # NOTE: they already hold blocks and have made progress; serving them first keeps a
+        # request's latency bounded and frees their memory soonest.
+        self.running.sort(key=lambda g: g.arrival_time)
+        running: list[SequenceGroup] = []
+        while self.running:
+            seq_group = self.running.pop(0)
+            while not self.block_manager.can_append_slot(seq_group):
+                if self.running:
+                    # Take memory from the latest arrival (lowest priority).
+                    victim = self.running.pop(-1)
+                    preempted_log.append(self._preempt(victim, blocks_to_swap_out))
+                    preempted.append(victim)
+                else:
+                    # Nothing left to take from: this group itself goes.
+                    preempted_log.append(self._preempt(seq_group, blocks_to_swap_out))
+                    preempted.append(seq_group)
+                    break
+            else:
+                self._append_slots(seq_group, blocks_to_copy)
+                running.append(seq_group)
+        self.running = running
+
+        # 2. Swapped groups come back before anything new is admitted.
+        self.swapped.sort(key=lambda g: g.arrival_time)
+        while self.swapped and not preempted:
+            seq_group = self.swapped[0]
+            if not self.block_manager.can_swap_in(seq_group):
+                break
+            num_new = seq_group.num_seqs(SequenceStatus.SWAPPED)
+            if self._num_running_seqs() + num_new > self.config.max_num_seqs:
+                break
+            self.swapped.pop(0)
+            blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
+            for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._append_slots(seq_group, blocks_to_copy)
+            self.running.append(seq_group)
+
+        num_batched_tokens = sum(
+            g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+
+        # 3. Admit waiting groups, only while nothing is swapped out or was just preempted.
+        prompt_groups: list[SequenceGroup] = []
+        if not self.swapped and not preempted:
+            self.waiting.sort(key=lambda g: g.arrival_time)
+            while self.waiting:
+                seq_group = self.waiting[0]
+                num_prompt_tokens = self._num_prompt_tokens(seq_group)
+                if num_batched_tokens + num_prompt_tokens > self.config.max_num_batched_tokens:
+                    break
+                num_new = seq_group.get_max_num_running_seqs()
+                if self._num_running_seqs() + num_new > self.config.max_num_seqs:
+                    break
+                if not self.block_manager.can_allocate(seq_group):
+                    break
+                self.waiting.pop(0)
+                self.block_manager.allocate(seq_group)
+                for seq in seq_group.get_seqs(SequenceStatus.WAITING):
+                    seq.status = SequenceStatus.RUNNING
+                self.running.append(seq_group)
+                prompt_groups.append(seq_group)
+                num_batched_tokens += num_prompt_tokens
+
+        decode_groups = [g for g in self.running if g not in prompt_groups]
+        return SchedulerOutputs(
+            scheduled_seq_groups=prompt_groups + decode_groups,
+            prompt_run=[True] * len(prompt_groups) + [False] * len(decode_groups),
+            num_batched_tokens=num_batched_tokens,
+            blocks_to_swap_in=blocks_to_swap_in,
+            blocks_to_swap_out=blocks_to_swap_out,
+            blocks_to_copy=blocks_to_copy,
+            preempted=preempted_log,
+        )
+
+    def _num_running_seqs(self) -> int:
+        return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+
+    def _num_prompt_tokens(self, seq_group: SequenceGroup) -> int:
+        """Tokens the prefill run of this group computes (shared prompts are computed once)."""
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        if self.block_manager._prompt_seqs_share(seq_group):
+            return seqs[0].get_len()
+        return sum(s.get_len() for s in seqs)
+
+    def _append_slots(self, seq_group: SequenceGroup, blocks_to_copy: dict) -> None:
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+            if seq.num_computed_tokens == 0:
+                continue  # a prefill run: its blocks were allocated for all its tokens
+            copies = [] if self.block_manager.share_blocks else self.block_manager.unshare(seq)
+            cow = self.block_manager.append_slot(seq)
+            if cow is not None:
+                copies.append(cow)
+            for src, dst in copies:
+                blocks_to_copy.setdefault(src, []).append(dst)
+
+    # -- preemption ------------------------------------------------------------------------------
+    def _preempt(self, seq_group: SequenceGroup, blocks_to_swap_out: dict) -> tuple[str, str]:
+        mode = self.forced_mode
+        if mode is None:
+            # NOTE: a single sequence is cheap to recompute (its prompt and outputs become one
+            # prompt); a group of sequences sharing blocks would lose its sharing and compute
+            # every sequence again, so it is swapped instead.
+            if seq_group.get_max_num_running_seqs() == 1:
+                mode = PreemptionMode.RECOMPUTE
+            else:
+                mode = PreemptionMode.SWAP
+        if mode is PreemptionMode.SWAP and not self.block_manager.can_swap_out(seq_group):
+            if self.forced_mode is PreemptionMode.SWAP:
+                # NOTE: refusing here keeps the cache consistent; only this request is lost.
+                return self._abort_for_swap_space(seq_group)
+            mode = PreemptionMode.RECOMPUTE  # no room in swap space: recomputing always works
+        if mode is PreemptionMode.RECOMPUTE:
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+            # Back to the front of the waiting queue (its arrival time keeps it first in line).
+            self.waiting.insert(0, seq_group)
+        else:
+            blocks_to_swap_out.update(self.block_manager.swap_out(seq_group))
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq_group)
+        self.block_manager._emit("preempt", request_id=seq_group.request_id, mode=mode.value)
+        self.num_preemptions[mode] += 1
+        return seq_group.request_id, mode.value
+
+    def _abort_for_swap_space(self, seq_group: SequenceGroup) -> tuple[str, str]:
+        needed = len(self.block_manager._physical_blocks(seq_group, SequenceStatus.RUNNING))
+        seq_group.error = (
+            f"out of CPU swap space: request {seq_group.request_id} needed {needed} CPU blocks "
+            f"but only {self.block_manager.get_num_free_cpu_blocks()} were free; raise "
+            f"swap_space (or num_cpu_blocks) or use preemption_mode='recompute'")
+        for seq in seq_group.get_seqs():
+            if not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self.block_manager.free(seq)
+        self.aborted.append(seq_group)
+        return seq_group.request_id, "abort"

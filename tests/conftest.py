@@ -1,0 +1,28 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import save_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """(directory, transformers model) of a tiny random LLaMA with 4 heads and 2 kv heads."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return str(path), save_tiny_model("llama", path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_gpt2")
+    return str(path), save_tiny_model("gpt2", path)
+
+
+@pytest.fixture(scope="session", params=["gpt2", "llama"])
+def tiny_model(request, tiny_llama, tiny_gpt2):
+    """Both architectures: (kind, directory, transformers model)."""
+    path, model = tiny_llama if request.param == "llama" else tiny_gpt2
+    return request.param, path, model

@@ -1,0 +1,268 @@
+"""Lesson 05 on a GPU: our CUDA kernels against the torch reference of minipaged.ops.
+
+Attention is compared by relative error (N(0,1) inputs, the reference computed in fp32 on the
+CPU from the very same low-precision inputs); the output is filled with NaN before each run so an
+element the kernel forgot to write fails the test. The cache kernels move bits, so they must be
+exact.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from minipaged import ops  # noqa: E402
+
+pytestmark = pytest.mark.lesson05
+
+DEVICE = "cuda"
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = list(TOLERANCE)
+GQA = [(8, 2), (4, 4), (6, 1)]  # (num_heads, num_kv_heads)
+
+
+def x_of(dtype):
+    return 16 // torch.tensor([], dtype=dtype).element_size()
+
+
+def make_inputs(head_size, block_size, dtype, num_heads, num_kv_heads, context_lens, seed=0,
+                spare_blocks=5):
+    """N(0,1) query and caches on DEVICE; each sequence's blocks scattered over a shuffled pool."""
+    gen = torch.Generator().manual_seed(seed)
+    x = x_of(dtype)
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    pool = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(context_lens), max(blocks_per_seq), dtype=torch.int32)
+    start = 0
+    for seq, n in enumerate(blocks_per_seq):
+        block_tables[seq, :n] = pool[start:start + n]
+        start += n
+    key_cache = torch.randn(num_blocks, num_kv_heads, head_size // x, block_size, x, generator=gen)
+    value_cache = torch.randn(num_blocks, num_kv_heads, head_size, block_size, generator=gen)
+    query = torch.randn(len(context_lens), num_heads, head_size, generator=gen)
+    return {
+        "query": query.to(dtype).to(DEVICE),
+        "key_cache": key_cache.to(dtype).to(DEVICE),
+        "value_cache": value_cache.to(dtype).to(DEVICE),
+        "block_tables": block_tables.to(DEVICE),
+        "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        "scale": head_size ** -0.5,
+    }
+
+
+def reference(inputs):
+    """paged_attention_ref on the CPU (no TF32, no GPU library differences)."""
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return ops.paged_attention_ref(**cpu)
+
+
+def run_kernel(kernels, inputs, max_context_len=None):
+    out = torch.full_like(inputs["query"], float("nan"))  # poison: every element must be written
+    if max_context_len is None:
+        max_context_len = int(inputs["context_lens"].max())
+    result = kernels.paged_attention(**inputs, max_context_len=max_context_len, out=out)
+    assert result is out
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# paged_attention
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA, ids=lambda v: str(v))
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_paged_attention_matches_reference(kernels, dtype, head_size, block_size, num_heads,
+                                           num_kv_heads):
+    lens = [1, block_size, block_size + 1, 300, 1000]
+    inputs = make_inputs(head_size, block_size, dtype, num_heads, num_kv_heads, lens,
+                         seed=head_size * block_size)
+    out = run_kernel(kernels, inputs)
+    ref = reference(inputs)
+    assert not torch.isnan(out).any(), "some output elements were never written"
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_long_context_uses_more_than_48k_of_shared_memory(kernels, dtype):
+    # 16384 fp32 logits = 64 KiB of dynamic shared memory: the launcher must opt in.
+    inputs = make_inputs(128, 16, dtype, 8, 2, [16384, 3000], seed=1)
+    out = run_kernel(kernels, inputs)
+    assert rel_err(out, reference(inputs)) < TOLERANCE[dtype]
+
+
+def test_ops_dispatches_to_the_kernel(kernels):
+    inputs = make_inputs(64, 16, torch.float16, 4, 2, [7, 90], seed=2)
+    via_ops = ops.paged_attention(**inputs)
+    direct = kernels.paged_attention(**inputs, max_context_len=90)
+    assert torch.equal(via_ops, direct)
+
+
+def test_strided_query_view(kernels):
+    """The query may be a view into a fused qkv projection (rows not contiguous)."""
+    inputs = make_inputs(128, 16, torch.float16, 4, 4, [33, 64], seed=3)
+    qkv = torch.randn(2, 3 * 4 * 128, device=DEVICE, dtype=torch.float16)
+    qkv[:, : 4 * 128] = inputs["query"].reshape(2, -1)
+    inputs["query"] = qkv[:, : 4 * 128].view(2, 4, 128)
+    assert not inputs["query"].is_contiguous()
+    assert rel_err(run_kernel(kernels, inputs), reference(inputs)) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_garbage_past_the_context_is_never_read(kernels, dtype):
+    """NaN in the tail of each last block and in unused blocks must not reach the output."""
+    block_size, lens = 16, [3, 17, 40, 200]
+    inputs = make_inputs(128, block_size, dtype, 8, 2, lens, seed=4)
+    ref = reference(inputs)  # on the clean caches
+    used = set()
+    for seq, n in enumerate(lens):
+        blocks = inputs["block_tables"][seq, : math.ceil(n / block_size)].tolist()
+        used.update(blocks)
+        if n % block_size:
+            inputs["key_cache"][blocks[-1], :, :, n % block_size:, :] = float("nan")
+            inputs["value_cache"][blocks[-1], :, :, n % block_size:] = float("nan")
+    for block in set(range(inputs["key_cache"].shape[0])) - used:
+        inputs["key_cache"][block] = float("nan")
+        inputs["value_cache"][block] = float("nan")
+    out = run_kernel(kernels, inputs)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+def test_too_long_a_context_for_shared_memory_raises(kernels):
+    inputs = make_inputs(64, 16, torch.float16, 2, 2, [10], seed=5)
+    with pytest.raises(RuntimeError, match="shared memory"):
+        kernels.paged_attention(**inputs, max_context_len=10_000_000)
+
+
+def test_context_longer_than_max_context_len_gives_nan_not_corruption(kernels):
+    inputs = make_inputs(64, 16, torch.float32, 2, 2, [100, 10], seed=6)
+    out = run_kernel(kernels, inputs, max_context_len=10)
+    assert torch.isnan(out[0]).all()  # the sequence that does not fit is marked, loudly
+    assert rel_err(out[1], reference(inputs)[1]) < 1e-5  # the one that fits is right
+
+
+def test_unsupported_head_size_falls_back_to_the_reference(kernels):
+    inputs = make_inputs(32, 16, torch.float32, 2, 2, [20], seed=7)  # no kernel for head size 32
+    with pytest.warns(RuntimeWarning, match="torch reference"):
+        out = kernels.paged_attention(**inputs)
+    assert rel_err(out.cpu(), reference(inputs)) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_reshape_and_cache_is_exact(kernels, dtype, head_size, block_size):
+    gen = torch.Generator().manual_seed(head_size + block_size)
+    num_tokens, num_heads, num_kv_heads, num_blocks = 37, 4, 2, 12
+    x = x_of(dtype)
+    # key and value as views into a fused qkv projection, like a model produces them
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen)
+    qkv = qkv.to(dtype).to(DEVICE)
+    kv_width = num_kv_heads * head_size
+    key = qkv[:, num_heads * head_size:][:, :kv_width].view(num_tokens, num_kv_heads, head_size)
+    value = qkv[:, -kv_width:].view(num_tokens, num_kv_heads, head_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1  # padding tokens are skipped
+    slot_mapping = slots.to(DEVICE)
+    key_cache = torch.randn(num_blocks, num_kv_heads, head_size // x, block_size, x,
+                            generator=gen).to(dtype).to(DEVICE)
+    value_cache = torch.randn(num_blocks, num_kv_heads, head_size, block_size,
+                              generator=gen).to(dtype).to(DEVICE)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    ops.reshape_and_cache_ref(key, value, expected_k, expected_v, slot_mapping)
+
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    torch.cuda.synchronize()
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+def test_reshape_and_cache_accepts_int32_slots(kernels):
+    key = torch.randn(3, 2, 64, device=DEVICE)
+    value = torch.randn(3, 2, 64, device=DEVICE)
+    key_cache = torch.zeros(2, 2, 16, 16, 4, device=DEVICE)
+    value_cache = torch.zeros(2, 2, 64, 16, device=DEVICE)
+    slots = torch.tensor([17, -1, 0], dtype=torch.int32, device=DEVICE)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(value_cache[1, :, :, 1], value[0])
+    assert torch.equal(value_cache[0, :, :, 0], value[2])
+    assert torch.equal(key_cache[1, :, :, 1, :].reshape(2, 64), key[0])
+    assert value_cache.count_nonzero() == 2 * 2 * 64
+
+
+# ----------------------------------------------------------------------------------------------
+# copy_blocks and swap_blocks
+# ----------------------------------------------------------------------------------------------
+def make_layer_caches(num_layers, num_blocks, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = x_of(dtype)
+    keys = [torch.randn(num_blocks, 2, 64 // x, 16, x, generator=gen).to(dtype).to(device)
+            for _ in range(num_layers)]
+    values = [torch.randn(num_blocks, 2, 64, 16, generator=gen).to(dtype).to(device)
+              for _ in range(num_layers)]
+    return keys, values
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_copy_blocks_is_exact(kernels, dtype):
+    keys, values = make_layer_caches(3, 10, dtype, DEVICE)
+    mapping = {0: [5, 7], 2: [9], 4: [1]}
+    expected_keys = [k.clone() for k in keys]
+    expected_values = [v.clone() for v in values]
+    for src, dsts in mapping.items():
+        for dst in dsts:
+            for k, v in zip(expected_keys, expected_values, strict=True):
+                k[dst] = k[src]
+                v[dst] = v[src]
+    kernels.copy_blocks(keys, values, mapping)
+    torch.cuda.synchronize()
+    for got, want in zip(keys + values, expected_keys + expected_values, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_swap_out_and_in_through_pinned_memory_is_exact(kernels, dtype):
+    (gpu_key,), (gpu_value,) = make_layer_caches(1, 8, dtype, DEVICE, seed=1)
+    cpu_key = torch.zeros(gpu_key.shape[0] + 2, *gpu_key.shape[1:], dtype=dtype).pin_memory()
+    cpu_value = torch.zeros(gpu_value.shape[0] + 2, *gpu_value.shape[1:], dtype=dtype).pin_memory()
+    swap_out = {1: 0, 6: 9, 3: 4}  # gpu block -> cpu block
+    kernels.swap_blocks(gpu_key, cpu_key, swap_out)
+    kernels.swap_blocks(gpu_value, cpu_value, swap_out)
+    torch.cuda.synchronize()  # the copies are asynchronous
+    for g, c in swap_out.items():
+        assert torch.equal(cpu_key[c], gpu_key[g].cpu())
+        assert torch.equal(cpu_value[c], gpu_value[g].cpu())
+    untouched = [b for b in range(cpu_key.shape[0]) if b not in swap_out.values()]
+    assert cpu_key[untouched].count_nonzero() == 0
+
+    swap_in = {9: 2, 0: 7}  # cpu block -> gpu block
+    before = gpu_key.clone()
+    kernels.swap_blocks(cpu_key, gpu_key, swap_in)
+    kernels.swap_blocks(cpu_value, gpu_value, swap_in)
+    torch.cuda.synchronize()
+    assert torch.equal(gpu_key[2], before[6]) and torch.equal(gpu_key[7], before[1])
+    others = [b for b in range(gpu_key.shape[0]) if b not in swap_in.values()]
+    assert torch.equal(gpu_key[others], before[others])
+
+
+def test_swap_from_pageable_memory_and_gpu_to_gpu(kernels):
+    (gpu_key,), _ = make_layer_caches(1, 4, torch.float16, DEVICE, seed=2)
+    cpu_key = torch.randn(4, *gpu_key.shape[1:]).to(torch.float16)  # not pinned: still correct
+    kernels.swap_blocks(cpu_key, gpu_key, {3: 0})
+    other = torch.zeros_like(gpu_key)
+    kernels.swap_blocks(gpu_key, other, {0: 1})
+    torch.cuda.synchronize()
+    assert torch.equal(gpu_key[0].cpu(), cpu_key[3])
+    assert torch.equal(other[1], gpu_key[0])

@@ -1,0 +1,129 @@
+"""Lesson 05: the CUDA sources compile for Ampere (sm_80) and Hopper (sm_90), no GPU needed.
+
+Every csrc/*.cu is built with nvcc into a temporary directory, with the macros torch's extension
+builder adds (they switch off implicit half/bfloat16 conversions, which the kernels must not rely
+on). The torch binding needs a CUDA build of torch to compile, so here it is only checked as text:
+it must declare every extern "C" launcher with exactly the parameter types the .cu files define
+(a mismatch would link fine and break at run time).
+"""
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.lesson05
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CU_FILES = sorted(CSRC.glob("*.cu"))
+BINDING = CSRC / "torch_bindings.cpp"
+
+
+def find_nvcc():
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+NVCC = find_nvcc()
+TORCH_LIKE_MACROS = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+]
+
+
+def test_there_are_kernels_to_compile():
+    names = {p.name for p in CU_FILES}
+    assert {"paged_attention.cu", "cache_kernels.cu"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH or /usr/local/cuda/bin)")
+@pytest.mark.parametrize("source", CU_FILES, ids=lambda p: p.name)
+def test_cu_file_compiles_for_sm80_and_sm90(source, tmp_path):
+    cmd = [
+        NVCC, "-c", str(source), "-o", str(tmp_path / (source.stem + ".o")),
+        "-std=c++17", "-O2",
+        "-gencode", "arch=compute_80,code=sm_80",
+        "-gencode", "arch=compute_90,code=sm_90",
+        "-Xcompiler", "-fPIC",
+        "--threads", "0",  # the two architectures in parallel
+        *TORCH_LIKE_MACROS,
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "LC_ALL": "C"})
+    assert result.returncode == 0, f"nvcc failed:\n{result.stderr}"
+    ours = [line for line in result.stderr.splitlines()
+            if source.name in line and "warning" in line.lower()]
+    assert not ours, "compiler warnings in our code:\n" + "\n".join(ours)
+    assert (tmp_path / (source.stem + ".o")).stat().st_size > 0
+
+
+def test_cu_files_are_plain_cuda_without_torch():
+    for source in CU_FILES:
+        includes = re.findall(r"#include\s*[<\"]([^>\"]+)[>\"]", source.read_text())
+        assert not [i for i in includes if "torch" in i or "ATen" in i or "c10" in i], source.name
+
+
+# ----------------------------------------------------------------------------------------------
+# The binding, as text
+# ----------------------------------------------------------------------------------------------
+def _strip_comments(text):
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _param_types(params):
+    """'const void* key, int n' -> ('const void*', 'int'): drop each parameter's name."""
+    types = []
+    for param in params.split(","):
+        param = " ".join(param.split())
+        if not param or param == "void":
+            continue
+        param = re.sub(r"\s*\*\s*", "* ", param).strip()
+        types.append(re.sub(r"\s+\w+$", "", param).replace("* ", "*").strip())
+    return tuple(types)
+
+
+def launcher_definitions():
+    """{name: parameter types} of every extern "C" function defined in csrc/*.cu."""
+    found = {}
+    for source in CU_FILES:
+        text = _strip_comments(source.read_text())
+        for name, params in re.findall(r'extern\s+"C"\s+int\s+(\w+)\s*\(([^)]*)\)\s*\{', text):
+            found[name] = _param_types(params)
+    return found
+
+
+def binding_declarations():
+    text = _strip_comments(BINDING.read_text())
+    block = re.search(r'extern\s+"C"\s*\{(.*?)\n\}', text, flags=re.S)
+    assert block, 'torch_bindings.cpp must declare the launchers in an extern "C" { } block'
+    return {name: _param_types(params)
+            for name, params in re.findall(r"int\s+(\w+)\s*\(([^)]*)\)\s*;", block.group(1))}
+
+
+def test_binding_declares_every_launcher_with_matching_types():
+    defined = launcher_definitions()
+    declared = binding_declarations()
+    assert {"minipaged_paged_attention", "minipaged_reshape_and_cache", "minipaged_copy_blocks",
+            "minipaged_swap_blocks"} <= set(defined)
+    assert set(declared) == set(defined)
+    for name, types in defined.items():
+        assert declared[name] == types, f"{name}: binding {declared[name]} != kernel {types}"
+
+
+def test_binding_calls_every_launcher_and_exports_the_ops():
+    text = _strip_comments(BINDING.read_text())
+    body = text[text.index("namespace {"):]
+    for name in launcher_definitions():
+        assert re.search(rf"\b{name}\s*\(", body), f"{name} is declared but never called"
+    exported = set(re.findall(r'm\.def\(\s*"(\w+)"', text))
+    assert exported == {"paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"}
+    assert "getCurrentCUDAStream" in text and "CUDAGuard" in text

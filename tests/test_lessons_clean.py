@@ -1,0 +1,21 @@
+"""Lessons are committed without outputs: CI produces the executed versions, git stores prose and
+code only."""
+import json
+import pathlib
+
+import pytest
+
+LESSONS = sorted((pathlib.Path(__file__).resolve().parent.parent / "lessons").glob("*.ipynb"))
+
+
+def test_there_are_six_lessons():
+    assert [p.name[:3] for p in LESSONS] == ["01_", "02_", "03_", "04_", "05_", "06_"]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_lesson_has_no_outputs_or_execution_counts(path):
+    notebook = json.loads(path.read_text())
+    dirty = [i for i, cell in enumerate(notebook["cells"]) if cell["cell_type"] == "code"
+             and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    assert not dirty, (f"{path.name}: cells {dirty} have outputs or execution counts; clear "
+                       f"them (jupyter nbconvert --clear-output --inplace {path.name})")

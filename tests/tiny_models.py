@@ -1,0 +1,86 @@
+"""Tiny random GPT-2 and LLaMA checkpoints, and prompts whose greedy path is well defined.
+
+Random tiny models have near-tied logits; a float32 implementation may then legitimately pick a
+different token than the reference. We raise ``initializer_range`` so that gaps are common, and
+keep only prompts whose float64 greedy path keeps a clear gap between the top two logits at every
+step, so any correct float32 implementation must follow it.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+VOCAB = 256
+EOS = 1
+
+
+def make_config(kind: str, **overrides):
+    if kind == "llama":
+        cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                   initializer_range=0.3, bos_token_id=0, eos_token_id=EOS, pad_token_id=EOS,
+                   tie_word_embeddings=False, rope_parameters={"rope_type": "default",
+                                                               "rope_theta": 10000.0})
+        cfg.update(overrides)
+        return LlamaConfig(**cfg)
+    if kind == "gpt2":
+        cfg = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                   initializer_range=0.3, bos_token_id=0, eos_token_id=EOS, pad_token_id=EOS)
+        cfg.update(overrides)
+        return GPT2Config(**cfg)
+    raise ValueError(kind)
+
+
+def save_tiny_model(kind: str, path, seed: int = 0, **overrides):
+    """Build a random model, save it with save_pretrained (no tokenizer files), return it."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(kind, **overrides)).eval()
+    model.generation_config.eos_token_id = None  # compare with ignore_eos: never stop early
+    model.generation_config.pad_token_id = EOS
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers generate on one prompt alone, greedy, fixed length."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=EOS)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def min_greedy_gap(model64, prompt: list[int], max_new_tokens: int) -> float:
+    """Smallest top-1 minus top-2 logit along the float64 greedy path."""
+    ids = list(prompt)
+    gap = float("inf")
+    for _ in range(max_new_tokens):
+        logits = model64(torch.tensor([ids])).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        gap = min(gap, float(top[0] - top[1]))
+        ids.append(int(torch.argmax(logits)))
+    return gap
+
+
+def pick_prompts(model, lengths: list[int], max_new_tokens: int, seed: int = 0,
+                 min_gap: float = 1e-3, tries: int = 40) -> list[list[int]]:
+    """One prompt per requested length, each with a clear float64 greedy gap."""
+    import copy
+
+    model64 = copy.deepcopy(model).double()
+    rng = random.Random(seed)
+    prompts = []
+    for length in lengths:
+        best, best_gap = None, -1.0
+        for _ in range(tries):
+            candidate = [rng.randrange(2, VOCAB) for _ in range(length)]
+            gap = min_greedy_gap(model64, candidate, max_new_tokens)
+            if gap > best_gap:
+                best, best_gap = candidate, gap
+            if gap >= min_gap:
+                break
+        assert best_gap >= min_gap, f"no prompt of length {length} with a clear greedy path"
+        prompts.append(best)
+    return prompts

@@ -1,0 +1,42 @@
+"""minipaged's visualizers: SVG renderers of the engine's snapshots, and ipywidgets around them.
+
+Renderers (plain functions, snapshot in, SVG string out; no ipywidgets needed):
+
+    render_block_tables(BlockSpaceManager.snapshot())      lessons 02, 03, 06
+    render_scheduler(Scheduler.snapshot())                 lesson 04
+    render_butterfly(butterfly_steps(trace, phase="max"))  lesson 05
+    render_memory_waste(contiguous_report, paged_report)   lesson 01
+
+Recording and widgets:
+
+    EventRecorder(block_manager)      (event, snapshot, caption) for every block operation
+    EventPlayer(recorder)             Play button + step slider over a recording
+    StepPlayer(step_snapshots)        the same over engine steps, with the scheduler's queues
+    LiveBlockTableView(engine)        redraws after every engine step
+    show_fork_tree(recorder, "0")     the fork tree of a request (graphviz, or text)
+
+The visualizer only reads snapshots; the engine never imports it (or ipywidgets).
+"""
+from visualizer.block_tables import render_block_tables
+from visualizer.butterfly import butterfly_steps, render_butterfly
+from visualizer.events import EventRecorder, RecordedStep, describe
+from visualizer.fork_tree import (fork_tree_dot, fork_tree_nodes, fork_tree_text,
+                                  render_fork_tree, show_fork_tree)
+from visualizer.memory_waste import render_memory_waste
+from visualizer.scheduler_view import render_scheduler
+
+__all__ = [
+    "render_block_tables", "render_scheduler", "render_butterfly", "butterfly_steps",
+    "render_memory_waste", "EventRecorder", "RecordedStep", "describe", "fork_tree_nodes",
+    "fork_tree_dot", "fork_tree_text", "render_fork_tree", "show_fork_tree",
+    "EventPlayer", "StepPlayer", "LiveBlockTableView",
+]
+
+
+def __getattr__(name):
+    # The widgets import ipywidgets; load them only when asked for.
+    if name in ("EventPlayer", "StepPlayer", "LiveBlockTableView"):
+        from visualizer import widgets
+
+        return getattr(widgets, name)
+    raise AttributeError(f"module 'visualizer' has no attribute {name!r}")

@@ -1,0 +1,239 @@
+"""The block-table picture of the vLLM paper, drawn from ``BlockSpaceManager.snapshot()``.
+
+    logical blocks (per sequence)  |  block table  |  physical pool (ref counts) + free list
+
+Every sequence has its own colour. A physical block holds its number, its ref count and a strip
+of slots; a block held by more than one sequence (ref count > 1) is striped with its owners'
+colours and outlined with a dashed line. The newest token of each sequence is outlined in red.
+
+Elements carry ``class`` and ``data-*`` attributes so tests can read the drawing back:
+``physical-block`` (``data-block``, ``data-device``, ``data-ref``, ``data-shared``,
+``data-owners``, ``data-filled``), ``free-block``, ``shared-block``, ``logical-block``
+(``data-seq``, ``data-index``, ``data-filled``), ``table-entry`` (``data-seq``, ``data-index``,
+``data-block``), ``free-list-entry`` (``data-block``, ``data-position``) and ``newest-token``.
+"""
+from __future__ import annotations
+
+from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, svg_root, text,
+                            to_string)
+
+ROW_H = 18  # one logical block per row
+BLOCK_W, BLOCK_H, BLOCK_GAP = 56, 38, 6  # one physical block of the pool
+BLOCKS_PER_ROW = 8
+X_LOGICAL, X_TABLE, X_POOL = 10, 226, 390
+
+
+def _slot_width(block_size: int) -> float:
+    return min(14.0, 160.0 / block_size)
+
+
+def _pool_positions(numbers: list[int], x0: float, y0: float) -> dict[int, tuple[float, float]]:
+    pos = {}
+    for i, n in enumerate(numbers):
+        pos[n] = (x0 + (i % BLOCKS_PER_ROW) * (BLOCK_W + BLOCK_GAP),
+                  y0 + (i // BLOCKS_PER_ROW) * (BLOCK_H + BLOCK_GAP))
+    return pos
+
+
+def _rows_height(count: int) -> float:
+    rows = -(-count // BLOCKS_PER_ROW)
+    return rows * (BLOCK_H + BLOCK_GAP)
+
+
+def _blocks_to_draw(pool: list[dict], limit: int) -> tuple[list[dict], int]:
+    """All held blocks, then free ones by number, up to ``limit``; returns (blocks, elided)."""
+    if len(pool) <= limit:
+        return pool, 0
+    held = [b for b in pool if b["ref_count"] > 0]
+    free = [b for b in pool if b["ref_count"] == 0][:max(0, limit - len(held))]
+    chosen = sorted(held + free, key=lambda b: b["block_number"])
+    return chosen, len(pool) - len(chosen)
+
+
+def render_block_tables(snapshot: dict, title: str | None = None,
+                        highlight_blocks=(), highlight_seq: int | None = None,
+                        max_pool_blocks: int = 128, max_free_list: int = 16) -> str:
+    """SVG of the block tables in ``snapshot`` (the dict of ``BlockSpaceManager.snapshot()``).
+
+    Args:
+        title: a line above the drawing (e.g. the step's caption).
+        highlight_blocks: GPU block numbers touched by the current event, outlined in red.
+        highlight_seq: the sequence the current event is about; its label is bold.
+        max_pool_blocks: a larger pool is drawn as its held blocks plus the first free ones.
+        max_free_list: free-list entries drawn before "+N more".
+    """
+    block_size = snapshot["block_size"]
+    seqs = sorted(snapshot["sequences"], key=lambda s: s["seq_id"])
+    cw = _slot_width(block_size)
+    highlight_blocks = set(highlight_blocks)
+
+    # What each physical block holds: filled slots (the fullest owner) and the newest tokens.
+    filled: dict[tuple[str, int], int] = {}
+    newest: dict[tuple[str, int], set[int]] = {}
+    for s in seqs:
+        logical = s["logical_blocks"]
+        for i, number in enumerate(s["block_table"]):
+            if i < len(logical):
+                key = (s["device"], number)
+                filled[key] = max(filled.get(key, 0), logical[i]["num_filled"])
+        last = len(logical) - 1
+        if 0 <= last < len(s["block_table"]) and logical[last]["num_filled"]:
+            newest.setdefault((s["device"], s["block_table"][last]), set()).add(
+                logical[last]["num_filled"] - 1)
+
+    # ---- layout: left column height ----------------------------------------------------------
+    top = 44 if title else 26
+    left_h = sum(ROW_H * (1 + len(s["logical_blocks"])) + 8 for s in seqs) or ROW_H
+    gpu_draw, gpu_elided = _blocks_to_draw(snapshot["gpu_blocks"], max_pool_blocks)
+    cpu_draw, cpu_elided = _blocks_to_draw(snapshot["cpu_blocks"], max_pool_blocks)
+    gpu_y = top + 16
+    gpu_pos = _pool_positions([b["block_number"] for b in gpu_draw], X_POOL, gpu_y)
+    free_y = gpu_y + _rows_height(len(gpu_draw)) + (14 if gpu_elided else 0) + 14
+    cpu_y = free_y + 44
+    cpu_pos = _pool_positions([b["block_number"] for b in cpu_draw], X_POOL, cpu_y + 16)
+    right_h = (cpu_y + 16 + _rows_height(len(cpu_draw)) + (14 if cpu_elided else 0)
+               if cpu_draw else free_y + 30)
+    width = X_POOL + max(BLOCKS_PER_ROW * (BLOCK_W + BLOCK_GAP), max_free_list * 30 + 70) + 10
+    height = max(top + left_h + 10, right_h + 10)
+
+    free_gpu = snapshot["free_gpu_blocks"]
+    root = svg_root(width, height, "block-tables",
+                    data_block_size=block_size, data_num_seqs=len(seqs),
+                    data_num_gpu_blocks=len(snapshot["gpu_blocks"]),
+                    data_num_free_gpu_blocks=len(free_gpu),
+                    data_num_cpu_blocks=len(snapshot["cpu_blocks"]),
+                    data_num_free_cpu_blocks=len(snapshot["free_cpu_blocks"]))
+    if title:
+        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+    text(root, X_LOGICAL, top - 6, "logical blocks", weight="bold")
+    text(root, X_TABLE, top - 6, "block table", weight="bold")
+    text(root, X_POOL, gpu_y - 4, f"GPU pool: {len(snapshot['gpu_blocks'])} blocks of "
+         f"{block_size} slots", weight="bold")
+
+    # ---- mapping lines (under everything else) -----------------------------------------------
+    lines = el(root, "g", class_="mappings")
+    # ---- sequences: logical blocks and block table -------------------------------------------
+    y = top
+    for s in seqs:
+        c = colour(s["seq_id"])
+        group = el(root, "g", class_="sequence", data_seq=s["seq_id"],
+                   data_request=s["request_id"], data_status=s["status"],
+                   data_device=s["device"], data_num_tokens=s["num_tokens"])
+        label = (f"seq {s['seq_id']} · req {s['request_id']} · {s['status'].lower()} · "
+                 f"{s['num_tokens']} tok" + (" · on CPU" if s["device"] == "cpu" else ""))
+        text(group, X_LOGICAL, y + 12, label, fill=c,
+             weight="bold" if s["seq_id"] == highlight_seq else None)
+        y += ROW_H
+        pos = cpu_pos if s["device"] == "cpu" else gpu_pos
+        last = len(s["logical_blocks"]) - 1
+        for i, lb in enumerate(s["logical_blocks"]):
+            row = el(group, "g", class_="logical-block", data_seq=s["seq_id"], data_index=i,
+                     data_filled=lb["num_filled"])
+            text(row, X_LOGICAL, y + 12, f"L{i}", size=10, fill=MUTED)
+            for slot in range(block_size):
+                is_filled = slot < lb["num_filled"]
+                is_newest = i == last and slot == lb["num_filled"] - 1
+                el(row, "rect", x=X_LOGICAL + 26 + slot * cw, y=y + 2, width=cw, height=13,
+                   fill=c if is_filled else "white", stroke=HIGHLIGHT if is_newest else "#cccccc",
+                   stroke_width=2 if is_newest else 0.5,
+                   class_="slot newest-token" if is_newest else "slot")
+            if i < len(s["block_table"]):
+                number = s["block_table"][i]
+                prefix = "cpu " if s["device"] == "cpu" else ""
+                entry = el(group, "g", class_="table-entry", data_seq=s["seq_id"], data_index=i,
+                           data_block=number, data_device=s["device"])
+                text(entry, X_TABLE, y + 12, f"{i} → {prefix}#{number}  "
+                     f"{lb['num_filled']}/{block_size}", size=10)
+                if number in pos:
+                    bx, by = pos[number]
+                    el(lines, "line", x1=X_TABLE + 128, y1=y + 8, x2=bx, y2=by + BLOCK_H / 2,
+                       stroke=c, stroke_width=1, opacity=0.45, class_="mapping",
+                       data_seq=s["seq_id"], data_block=number)
+            else:
+                # The newest token opened this logical block; its physical block comes with the
+                # next append_slot (the next step's schedule()).
+                el(group, "text", f"{i} → (next step)", x=X_TABLE, y=y + 12, font_size=10,
+                   fill=MUTED, class_="table-entry pending", data_seq=s["seq_id"], data_index=i)
+            y += ROW_H
+        y += 8
+
+    # ---- the pools ---------------------------------------------------------------------------
+    _draw_pool(root, gpu_draw, gpu_pos, "gpu", block_size, filled, newest, highlight_blocks)
+    if gpu_elided:
+        text(root, X_POOL, gpu_y + _rows_height(len(gpu_draw)) + 8,
+             f"(+{gpu_elided} more free blocks not drawn)", size=10, fill=MUTED,
+             class_="pool-elided", data_count=gpu_elided)
+    _draw_free_list(root, free_gpu, X_POOL, free_y, max_free_list)
+    if cpu_draw:
+        text(root, X_POOL, cpu_y + 12, f"CPU pool (swap space): {len(snapshot['cpu_blocks'])} "
+             f"blocks, {len(snapshot['free_cpu_blocks'])} free", weight="bold")
+        _draw_pool(root, cpu_draw, cpu_pos, "cpu", block_size, filled, newest, set())
+        if cpu_elided:
+            text(root, X_POOL, cpu_y + 16 + _rows_height(len(cpu_draw)) + 8,
+                 f"(+{cpu_elided} more free blocks not drawn)", size=10, fill=MUTED,
+                 class_="pool-elided", data_device="cpu", data_count=cpu_elided)
+    return to_string(root)
+
+
+def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_blocks):
+    pool = el(root, "g", class_=f"pool {device}-pool", data_device=device)
+    for b in blocks:
+        number, ref, owners = b["block_number"], b["ref_count"], b["owners"]
+        x, y = pos[number]
+        shared = ref > 1
+        classes = ["physical-block", "free-block" if ref == 0 else "used-block"]
+        if shared:
+            classes.append("shared-block")
+        n_filled = filled.get((device, number), 0) if ref else 0
+        g = el(pool, "g", class_=" ".join(classes), data_block=number, data_device=device,
+               data_ref=ref, data_shared=shared, data_owners=",".join(map(str, owners)),
+               data_filled=n_filled)
+        if ref == 0:
+            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill=FREE_FILL,
+               stroke="#bbbbbb", stroke_width=1)
+        else:
+            # One band per owner: a shared block shows every sequence that reads it.
+            band = BLOCK_W / max(len(owners), 1)
+            for k, owner in enumerate(owners or [None]):
+                el(g, "rect", x=x + k * band, y=y, width=band, height=BLOCK_H,
+                   fill=colour(owner) if owner is not None else "#cccccc", opacity=0.3)
+            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill="none", stroke=INK,
+               stroke_width=2 if shared else 1, stroke_dasharray="4 2" if shared else None)
+        text(g, x + 3, y + 11, f"#{number}", size=10, weight="bold",
+             fill=INK if ref else MUTED, class_="block-number")
+        text(g, x + BLOCK_W - 3, y + 11, f"ref {ref}", size=9, anchor="end",
+             fill=HIGHLIGHT if shared else (INK if ref else MUTED), class_="ref-count")
+        if shared:
+            text(g, x + 3, y + 23, "shared", size=8, fill=HIGHLIGHT, class_="shared-mark")
+        # The slot strip: filled slots dark, the newest token of a sequence outlined in red.
+        sw = (BLOCK_W - 6) / block_size
+        fill_colour = colour(owners[0]) if len(owners) == 1 else INK
+        for slot in range(block_size):
+            is_newest = slot in newest.get((device, number), ()) if ref else False
+            el(g, "rect", x=x + 3 + slot * sw, y=y + BLOCK_H - 11, width=sw, height=8,
+               fill=fill_colour if slot < n_filled else "white",
+               stroke=HIGHLIGHT if is_newest else "#cccccc",
+               stroke_width=1.5 if is_newest else 0.3,
+               class_="slot newest-token" if is_newest else "slot")
+        if device == "gpu" and number in highlight_blocks:
+            el(g, "rect", x=x - 2, y=y - 2, width=BLOCK_W + 4, height=BLOCK_H + 4, fill="none",
+               stroke=HIGHLIGHT, stroke_width=2.5, class_="event-block", data_block=number)
+
+
+def _draw_free_list(root, free: list[int], x, y, max_entries):
+    group = el(root, "g", class_="free-list", data_device="gpu", data_count=len(free))
+    text(group, x, y + 2, f"free list ({len(free)} blocks, next out first):", size=10,
+         weight="bold")
+    for i, number in enumerate(free[:max_entries]):
+        bx = x + i * 30
+        el(group, "rect", x=bx, y=y + 8, width=26, height=16, fill=FREE_FILL, stroke=MUTED,
+           class_="free-list-entry", data_block=number, data_position=i)
+        text(group, bx + 13, y + 20, number, size=9, anchor="middle")
+        if i:
+            el(group, "line", x1=bx - 4, y1=y + 16, x2=bx, y2=y + 16, stroke=MUTED)
+    if len(free) > max_entries:
+        text(group, x + max_entries * 30 + 2, y + 20, f"+{len(free) - max_entries} more",
+             size=9, fill=MUTED, class_="free-list-more", data_count=len(free) - max_entries)
+    if not free:
+        text(group, x, y + 20, "(empty: the next new block means preemption)", size=9,
+             fill=HIGHLIGHT)

@@ -1,0 +1,107 @@
+"""The scheduler's three queues and the two pools, drawn from ``Scheduler.snapshot()``.
+
+    waiting | running | swapped        one badge per sequence group, oldest at the top
+    GPU pool [#####.....]  CPU pool [##........]
+
+Elements for tests: ``queue`` (``data-queue``, ``data-count``), ``badge`` (``data-queue``,
+``data-request``, ``data-num-seqs``, ``data-num-tokens``, ``data-preempted``) and ``pool-bar``
+(``data-pool``, ``data-used``, ``data-total``).
+"""
+from __future__ import annotations
+
+from visualizer.svg import FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, svg_root, text, to_string
+
+QUEUES = ("waiting", "running", "swapped")
+COL_W, BADGE_W, BADGE_H = 210, 190, 36
+
+
+def request_colour(request_id) -> str:
+    rid = str(request_id)
+    return colour(int(rid) if rid.isdigit() else sum(map(ord, rid)))
+
+
+def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None = None) -> str:
+    """SVG of the queues and pool occupancy in ``snapshot`` (``Scheduler.snapshot()``).
+
+    Args:
+        title: a line above the drawing.
+        step: optional facts of the step that produced the snapshot (the fields of the engine's
+            ``StepSnapshot``: ``scheduled``, ``prompt_run``, ``preempted``, ``blocks_to_swap_in``,
+            ``blocks_to_swap_out``, ``blocks_to_copy``, ``finished``); they are written under the
+            queues and preempted groups are marked.
+    """
+    step = step or {}
+    preempted = {rid: mode for rid, mode in step.get("preempted", [])}
+    prefill = {rid for rid, p in zip(step.get("scheduled", []), step.get("prompt_run", [])) if p}
+    top = 44 if title else 24
+    longest = max([len(snapshot[q]) for q in QUEUES] + [1])
+    pools_y = top + 22 + longest * (BADGE_H + 6) + 10
+    notes = _step_notes(step)
+    width = 3 * COL_W + 20
+    height = pools_y + 2 * 34 + 16 * len(notes) + 10
+    root = svg_root(width, height, "scheduler-view")
+    if title:
+        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+
+    for col, queue in enumerate(QUEUES):
+        x = 10 + col * COL_W
+        groups = snapshot[queue]
+        g = el(root, "g", class_="queue", data_queue=queue, data_count=len(groups))
+        text(g, x, top + 10, f"{queue} ({len(groups)})", weight="bold")
+        for i, badge in enumerate(groups):
+            y = top + 20 + i * (BADGE_H + 6)
+            rid = badge["request_id"]
+            mode = preempted.get(rid)
+            b = el(g, "g", class_="badge", data_queue=queue, data_request=rid,
+                   data_num_seqs=badge["num_seqs"], data_num_tokens=badge["num_tokens"],
+                   data_preempted=mode or "", data_seq_ids=",".join(map(str, badge["seq_ids"])))
+            el(b, "rect", x=x, y=y, width=BADGE_W, height=BADGE_H, rx=6,
+               fill=request_colour(rid), opacity=0.25)
+            el(b, "rect", x=x, y=y, width=BADGE_W, height=BADGE_H, rx=6, fill="none",
+               stroke=HIGHLIGHT if mode else INK, stroke_width=2 if mode else 1)
+            seqs = "seq" if badge["num_seqs"] == 1 else "seqs"
+            text(b, x + 6, y + 14, f"req {rid} · {badge['num_seqs']} {seqs} "
+                 f"({badge['num_unfinished']} live)", size=10, weight="bold")
+            detail = f"{badge['num_tokens']} tokens"
+            if mode:
+                detail += f" · preempted ({mode})"
+            elif rid in prefill:
+                detail += " · prefill this step"
+            text(b, x + 6, y + 29, detail, size=10, fill=HIGHLIGHT if mode else INK)
+        if not groups:
+            text(g, x, top + 34, "(empty)", size=10, fill=MUTED)
+
+    y = pools_y
+    for pool, total_key, free_key in (("gpu", "num_gpu_blocks", "num_free_gpu_blocks"),
+                                      ("cpu", "num_cpu_blocks", "num_free_cpu_blocks")):
+        total, free = snapshot[total_key], snapshot[free_key]
+        used = total - free
+        g = el(root, "g", class_="pool-bar", data_pool=pool, data_used=used, data_total=total)
+        name = "GPU pool" if pool == "gpu" else "CPU pool (swap)"
+        text(g, 10, y + 12, f"{name}: {used}/{total} blocks used", size=10, weight="bold")
+        bar_x, bar_w = 240, width - 250
+        el(g, "rect", x=bar_x, y=y + 2, width=bar_w, height=14, fill=FREE_FILL, stroke=MUTED)
+        if total:
+            el(g, "rect", x=bar_x, y=y + 2, width=bar_w * used / total, height=14,
+               fill="#4e79a7" if pool == "gpu" else "#9c755f", class_="pool-used")
+        y += 34
+    for note in notes:
+        text(root, 10, y + 4, note, size=10, class_="step-note")
+        y += 16
+    return to_string(root)
+
+
+def _step_notes(step: dict) -> list[str]:
+    notes = []
+    if step.get("scheduled"):
+        notes.append("scheduled: " + ", ".join(
+            f"req {rid} ({'prefill' if p else 'decode'})"
+            for rid, p in zip(step["scheduled"], step.get("prompt_run", []))))
+    for key, label in (("blocks_to_swap_out", "swap out GPU→CPU"),
+                       ("blocks_to_swap_in", "swap in CPU→GPU"),
+                       ("blocks_to_copy", "copy-on-write src→dst")):
+        if step.get(key):
+            notes.append(f"{label}: " + ", ".join(f"{s}→{d}" for s, d in step[key].items()))
+    if step.get("finished"):
+        notes.append("finished: " + ", ".join(f"req {r}" for r in step["finished"]))
+    return notes

@@ -1,0 +1,66 @@
+"""A tiny SVG builder on top of xml.etree, shared by every renderer.
+
+Building the drawing as an element tree (not by pasting strings) keeps the output valid XML, so
+the tests can parse it and Jupyter, GitHub and nbviewer can show it.
+"""
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+SVG_NS = "http://www.w3.org/2000/svg"
+
+# One colour per sequence (colour-blind-friendly "Tableau 10"), cycled when there are more.
+PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
+           "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
+FREE_FILL = "#f4f4f4"
+INK = "#333333"
+MUTED = "#888888"
+HIGHLIGHT = "#d62728"
+FONT = "font-family:DejaVu Sans Mono,Menlo,Consolas,monospace"
+
+
+def colour(index: int) -> str:
+    return PALETTE[index % len(PALETTE)]
+
+
+def _attr_name(name: str) -> str:
+    # class_ -> class, data_block -> data-block, stroke_width -> stroke-width
+    return name.rstrip("_").replace("_", "-")
+
+
+def _attr_value(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:.2f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def el(parent: ET.Element, tag: str, text: str | None = None, **attrs) -> ET.Element:
+    """Append <tag attrs>text</tag> to ``parent``; None-valued attributes are left out."""
+    node = ET.SubElement(parent, tag, {_attr_name(k): _attr_value(v)
+                                       for k, v in attrs.items() if v is not None})
+    if text is not None:
+        node.text = str(text)
+    return node
+
+
+def svg_root(width: float, height: float, class_: str, **attrs) -> ET.Element:
+    root = ET.Element("svg", {"xmlns": SVG_NS, "version": "1.1",
+                              "width": _attr_value(width), "height": _attr_value(height),
+                              "viewBox": f"0 0 {_attr_value(width)} {_attr_value(height)}",
+                              "class": class_, "style": FONT})
+    for k, v in attrs.items():
+        if v is not None:
+            root.set(_attr_name(k), _attr_value(v))
+    el(root, "rect", x=0, y=0, width=width, height=height, fill="white", class_="background")
+    return root
+
+
+def text(parent, x, y, content, size=11, anchor="start", fill=INK, weight=None, **attrs):
+    return el(parent, "text", content, x=x, y=y, font_size=size, text_anchor=anchor, fill=fill,
+              font_weight=weight, **attrs)
+
+
+def to_string(root: ET.Element) -> str:
+    return ET.tostring(root, encoding="unicode")

@@ -1,0 +1,162 @@
+"""ipywidgets around the SVG renderers: a player over a recorded event log, and a live view.
+
+- ``EventPlayer(recorder)``: a Play button and a step slider over an ``EventRecorder``; each step
+  shows the block tables right after that event and its caption.
+- ``StepPlayer(snapshots)``: the same over engine steps (``StepSnapshot`` objects an observer
+  collected), showing the scheduler's queues next to the block tables.
+- ``LiveBlockTableView(engine)``: an engine observer that redraws the block tables (and,
+  optionally, the scheduler's queues) after every ``engine.step()``, so the picture moves while
+  ``llm.generate`` runs. ``num_redraws`` counts the redraws; ``last_svg`` is the latest drawing.
+
+Only this module imports ipywidgets; the engine never does.
+"""
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+
+from visualizer.block_tables import render_block_tables
+from visualizer.scheduler_view import render_scheduler
+
+
+def _caption_html(text: str) -> str:
+    return f'<div class="minipaged-caption" style="font-family:monospace">{html.escape(text)}</div>'
+
+
+def _figure_html(*svgs: str) -> str:
+    parts = "".join(f'<div style="display:inline-block;vertical-align:top">{s}</div>'
+                    for s in svgs)
+    return f'<div class="minipaged-figure">{parts}</div>'
+
+
+class _Player(W.VBox):
+    """A Play button and a slider over ``num_frames`` frames; subclasses draw frame i."""
+
+    def __init__(self, num_frames: int, interval_ms: int) -> None:
+        if num_frames < 1:
+            raise ValueError("nothing recorded")
+        last = num_frames - 1
+        self.play = W.Play(value=0, min=0, max=last, step=1, interval=interval_ms,
+                           description="play")
+        self.slider = W.IntSlider(value=0, min=0, max=last, step=1, description="step",
+                                  continuous_update=True)
+        W.jslink((self.play, "value"), (self.slider, "value"))
+        self.caption = W.HTML()
+        self.view = W.HTML()
+        self.caption.add_class("minipaged-player-caption")
+        self.view.add_class("minipaged-player-view")
+        super().__init__([W.HBox([self.play, self.slider]), self.caption, self.view])
+        self.slider.observe(lambda change: self.show(change["new"]), names="value")
+        self.show(0)
+
+    def frame(self, index: int) -> tuple[str, list[str]]:
+        """(caption, SVGs) of frame ``index``."""
+        raise NotImplementedError
+
+    def show(self, index: int) -> None:
+        caption, svgs = self.frame(index)
+        self.caption.value = _caption_html(caption)
+        self.view.value = _figure_html(*svgs)
+
+
+class EventPlayer(_Player):
+    """Step through a recorded event log (``EventRecorder`` or a list of ``RecordedStep``).
+
+    Args:
+        steps: the recording.
+        interval_ms: time between frames when playing.
+        show_scheduler: also draw the queues (needs a recorder made with a scheduler).
+        render_kwargs: passed to ``render_block_tables`` (e.g. ``max_pool_blocks``).
+    """
+
+    def __init__(self, steps, interval_ms: int = 800, show_scheduler: bool = False,
+                 **render_kwargs) -> None:
+        self.steps = list(steps)
+        self.show_scheduler = show_scheduler
+        self.render_kwargs = render_kwargs
+        super().__init__(len(self.steps), interval_ms)
+
+    def render(self, index: int) -> str:
+        """The block-table SVG of step ``index``."""
+        step = self.steps[index]
+        return render_block_tables(step.blocks, highlight_blocks=step.highlight_blocks,
+                                   highlight_seq=step.highlight_seq, **self.render_kwargs)
+
+    def frame(self, index: int) -> tuple[str, list[str]]:
+        step = self.steps[index]
+        svgs = [self.render(index)]
+        if self.show_scheduler and step.scheduler is not None:
+            svgs.append(render_scheduler(step.scheduler))
+        return step.caption, svgs
+
+
+def describe_engine_step(snap) -> str:
+    """One line about an engine ``StepSnapshot``."""
+    sched = snap.scheduler
+    text = (f"engine step {snap.step}: ran {len(snap.scheduled)} "
+            f"group{'' if len(snap.scheduled) == 1 else 's'}, "
+            f"{sched['num_free_gpu_blocks']}/{sched['num_gpu_blocks']} GPU blocks free, "
+            f"waiting {len(sched['waiting'])} · running {len(sched['running'])} · "
+            f"swapped {len(sched['swapped'])}")
+    for request_id, mode in snap.preempted:
+        text += f"; request {request_id} preempted ({mode})"
+    for request_id in snap.finished:
+        text += f"; request {request_id} finished"
+    return text
+
+
+class StepPlayer(_Player):
+    """Step through engine steps: a list of the ``StepSnapshot`` objects an observer collected
+    (``engine.add_observer(snapshots.append)``); shows the queues and the block tables."""
+
+    def __init__(self, snapshots, interval_ms: int = 800, **render_kwargs) -> None:
+        self.snapshots = list(snapshots)
+        self.render_kwargs = render_kwargs
+        super().__init__(len(self.snapshots), interval_ms)
+
+    def frame(self, index: int) -> tuple[str, list[str]]:
+        snap = self.snapshots[index]
+        return describe_engine_step(snap), [
+            render_scheduler(snap.scheduler, step=vars(snap)),
+            render_block_tables(snap.block_manager, **self.render_kwargs)]
+
+
+class LiveBlockTableView(W.VBox):
+    """Redraw the block tables after every step of ``engine`` (an ``LLMEngine``).
+
+    Args:
+        engine: the engine to observe (``llm.llm_engine``).
+        show_scheduler: also draw the scheduler's queues next to the tables.
+        render_kwargs: passed to ``render_block_tables``.
+    """
+
+    def __init__(self, engine, show_scheduler: bool = False, **render_kwargs) -> None:
+        self.engine = engine
+        self.show_scheduler = show_scheduler
+        self.render_kwargs = render_kwargs
+        self.num_redraws = 0
+        self.last_svg: str | None = None
+        self.last_snapshot = None  # the engine's StepSnapshot behind last_svg
+        self.caption = W.HTML(_caption_html("waiting for the first engine step"))
+        self.view = W.HTML(_figure_html(render_block_tables(engine.block_manager.snapshot(),
+                                                            **render_kwargs)))
+        super().__init__([self.caption, self.view])
+        engine.add_observer(self._on_step)
+
+    def _on_step(self, snap) -> None:
+        self.last_svg = render_block_tables(snap.block_manager, **self.render_kwargs)
+        svgs = [self.last_svg]
+        if self.show_scheduler:
+            svgs.append(render_scheduler(snap.scheduler, step=vars(snap)))
+        self.last_snapshot = snap
+        self.num_redraws += 1
+        self.caption.value = _caption_html(describe_engine_step(snap))
+        self.view.value = _figure_html(*svgs)
+
+    def detach(self) -> None:
+        """Stop observing the engine."""
+        try:
+            self.engine.remove_observer(self._on_step)
+        except ValueError:
+            pass  # already detached
