@@ -25,7 +25,6 @@ import argparse
 import datetime
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -36,6 +35,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.engine import EngineStats  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from machine import machine_description  # noqa: E402
 
 INSTRUCTIONS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -80,16 +82,6 @@ def analytic_no_sharing(prompts, width: int, max_tokens: int, block_size: int) -
     """Every sequence holds its own blocks for all tokens in the cache at the last step (the
     last sampled token is never written), all requests at once."""
     return sum(width * math.ceil((len(p) + max_tokens - 1) / block_size) for p in prompts)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()}-core CPU ({cpu}), {torch.get_num_threads()} torch threads"
 
 
 def main(argv=None) -> int:
@@ -152,7 +144,7 @@ def record(table: str, args, prompts, total_s: float) -> None:
     today = datetime.date.today().isoformat()
     section = (
         f"{SECTION}\n\n"
-        f"- date: {today}; machine: {machine()}; torch {torch.__version__}, transformers "
+        f"- date: {today}; machine: {machine_description()}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}\n"
         f"- model: embedded SmolLM2-135M-Instruct (float32); {len(prompts)} chat prompts "
         f"(seed {args.seed}) of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "

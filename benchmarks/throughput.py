@@ -21,7 +21,6 @@ import datetime
 import gc
 import math
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -32,6 +31,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from machine import machine_description  # noqa: E402
 
 # Model shapes for dummy weights (no model hub needed).
 DUMMY_SHAPES = {
@@ -157,18 +159,6 @@ def run_hf_continuous(model, trace, device) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-def machine_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

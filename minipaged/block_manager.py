@@ -60,15 +60,6 @@ class BlockSpaceManager:
                 fn(event)
 
     # -- admitting a prompt ----------------------------------------------------------------------
-    @property
-    def share_prompt_blocks(self) -> bool:
-        """Older name of ``share_blocks``."""
-        return self.share_blocks
-
-    @share_prompt_blocks.setter
-    def share_prompt_blocks(self, value: bool) -> None:
-        self.share_blocks = value
-
     def _prompt_seqs_share(self, seq_group: SequenceGroup) -> bool:
         """A new group's sequences are identical, so one set of blocks serves all of them."""
         # NOTE: true even when share_blocks is off: the prompt is computed once into shared

@@ -17,6 +17,7 @@ import torch
 from minipaged import model_loader
 from minipaged.block_manager import BlockSpaceManager
 from minipaged.cache_engine import CacheEngine, cache_block_bytes
+from minipaged.detokenizer import detokenize_incrementally
 from minipaged.model_runner import ModelRunner, prepare_inputs
 from minipaged.models import get_model_class
 from minipaged.outputs import RequestOutput
@@ -270,6 +271,9 @@ class LLMEngine:
         if n > self.scheduler_config.max_num_batched_tokens:
             raise ValueError(f"prompt is {n} tokens long, more than max_num_batched_tokens "
                              f"({self.scheduler_config.max_num_batched_tokens})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none: pass "
+                             "tokenizer=, or stop on token ids with max_tokens")
         if params.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(f"best_of ({params.best_of}) is more than max_num_seqs "
                              f"({self.scheduler_config.max_num_seqs})")
@@ -425,10 +429,12 @@ class LLMEngine:
             self._detokenize_all(group)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        if params.stop_strings and self.tokenizer is not None:
+        if self.tokenizer is not None:
             previous = len(seq.output_text)
-            seq.output_text = self._decode(seq.output_token_ids)
-            start = max(0, previous - max(len(s) for s in params.stop_strings))
+            detokenize_incrementally(self.tokenizer, seq)  # streamed outputs carry text too
+        if params.stop_strings and self.tokenizer is not None:
+            # A stop string may straddle the old text and the new: search a little way back.
+            start = max(0, previous - max(len(s) for s in params.stop_strings) + 1)
             hits = [i for s in params.stop_strings
                     if (i := seq.output_text.find(s, start)) != -1]
             if hits:

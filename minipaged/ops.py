@@ -123,7 +123,8 @@ def paged_attention_ref(query, key_cache, value_cache, block_tables, context_len
     probs = torch.softmax(logits, dim=-1)  # fp32 softmax
     # Slots past the context hold whatever was there before; zero them so that even NaN garbage
     # cannot leak through (probability 0 times NaN is NaN).
-    v = v.float().masked_fill(beyond[:, None, :, None], 0.0)  # (S, kv_heads, L, D)
+    # (gather_kv returned a fresh copy, so it is ours to overwrite in place.)
+    v = v.float().masked_fill_(beyond[:, None, :, None], 0.0)  # (S, kv_heads, L, D)
     out = torch.matmul(probs, v)  # (S, kv_heads, G, D)
     return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
 

@@ -70,7 +70,19 @@ class Sampler:
         by_group: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
             by_group.setdefault(row.seq_group.request_id, []).append(i)
-        results: dict[str, dict[int, SequenceOutput]] = {}
+
+        # Greedy rows of every group at once: one argmax, one transfer to the host.
+        greedy = [i for i, r in enumerate(rows) if r.seq_group.sampling_params.greedy]
+        greedy_tokens = dict(zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist())) \
+            if greedy else {}
+        # Random rows move to the host together, where each request's own generator draws.
+        random_rows = [i for i, r in enumerate(rows)
+                       if not r.seq_group.sampling_params.greedy
+                       and not r.seq_group.sampling_params.use_beam_search]
+        host_logits = dict(zip(random_rows, logits[random_rows].cpu())) if random_rows else {}
+
+        # (request id, seq id, global row, parent seq id, token) for every sequence
+        chosen: list[tuple[str, int, int, int, int]] = []
         for request_id, idx in by_group.items():
             group = rows[idx[0]].seq_group
             params = group.sampling_params
@@ -78,24 +90,35 @@ class Sampler:
             if params.use_beam_search:
                 choices = self._beam_search(group, group_rows, logprobs[idx])
             elif params.temperature == 0.0:
-                choices = self._greedy(group_rows, logits[idx])
+                choices = {seq_id: (k, seq_id, greedy_tokens[i])
+                           for k, i in enumerate(idx) for seq_id in rows[i].seq_ids}
             else:
-                choices = self._random(group_rows, logits[idx], params,
-                                       generators[request_id])
-            results[request_id] = {
-                seq_id: SequenceOutput(parent, token,
-                                       self._logprob_dict(logprobs[idx[row_pos]], token,
-                                                          params.logprobs))
-                for seq_id, (row_pos, parent, token) in choices.items()}
+                choices = self._random(group_rows, torch.stack([host_logits[i] for i in idx]),
+                                       params, generators[request_id])
+            chosen += [(request_id, seq_id, idx[k], parent, token)
+                       for seq_id, (k, parent, token) in choices.items()]
+
+        # The logprobs of all chosen tokens, and the top-k where asked, in one gather each.
+        row_idx = torch.tensor([c[2] for c in chosen], device=logprobs.device)
+        token_idx = torch.tensor([c[4] for c in chosen], device=logprobs.device)
+        chosen_lp = logprobs[row_idx, token_idx].tolist()
+        num_top = [min(rows[c[2]].seq_group.sampling_params.logprobs or 0, logprobs.shape[-1])
+                   for c in chosen]
+        top_ids = top_lps = None
+        if max(num_top, default=0) > 0:
+            top = torch.topk(logprobs[row_idx], max(num_top), dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+
+        results: dict[str, dict[int, SequenceOutput]] = {r: {} for r in by_group}
+        for j, (request_id, seq_id, _, parent, token) in enumerate(chosen):
+            lp = {token: chosen_lp[j]}
+            for t, v in zip(top_ids[j][:num_top[j]] if top_ids else [],
+                            top_lps[j][:num_top[j]] if top_lps else []):
+                lp.setdefault(t, v)
+            results[request_id][seq_id] = SequenceOutput(parent, token, lp)
         return results
 
     # Each strategy returns {seq_id: (row position within the group, parent seq id, token)}.
-    @staticmethod
-    def _greedy(rows: list[Row], logits: torch.Tensor) -> dict:
-        best = torch.argmax(logits, dim=-1).tolist()  # (R,)
-        return {seq_id: (i, seq_id, best[i])
-                for i, row in enumerate(rows) for seq_id in row.seq_ids}
-
     @staticmethod
     def _random(rows: list[Row], logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator) -> dict:
@@ -142,12 +165,3 @@ class Sampler:
                 parent = seq_id  # first step: all beams are still identical copies
             choices[seq_id] = (row_pos, parent, token)
         return choices
-
-    @staticmethod
-    def _logprob_dict(row_logprobs: torch.Tensor, token: int, num_top: int | None) -> dict:
-        result = {token: float(row_logprobs[token])}
-        if num_top:
-            top = torch.topk(row_logprobs, min(num_top, row_logprobs.shape[-1]))
-            for t, lp in zip(top.indices.tolist(), top.values.tolist()):
-                result.setdefault(t, lp)
-        return result

@@ -56,6 +56,8 @@ class Sequence:
         self.output_logprobs: list[dict[int, float]] = []  # per generated token
         self.cumulative_logprob = 0.0
         self.output_text = ""
+        self.prefix_offset = 0  # detokenizer window: output_token_ids[prefix_offset:read_offset]
+        self.read_offset = 0  # is already in output_text (see detokenizer.py)
         self.logical_token_blocks: list[LogicalTokenBlock] = []
         self.status = SequenceStatus.WAITING
         # Tokens whose K/V are in the cache. After a preemption by recompute it drops to 0, and
@@ -112,6 +114,7 @@ class Sequence:
         self.output_logprobs = list(parent.output_logprobs)
         self.cumulative_logprob = parent.cumulative_logprob
         self.output_text = parent.output_text
+        self.prefix_offset, self.read_offset = parent.prefix_offset, parent.read_offset
         self.logical_token_blocks = [b.copy() for b in parent.logical_token_blocks]
         self.num_computed_tokens = parent.num_computed_tokens
 

@@ -15,3 +15,8 @@ python3 -c 'import torch; print("gpu-check:", torch.cuda.get_device_name(),
 
 python3 -m pytest tests/gpu -q -p no:cacheprovider
 python3 benchmarks/kernel.py
+# The engine at scale (issue 6): LLaMA-7B-shaped and GPT-2-shaped dummy models, ShareGPT-like trace.
+python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy gpt2 --trace sharegpt \
+  --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 1024 --static-batch 64
+python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy llama-7b --trace sharegpt \
+  --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 2048 --static-batch 32

@@ -124,3 +124,9 @@ def test_invalid_engine_settings_raise(tiny_gpt2, kwargs, match):
 def test_unknown_model_raises_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="cannot load model"):
         LLM(str(tmp_path / "no-such-model"))
+
+
+def test_stop_strings_without_a_tokenizer_raise(llm):
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate(prompt_token_ids=[[5, 6]], use_tqdm=False,
+                     sampling_params=SamplingParams(stop=["\n"]))

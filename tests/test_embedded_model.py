@@ -93,3 +93,17 @@ def test_cli_reports_bad_arguments_clearly():
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "temperature must be" in proc.stderr
+
+
+def test_streaming_steps_carry_growing_text(llm):
+    engine = llm.llm_engine
+    text = llm.get_tokenizer().apply_chat_template(CHATS[1], add_generation_prompt=True,
+                                                   tokenize=False)
+    engine.add_request("stream", text, SamplingParams(temperature=0, max_tokens=24))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(out.outputs[0].text)
+    assert len(seen) > 3 and seen[-1]
+    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))  # each step extends the text
+    assert 0 < len(seen[len(seen) // 2]) < len(seen[-1])  # text arrives before the end

@@ -134,3 +134,25 @@ def test_running_out_of_swap_space_aborts_only_that_request(tiny_llama, prompts,
     # The engine is still usable afterwards.
     again = llm.generate(prompt_token_ids=prompts[:1], sampling_params=_beam(), use_tqdm=False)
     assert _tokens(again) == _tokens(roomy["beam"][:1])
+
+
+def test_nothing_new_is_admitted_while_a_group_is_swapped_out(tiny_llama, prompts, roomy):
+    """Swapped groups come back before waiting ones are admitted (FCFS, no starvation)."""
+    path, _ = tiny_llama
+    # Three beam groups run at once at most, so the others wait in the queue.
+    llm = LLM(path, block_size=BLOCK_SIZE, num_gpu_blocks=SMALL_POOL, num_cpu_blocks=64,
+              max_num_seqs=3 * WIDTH)
+    snapshots = []
+    llm.llm_engine.add_observer(snapshots.append)
+    # Twice the prompts: while the first ones are swapped out, the later ones wait.
+    outputs = llm.generate(prompt_token_ids=prompts + prompts, sampling_params=_beam(),
+                           use_tqdm=False)
+    assert _tokens(outputs) == _tokens(roomy["beam"]) * 2
+    waited_behind_swapped = False
+    for snap in snapshots:
+        if any(snap.prompt_run):
+            assert not snap.scheduler["swapped"] and not snap.preempted, snap.step
+        if snap.scheduler["swapped"] and snap.scheduler["waiting"]:
+            waited_behind_swapped = True
+    assert waited_behind_swapped, "the pool was meant to make requests wait behind a swap"
+    _assert_all_blocks_free(llm)

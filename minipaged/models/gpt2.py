@@ -12,6 +12,7 @@ from transformers.activations import ACT2FN
 
 from minipaged.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
+from minipaged.models.weights import load_checkpoint_weights
 
 
 class Conv1D(nn.Module):
@@ -90,20 +91,11 @@ class GPT2LMHeadModel(nn.Module):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy weights from a transformers GPT2LMHeadModel state dict."""
-        ours = self.state_dict()
-        loaded = set()
-        for name, tensor in state_dict.items():
+
+        def rename(name: str) -> str | None:
             key = name.removeprefix("transformer.")
-            if key == "lm_head.weight" or key.endswith(".attn.bias") \
-                    or key.endswith(".attn.masked_bias"):
-                continue  # tied output layer; causal-mask buffers of old checkpoints
-            if key not in ours:
-                raise KeyError(f"unexpected weight {name!r} in the checkpoint")
-            if ours[key].shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(ours[key].shape)}")
-            ours[key].copy_(tensor)
-            loaded.add(key)
-        missing = set(ours) - loaded
-        if missing:
-            raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+            if key == "lm_head.weight" or key.endswith((".attn.bias", ".attn.masked_bias")):
+                return None  # tied output layer; causal-mask buffers of old checkpoints
+            return key
+
+        load_checkpoint_weights(self, state_dict, rename)

@@ -13,6 +13,7 @@ from torch import nn
 from minipaged.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
 from minipaged.models.rotary import RotaryEmbedding
+from minipaged.models.weights import load_checkpoint_weights
 
 
 class RMSNorm(nn.Module):
@@ -106,21 +107,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy weights from a transformers LlamaForCausalLM state dict."""
-        ours = self.state_dict()
-        loaded = set()
-        for name, tensor in state_dict.items():
-            if "rotary_emb" in name:
-                continue
-            key = name.removeprefix("model.")
-            if key == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if key not in ours:
-                raise KeyError(f"unexpected weight {name!r} in the checkpoint")
-            if ours[key].shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(ours[key].shape)}")
-            ours[key].copy_(tensor)
-            loaded.add(key)
-        missing = set(ours) - loaded
-        if missing:
-            raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+        def rename(name: str) -> str | None:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                return None  # computed, or tied to the embedding
+            return name.removeprefix("model.")
+
+        load_checkpoint_weights(self, state_dict, rename)

@@ -1,0 +1,19 @@
+"""One line naming the machine a benchmark ran on, for benchmarks/RESULTS.md."""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def machine_description(device: torch.device | str = "cpu") -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
