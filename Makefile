@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -x -m "not slow"
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab lessons/01_kv_cache.ipynb
+	$(VENV)/bin/jupyter lab lessons/01_kv_cache.ipynb $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
