@@ -429,18 +429,18 @@ class LLMEngine:
             self._detokenize_all(group)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
-        if self.tokenizer is not None:
+        if self.tokenizer is not None:  # (validate_request refuses stop strings without one)
             previous = len(seq.output_text)
             detokenize_incrementally(self.tokenizer, seq)  # streamed outputs carry text too
-        if params.stop_strings and self.tokenizer is not None:
-            # A stop string may straddle the old text and the new: search a little way back.
-            start = max(0, previous - max(len(s) for s in params.stop_strings) + 1)
-            hits = [i for s in params.stop_strings
-                    if (i := seq.output_text.find(s, start)) != -1]
-            if hits:
-                seq.output_text = seq.output_text[:min(hits)]  # the stop string is not returned
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
+            if params.stop_strings:
+                # A stop string may straddle the old text and the new: search a little way back.
+                start = max(0, previous - max(len(s) for s in params.stop_strings) + 1)
+                hits = [i for s in params.stop_strings
+                        if (i := seq.output_text.find(s, start)) != -1]
+                if hits:
+                    seq.output_text = seq.output_text[:min(hits)]  # the stop string is dropped
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                    return
         if not params.ignore_eos and seq.get_last_token_id() in self.eos_token_ids:
             seq.status = SequenceStatus.FINISHED_STOPPED
         elif seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.max_model_len:

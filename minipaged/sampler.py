@@ -79,7 +79,8 @@ class Sampler:
         random_rows = [i for i, r in enumerate(rows)
                        if not r.seq_group.sampling_params.greedy
                        and not r.seq_group.sampling_params.use_beam_search]
-        host_logits = dict(zip(random_rows, logits[random_rows].cpu())) if random_rows else {}
+        host_logits = logits[random_rows].cpu() if random_rows else None  # (random rows, V)
+        host_pos = {row: k for k, row in enumerate(random_rows)}
 
         # (request id, seq id, global row, parent seq id, token) for every sequence
         chosen: list[tuple[str, int, int, int, int]] = []
@@ -93,7 +94,7 @@ class Sampler:
                 choices = {seq_id: (k, seq_id, greedy_tokens[i])
                            for k, i in enumerate(idx) for seq_id in rows[i].seq_ids}
             else:
-                choices = self._random(group_rows, torch.stack([host_logits[i] for i in idx]),
+                choices = self._random(group_rows, host_logits[[host_pos[i] for i in idx]],
                                        params, generators[request_id])
             chosen += [(request_id, seq_id, idx[k], parent, token)
                        for seq_id, (k, parent, token) in choices.items()]
@@ -122,12 +123,13 @@ class Sampler:
     @staticmethod
     def _random(rows: list[Row], logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator) -> dict:
+        """``logits`` are on the host, where the request's own generator draws."""
         choices = {}
         for i, row in enumerate(rows):
             filtered = top_k_top_p_filter(logits[i], params.top_k, params.top_p)
             probs = torch.softmax(filtered, dim=-1)  # (V,)
             # A shared prompt row draws one token per sequence, independently.
-            tokens = torch.multinomial(probs.cpu(), len(row.seq_ids), replacement=True,
+            tokens = torch.multinomial(probs, len(row.seq_ids), replacement=True,
                                        generator=generator).tolist()
             for seq_id, token in zip(row.seq_ids, tokens):
                 choices[seq_id] = (i, seq_id, token)
