@@ -169,6 +169,59 @@ def prefill_attention(
 
 
 # ----------------------------------------------------------------------------------------------
+# Prefill over a cached context: new tokens attend to earlier tokens already in the paged cache
+# ----------------------------------------------------------------------------------------------
+def paged_prefill_attention(
+    query: torch.Tensor,  # (T, num_heads, head_size), each sequence's new tokens packed
+    key_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size // x, block_size, x)
+    value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
+    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int: sequence s owns rows [loc[s], loc[s+1])
+    context_lens: torch.Tensor,  # (num_seqs,) int: tokens in the cache incl. the new ones
+    scale: float,
+) -> torch.Tensor:  # (T, num_heads, head_size)
+    """Causal attention of each sequence's newest ``q_len`` tokens over its whole cached context.
+
+    The new tokens are positions ``context_len - q_len ... context_len - 1``; their keys and
+    values are already in the cache (``reshape_and_cache`` ran first). Token at position ``p``
+    attends to positions ``0..p``. This one operation serves a prompt after a cached prefix, a
+    chunk of a long prompt, and the recompute of a sequence that shares its prompt's blocks; a
+    decode is the case ``q_len == 1``.
+    """
+    return paged_prefill_attention_ref(query, key_cache, value_cache, block_tables,
+                                       query_start_loc, context_lens, scale)
+
+
+def paged_prefill_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc,
+                                context_lens, scale):
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    locs = query_start_loc.tolist()
+    for s, context_len in enumerate(context_lens.tolist()):
+        start, end = locs[s], locs[s + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        table = block_tables[s, :num_blocks].long()
+        k, v = gather_kv(key_cache, value_cache, table[None])  # (1, kv_heads, L', D) each
+        k = k[0, :, :context_len].float()  # (kv_heads, L, D)
+        v = v[0, :, :context_len].float()
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)  # (heads, L, D)
+            v = v.repeat_interleave(group, dim=0)
+        q = query[start:end].transpose(0, 1).float()  # (heads, q_len, D)
+        q_pos = torch.arange(context_len - q_len, context_len, device=query.device)  # (q_len,)
+        k_pos = torch.arange(context_len, device=query.device)  # (L,)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # (q_len, L)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(query.dtype)  # (q_len, heads, D)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Moving whole blocks: copy-on-write and swapping
 # ----------------------------------------------------------------------------------------------
 def copy_blocks(

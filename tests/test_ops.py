@@ -104,3 +104,44 @@ def test_copy_and_swap_blocks_move_whole_blocks():
     ops.swap_blocks(key, cpu, {2: 0, 4: 3})
     assert torch.equal(cpu[0], key[2]) and torch.equal(cpu[3], key[4])
     assert int((cpu[1] != 0).sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, heads, kv_heads", [(16, 8, 2), (8, 4, 4), (32, 6, 1)])
+def test_paged_prefill_attention_equals_causal_attention_over_the_whole_sequence(
+        dtype, block_size, heads, kv_heads):
+    """New tokens after a cached context see the context plus themselves, causally."""
+    torch.manual_seed(1)
+    D, num_blocks = 64, 64
+    x = ops.key_vector_size(dtype)
+    key_cache = torch.full((num_blocks, kv_heads, D // x, block_size, x), float("nan"), dtype=dtype)
+    value_cache = torch.full((num_blocks, kv_heads, D, block_size), float("nan"), dtype=dtype)
+    # (context already cached, new tokens): a decode, a chunk after a prefix, a whole prompt
+    cases = [(9, 1), (2 * block_size, block_size + 3), (0, 2 * block_size - 1), (5, 1)]
+    perm = torch.randperm(num_blocks).tolist()
+    tables, qs, dense = [], [], []
+    for cached, new in cases:
+        n = cached + new
+        table = [perm.pop() for _ in range(math.ceil(n / block_size))]
+        k = torch.randn(n, kv_heads, D).to(dtype)
+        v = torch.randn(n, kv_heads, D).to(dtype)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(n)])
+        ops.reshape_and_cache(k, v, key_cache, value_cache, slots)
+        tables.append(table)
+        qs.append(torch.randn(new, heads, D).to(dtype))
+        dense.append((k, v))
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables],
+                                dtype=torch.int32)
+    loc = torch.tensor([0] + [new for _, new in cases]).cumsum(0).to(torch.int32)
+    lens = torch.tensor([c + n for c, n in cases], dtype=torch.int32)
+    scale = D ** -0.5
+    out = ops.paged_prefill_attention(torch.cat(qs), key_cache, value_cache, block_tables, loc,
+                                      lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for s, ((cached, new), (k, v)) in enumerate(zip(cases, dense)):
+        for i in range(new):
+            ref = naive_attention(qs[s][i], k[:cached + i + 1], v[:cached + i + 1], scale)
+            got = out[loc[s] + i].double()
+            assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) < tol
