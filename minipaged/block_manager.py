@@ -60,20 +60,38 @@ class BlockSpaceManager:
                 fn(event)
 
     # -- admitting a prompt ----------------------------------------------------------------------
-    def _prompt_seqs_share(self, seq_group: SequenceGroup) -> bool:
-        """A new group's sequences are identical, so one set of blocks serves all of them."""
-        # NOTE: true even when share_blocks is off: the prompt is computed once into shared
-        # blocks and copied at the next step (see unshare), so that both settings sample from
-        # the same rows and generate the same tokens.
+    def prompt_layout(self, seq_group: SequenceGroup) -> tuple[list[Sequence], int, bool]:
+        """How a waiting group's sequences share blocks: ``(sequences, shared_len, identical)``.
+
+        A fresh group's sequences hold the same tokens (``identical``): one block table serves
+        them all and the prompt is computed once. After a preemption by recompute they differ:
+        they share the full blocks of their common prefix (at least the prompt's full blocks),
+        ``shared_len`` tokens, and each has private blocks for the rest.
+        """
+        # NOTE: sharing is used even when share_blocks is off: the prompt is computed once into
+        # shared blocks and copied at the next step (see unshare), so that both settings sample
+        # from the same rows and generate the same tokens.
         seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        first = seqs[0].get_token_ids()
-        return all(s.get_token_ids() == first for s in seqs[1:])
+        token_lists = [s.get_token_ids() for s in seqs]
+        first = token_lists[0]
+        if all(t == first for t in token_lists[1:]):
+            return seqs, len(first), True
+        common = 0
+        for column in zip(*token_lists):
+            if any(t != column[0] for t in column):
+                break
+            common += 1
+        # Each sequence's newest token is computed by its first decode after the recompute (so
+        # that all of them sample in the same step); it must not sit in a shared block.
+        common = min(common, min(len(t) for t in token_lists) - 1)
+        return seqs, common // self.block_size * self.block_size, False
 
     def num_blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
-        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        if self._prompt_seqs_share(seq_group):
+        seqs, shared_len, identical = self.prompt_layout(seq_group)
+        if identical:
             return len(seqs[0].logical_token_blocks)
-        return sum(len(s.logical_token_blocks) for s in seqs)
+        num_shared = shared_len // self.block_size
+        return num_shared + sum(len(s.logical_token_blocks) - num_shared for s in seqs)
 
     def can_allocate(self, seq_group: SequenceGroup) -> bool:
         """Enough free GPU blocks for the group's prompt, keeping the watermark free."""
@@ -83,20 +101,19 @@ class BlockSpaceManager:
     def allocate(self, seq_group: SequenceGroup) -> None:
         """Give the group's waiting sequences their blocks.
 
-        NOTE: the sequences of a fresh group hold the same prompt, so they share one block table
-        (each block's ref count = number of sequences). The prompt is computed once.
+        NOTE: the shared blocks (a fresh group's whole prompt, or a recomputed group's common
+        prefix) get one reference per sequence, so copy-on-write protects them as after a fork.
         """
-        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        if self._prompt_seqs_share(seq_group):
-            table = [self.gpu_allocator.allocate() for _ in seqs[0].logical_token_blocks]
-            for block in table:
-                block.ref_count = len(seqs)
-            for seq in seqs:
-                self._register(seq, seq_group, list(table))
-        else:
-            for seq in seqs:
-                self._register(seq, seq_group,
-                               [self.gpu_allocator.allocate() for _ in seq.logical_token_blocks])
+        seqs, shared_len, identical = self.prompt_layout(seq_group)
+        num_shared = (len(seqs[0].logical_token_blocks) if identical
+                      else shared_len // self.block_size)
+        shared = [self.gpu_allocator.allocate() for _ in range(num_shared)]
+        for block in shared:
+            block.ref_count = len(seqs)
+        for seq in seqs:
+            own = [self.gpu_allocator.allocate()
+                   for _ in seq.logical_token_blocks[num_shared:]]
+            self._register(seq, seq_group, shared + own)
         self._emit("allocate", request_id=seq_group.request_id,
                    seq_ids=[s.seq_id for s in seqs],
                    blocks=[b.block_number for b in self.block_tables[seqs[0].seq_id]])
@@ -109,11 +126,18 @@ class BlockSpaceManager:
     # -- growing by one token --------------------------------------------------------------------
     def can_append_slot(self, seq_group: SequenceGroup) -> bool:
         """Can every running sequence of the group get a slot for its next token?"""
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        return self._num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
+
+    def _num_blocks_to_append(self, seqs: list[Sequence]) -> int:
+        """GPU blocks that ``append_slot`` (and ``unshare``) will take for these sequences."""
         # A sequence needs a new block when its newest token opened a new logical block, or
         # when its last block is shared (copy-on-write); otherwise the slot is already there.
         num_needed = 0
         shared: dict[int, PhysicalTokenBlock] = {}
-        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+        for seq in seqs:
+            if seq.num_computed_tokens == 0:
+                continue  # a prefill run: its blocks were allocated for all its tokens
             table = self.block_tables[seq.seq_id]
             if not self.share_blocks:
                 shared.update((id(b), b) for b in table if b.ref_count > 1)
@@ -121,9 +145,9 @@ class BlockSpaceManager:
             elif len(table) < len(seq.logical_token_blocks) or table[-1].ref_count > 1:
                 num_needed += 1
         # Without sharing, unshare copies each shared block for all holders but the last; the
-        # holders of a GPU block are always running sequences of this same group.
+        # holders of a block are always sequences of this same group.
         num_needed += sum(b.ref_count - 1 for b in shared.values())
-        return num_needed <= self.gpu_allocator.get_num_free_blocks()
+        return num_needed
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room in the cache for the sequence's newest token.
@@ -189,14 +213,12 @@ class BlockSpaceManager:
         return list(blocks.values())
 
     def can_swap_in(self, seq_group: SequenceGroup) -> bool:
-        num_swapped_seqs = seq_group.num_seqs(SequenceStatus.SWAPPED)
-        if self.share_blocks:
-            num_blocks = len(self._physical_blocks(seq_group, SequenceStatus.SWAPPED))
-        else:  # unshare will give every sequence its own copy right after the swap-in
-            num_blocks = sum(len(self.block_tables[s.seq_id])
-                             for s in seq_group.get_seqs(SequenceStatus.SWAPPED))
-        # NOTE: each sequence may also need one new block for its next token right away.
-        num_required = num_blocks + num_swapped_seqs
+        """Room for the group's distinct blocks plus the blocks its next step appends, keeping
+        the watermark free as on admission."""
+        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        num_required = len(self._physical_blocks(seq_group, SequenceStatus.SWAPPED))
+        if not seq_group.pending_chunks:  # it decodes in the step that swaps it in
+            num_required += self._num_blocks_to_append(seqs)
         return self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:

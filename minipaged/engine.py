@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,71 @@ from minipaged.scheduler import PreemptionMode, Scheduler, SchedulerConfig, Sche
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 GiB = 1 << 30
+logger = logging.getLogger("minipaged")
+
+
+def _derive_seed(request_seed: int | str, index: int) -> int:
+    """A 64-bit seed for sequence ``index`` of a request, the same in every process."""
+    digest = hashlib.sha256(f"{request_seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def as_token_ids(token_ids) -> list[int]:
+    """A list of Python ints from a list, tuple, 1-D numpy array or 1-D torch tensor of ints."""
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError(f"prompt_token_ids must be a sequence of integers, got {token_ids!r}")
+    if hasattr(token_ids, "dtype") and hasattr(token_ids, "tolist"):  # numpy or torch
+        kind = str(token_ids.dtype)
+        if "int" not in kind or "bool" in kind:
+            raise ValueError(f"prompt_token_ids must hold integers, got an array of {kind}")
+        if token_ids.ndim != 1:
+            raise ValueError(f"prompt_token_ids of one prompt must be 1-D, got shape "
+                             f"{tuple(token_ids.shape)}")
+        return [int(t) for t in token_ids.tolist()]
+    try:
+        ids = list(token_ids)
+    except TypeError:
+        raise ValueError(f"prompt_token_ids must be a sequence of integers, got "
+                         f"{type(token_ids).__name__}") from None
+    # numpy / torch integer scalars become Python ints; anything else is left for validation.
+    return [int(t) if type(t).__name__ in _INT_SCALARS else t for t in ids]
+
+
+_INT_SCALARS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+
+
+def _check_settings(**settings) -> None:
+    """Engine settings: numbers of the right kind and range, or a ValueError naming them."""
+    def number(v) -> bool:
+        return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v))
+
+    def integer(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    rules = {  # name: (check, allowed)
+        "block_size": (lambda v: v in (1, 2, 4, 8, 16, 32, 64, 128) and integer(v),
+                       "a power of two from 1 to 128"),
+        "gpu_memory_utilization": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "kv_cache_bytes": (lambda v: v is None or (number(v) and v > 0),
+                           "None or a number of bytes > 0"),
+        "swap_space": (lambda v: number(v) and v >= 0, "a number of GiB >= 0"),
+        "num_gpu_blocks": (lambda v: v is None or (integer(v) and v >= 1),
+                           "None or an integer >= 1"),
+        "num_cpu_blocks": (lambda v: v is None or (integer(v) and v >= 0),
+                           "None or an integer >= 0"),
+        "max_num_seqs": (lambda v: integer(v) and v >= 1, "an integer >= 1"),
+        "max_num_batched_tokens": (lambda v: v is None or (integer(v) and v >= 1),
+                                   "None or an integer >= 1"),
+        "max_model_len": (lambda v: v is None or (integer(v) and v >= 2),
+                          "None or an integer >= 2"),
+        "watermark": (lambda v: number(v) and 0 <= v < 1, "a number in [0, 1)"),
+        "seed": (lambda v: integer(v), "an integer"),
+    }
+    for name, value in settings.items():
+        check, allowed = rules[name]
+        if not check(value):
+            raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass
@@ -69,6 +135,7 @@ class StepSnapshot:
     block_manager: dict
     scheduler: dict
     stats: dict = field(default_factory=dict)
+    num_batched_tokens: int = 0  # tokens the model computed in this step
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -124,11 +191,11 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str | None = None, watermark: float = 0.01,
                  load_format: str = "auto", hf_config=None) -> None:
-        if block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two from 1 to 128, got {block_size}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {gpu_memory_utilization}")
+        _check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                        kv_cache_bytes=kv_cache_bytes, swap_space=swap_space,
+                        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        max_model_len=max_model_len, watermark=watermark, seed=seed)
         if preemption_mode is not None:
             PreemptionMode(preemption_mode)  # raises ValueError on anything else
         self.device = _resolve_device(device)
@@ -148,16 +215,16 @@ class LLMEngine:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.vocab_size = cfg.vocab_size
-        model_max = cfg.max_position_embeddings
-        self.max_model_len = min(max_model_len or model_max, model_max)
+        self.model_max_len = cfg.max_position_embeddings
+        self.max_model_len = min(max_model_len or self.model_max_len, self.model_max_len)
         self.eos_token_ids = self._eos_token_ids()
 
         # -- the KV cache ------------------------------------------------------------------------
         self.block_bytes = cache_block_bytes(block_size, self.num_layers, self.num_kv_heads,
                                              self.head_size, self.dtype)
-        max_num_batched_tokens = max_num_batched_tokens or max(4096, self.max_model_len)
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                                self.max_model_len, preemption_mode)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens or max(4096, self.max_model_len),
+            self.max_model_len, preemption_mode)
         blocks_cap = max_num_seqs * math.ceil(self.max_model_len / block_size)
         if num_gpu_blocks is None:
             if self.device.type == "cuda":
@@ -170,6 +237,9 @@ class LLMEngine:
         if num_gpu_blocks < 1:
             raise ValueError(f"the KV pool has no room for a single block of "
                              f"{self.block_bytes} bytes; give more memory or num_gpu_blocks")
+        self._check_one_request_fits(num_gpu_blocks, watermark,
+                                     explicit=max_model_len is not None,
+                                     explicit_budget=max_num_batched_tokens is not None)
         self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_size,
                                         block_size, num_gpu_blocks, num_cpu_blocks, self.dtype,
                                         self.device)
@@ -181,11 +251,50 @@ class LLMEngine:
 
         self.stats = EngineStats()
         self._observers: list[Callable[[StepSnapshot], None]] = []
-        self._generators: dict[str, torch.Generator] = {}
+        self._requests: dict[str, SequenceGroup] = {}  # unfinished requests by id
+        self._generators: dict[int, torch.Generator] = {}  # one per sequence id
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
 
     # -- construction helpers --------------------------------------------------------------------
+    def _check_one_request_fits(self, num_gpu_blocks: int, watermark: float, explicit: bool,
+                                explicit_budget: bool) -> None:
+        """Make sure one request of ``max_model_len`` tokens can always run.
+
+        A ``max_model_len`` given explicitly that the pool (less the watermark) or the step
+        budget cannot hold is refused; the model's own limit is lowered to what fits instead.
+        """
+        cfg = self.scheduler_config
+        usable = num_gpu_blocks - int(watermark * num_gpu_blocks)
+        pool_tokens = usable * self.block_size
+        if explicit and cfg.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}): a long prompt could never be scheduled; "
+                f"raise max_num_batched_tokens or lower max_model_len")
+        if explicit and pool_tokens < self.max_model_len:
+            raise ValueError(
+                f"the KV pool cannot hold one sequence of max_model_len ({self.max_model_len}) "
+                f"tokens: it needs {math.ceil(self.max_model_len / self.block_size)} blocks of "
+                f"{self.block_size} tokens, the pool has {num_gpu_blocks} blocks of which "
+                f"{usable} are usable (watermark {watermark}); give a larger pool or a "
+                f"max_model_len of at most {pool_tokens}")
+        limit = min(pool_tokens, cfg.max_num_batched_tokens if explicit_budget else pool_tokens)
+        if limit < 2:
+            raise ValueError(
+                f"the engine cannot run any request: {num_gpu_blocks} blocks of "
+                f"{self.block_size} tokens with watermark {watermark} leave {usable} usable "
+                f"blocks, and max_num_batched_tokens is {cfg.max_num_batched_tokens}; a "
+                f"request needs room for at least 2 tokens")
+        if limit < self.max_model_len:
+            logger.info("max_model_len lowered from %d to %d tokens: what the KV pool and "
+                        "the step budget can hold", self.max_model_len, limit)
+            self.max_model_len = cfg.max_model_len = limit
+        self.max_model_len_reason = (
+            "the model's maximum length" if self.max_model_len == self.model_max_len
+            else "max_model_len" if explicit
+            else f"what the KV pool of {num_gpu_blocks} blocks and the step budget hold")
+
     def _build_model(self, source, load_format: str) -> torch.nn.Module:
         model_class = get_model_class(self.hf_config)
         previous = torch.get_default_dtype()
@@ -258,11 +367,15 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
         n = len(prompt_token_ids)
+        if not isinstance(prompt_token_ids, list):
+            raise ValueError(f"prompt_token_ids must be a list of integers, got "
+                             f"{type(prompt_token_ids).__name__}")
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt is {n} tokens long; the model's maximum length is "
-                             f"{self.max_model_len} tokens (prompt plus at least one new token)")
+            raise ValueError(f"prompt is {n} tokens long; the maximum length is "
+                             f"{self.max_model_len} tokens ({self.max_model_len_reason}), "
+                             f"prompt plus at least one new token")
         bad = [t for t in prompt_token_ids
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
@@ -274,47 +387,77 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none: pass "
                              "tokenizer=, or stop on token ids with max_tokens")
-        if params.best_of > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"best_of ({params.best_of}) is more than max_num_seqs "
-                             f"({self.scheduler_config.max_num_seqs})")
+        max_seqs = min(self.scheduler_config.max_num_seqs,
+                       self.scheduler_config.max_num_batched_tokens)
+        if params.best_of > max_seqs:
+            raise ValueError(f"best_of ({params.best_of}) is more than the engine runs at once "
+                             f"(max_num_seqs {self.scheduler_config.max_num_seqs}, "
+                             f"max_num_batched_tokens "
+                             f"{self.scheduler_config.max_num_batched_tokens})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size "
+                             f"({self.vocab_size}), got {params.logprobs}")
         need = self.max_blocks_needed(n, params)
         room = self.block_manager.num_total_gpu_blocks - self.block_manager.watermark_blocks
         if need > room:
             raise ValueError(
                 f"request can never fit in the KV pool: it may need {need} blocks of "
                 f"{self.block_size} tokens (prompt {n} + max_tokens {params.max_tokens}, "
-                f"best_of {params.best_of}) but the pool has {room} usable blocks; lower "
-                f"max_tokens or give a larger pool")
+                f"best_of {params.best_of}) but the pool has {room} usable blocks "
+                f"({self.block_manager.num_total_gpu_blocks} minus "
+                f"{self.block_manager.watermark_blocks} kept free by the watermark); lower "
+                f"max_tokens or best_of, or give a larger pool")
 
     def add_request(self, request_id: str | None, prompt: str | None,
                     sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None) -> str:
-        """Queue one request. Returns its id."""
+        """Queue one request. Returns its id.
+
+        Everything is checked first (``ValueError`` naming what is wrong); a request that is
+        accepted always finishes, or is aborted by the caller.
+        """
+        if request_id is None:
+            request_id = self.new_request_id()
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if arrival_time is not None and (
+                isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
+                or not math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time must be a finite number (seconds), got "
+                             f"{arrival_time!r}")
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
             prompt_token_ids = self.encode(prompt)
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate_request(prompt_token_ids, sampling_params)
-        if request_id is None:
-            request_id = str(next(self._request_counter))
-        if request_id in self._generators:
-            raise ValueError(f"request id {request_id!r} is already in use")
+
         seqs = [Sequence(next(self._seq_counter), prompt, prompt_token_ids, self.block_size)
                 for _ in range(sampling_params.best_of)]
         group = SequenceGroup(request_id, seqs, sampling_params,
                               arrival_time if arrival_time is not None else time.monotonic())
-        generator = torch.Generator(device="cpu")
-        seed = sampling_params.seed
-        if seed is None:
-            # Deterministic across processes (Python's str hash is salted per process).
-            digest = hashlib.sha256(f"{self.seed}:{request_id}".encode()).hexdigest()
-            seed = int(digest[:15], 16)
-        generator.manual_seed(seed)
-        self._generators[request_id] = generator
+        request_seed = sampling_params.seed
+        if request_seed is None:
+            request_seed = f"engine {self.seed}, request {request_id}"
+        for index, seq in enumerate(seqs):
+            # One generator per sequence, seeded from the request's seed and the sequence's
+            # index: its draws do not depend on the other sequences, the batch or preemption.
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(_derive_seed(request_seed, index))
+            self._generators[seq.seq_id] = generator
+        self._requests[request_id] = group
         self.scheduler.add_seq_group(group)
         return request_id
+
+    def new_request_id(self) -> str:
+        """An id no unfinished request uses."""
+        while True:
+            request_id = str(next(self._request_counter))
+            if request_id not in self._requests:
+                return request_id
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -329,7 +472,7 @@ class LLMEngine:
         group = self.scheduler.abort_seq_group(request_id)
         if group is None:
             return None
-        self._generators.pop(request_id, None)
+        self._forget(group)
         self._detokenize_all(group)
         return RequestOutput.from_seq_group(group)
 
@@ -374,20 +517,17 @@ class LLMEngine:
         used = self.block_manager.num_total_gpu_blocks - self.block_manager.get_num_free_gpu_blocks()
         self.stats.peak_gpu_blocks_used = max(self.stats.peak_gpu_blocks_used, used)
 
-        inputs = prepare_inputs(outs.scheduled_seq_groups, self.block_manager, self.block_size,
-                                self.device)
+        inputs = prepare_inputs(outs, self.block_manager, self.block_size, self.device)
         t2 = time.perf_counter()
-        if inputs.rows:
+        if inputs.computed:
             logits = self.model_runner.execute_model(inputs, self.cache_engine.gpu_cache)
             t3 = time.perf_counter()
-            results = self.sampler(logits, inputs.rows, self._generators)
+            results = self.sampler(logits, inputs.rows, self._generators) if inputs.rows else {}
             t4 = time.perf_counter()
             self.stats.num_prompt_tokens += inputs.meta.num_prompt_tokens
             self.stats.num_generation_tokens += inputs.meta.num_generation_tokens
-            for row in inputs.rows:  # everything computed this step is now in the cache
-                for seq_id in row.seq_ids:
-                    seq = row.seq_group.find(seq_id)
-                    seq.num_computed_tokens = seq.get_len()
+            for seq, num_computed in inputs.computed:  # now in the cache
+                seq.num_computed_tokens = num_computed
             for group in outs.scheduled_seq_groups:
                 if group.request_id in results:
                     self._process_outputs(group, results[group.request_id])
@@ -395,7 +535,7 @@ class LLMEngine:
             t3 = t4 = time.perf_counter()
         finished = self.scheduler.free_finished_seq_groups()
         for group in finished:
-            self._generators.pop(group.request_id, None)
+            self._forget(group)
         t5 = time.perf_counter()
 
         self.stats.num_steps += 1
@@ -457,27 +597,38 @@ class LLMEngine:
                     and group.sampling_params.stop_strings):
                 seq.output_text = self._decode(seq.output_token_ids)
 
+    def _forget(self, group: SequenceGroup) -> None:
+        self._requests.pop(group.request_id, None)
+        for seq in group.get_seqs():
+            self._generators.pop(seq.seq_id, None)
+
     def _collect_aborted(self) -> list[SequenceGroup]:
         aborted, self.scheduler.aborted = self.scheduler.aborted, []
         for group in aborted:
             self.stats.num_aborted_by_engine += 1
-            self._generators.pop(group.request_id, None)
+            self._forget(group)
             self._detokenize_all(group)
         return aborted
 
     def _break_stall(self) -> list[SequenceGroup]:
         """Nothing runs and the head of a queue can never be admitted: abort it, keep the rest.
 
-        ``validate_request`` rejects requests that cannot fit, so this is a safety net (e.g. a
-        swapped group whose blocks plus watermark exceed the pool)."""
+        NOTE: a last resort that should never fire: ``validate_request`` refuses every request
+        that cannot run alone, and a request that can always comes back. If it ever fires, the
+        log says why, and the other requests still finish."""
         sched = self.scheduler
         queue = sched.swapped if sched.swapped else sched.waiting
         if not queue:
             return []
         group = queue[0]
-        group.error = (f"request {group.request_id} can never be scheduled: it needs more KV "
-                       f"blocks than the pool of {self.block_manager.num_total_gpu_blocks} has "
-                       f"free while nothing else runs")
+        where = "swapped" if queue is sched.swapped else "waiting"
+        group.error = (f"request {group.request_id} can never be scheduled: it is {where} and "
+                       f"needs more KV blocks than the pool of "
+                       f"{self.block_manager.num_total_gpu_blocks} has free "
+                       f"({self.block_manager.get_num_free_gpu_blocks()}) while nothing else "
+                       f"runs")
+        logger.warning("aborting a request the scheduler can never run (an engine bug): %s",
+                       group.error)
         sched.abort_seq_group(group.request_id)
         sched.aborted.append(group)
         return self._collect_aborted()
@@ -495,6 +646,7 @@ class LLMEngine:
             block_manager=self.block_manager.snapshot(),
             scheduler=self.scheduler.snapshot(),
             stats=self.stats.as_dict(),
+            num_batched_tokens=outs.num_batched_tokens,
         )
         for fn in list(self._observers):
             fn(snap)

@@ -8,14 +8,19 @@ import torch
 
 @dataclass
 class InputMetadata:
-    """The step's tokens are laid out as [all prompt tokens, packed] + [one token per decode].
+    """The step's tokens are laid out in three parts, one after another:
+
+        [prompts computed from scratch, packed] [chunks after a cached context] [one per decode]
 
     Args:
-        prompt_lens: length of each packed prompt, in order.
+        prompt_lens: length of each packed prompt, in order (they attend only to themselves).
         slot_mapping: (num_tokens,) cache slot of every token (block * block_size + offset).
         block_tables: (num_decode_seqs, max_blocks) physical block numbers, padded with 0.
         context_lens: (num_decode_seqs,) tokens each decode sequence attends to (incl. its new one).
         max_context_len: the largest of ``context_lens`` (0 when there is no decode).
+        chunk_query_start_loc: (num_chunks + 1,) where each chunk's tokens start in the chunk part.
+        chunk_block_tables: (num_chunks, max_blocks) the block table of each chunk's sequence.
+        chunk_context_lens: (num_chunks,) tokens in the cache once the chunk is written (its end).
     """
 
     prompt_lens: list[int]
@@ -23,10 +28,19 @@ class InputMetadata:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     max_context_len: int
+    chunk_query_start_loc: torch.Tensor | None = None
+    chunk_block_tables: torch.Tensor | None = None
+    chunk_context_lens: torch.Tensor | None = None
+    num_chunk_tokens: int = 0
+
+    @property
+    def num_fresh_prompt_tokens(self) -> int:
+        return sum(self.prompt_lens)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(self.prompt_lens)
+        """Tokens computed by prefill this step: fresh prompts and chunks."""
+        return sum(self.prompt_lens) + self.num_chunk_tokens
 
     @property
     def num_generation_tokens(self) -> int:

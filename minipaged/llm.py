@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from minipaged.engine import LLMEngine
+from minipaged.engine import LLMEngine, as_token_ids
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 
@@ -37,9 +37,11 @@ class LLM:
             raise ValueError("give prompts or prompt_token_ids")
         if isinstance(prompts, str):
             prompts = [prompts]
-        if prompt_token_ids is not None and prompt_token_ids and \
-                isinstance(prompt_token_ids[0], int):
-            prompt_token_ids = [prompt_token_ids]
+        if prompts is not None and not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string or a list of strings, got "
+                             f"{type(prompts).__name__}")
+        if prompt_token_ids is not None:
+            prompt_token_ids = _token_id_lists(prompt_token_ids)
         if prompts is not None and prompt_token_ids is not None \
                 and len(prompts) != len(prompt_token_ids):
             raise ValueError(f"got {len(prompts)} prompts but {len(prompt_token_ids)} "
@@ -54,21 +56,31 @@ class LLM:
 
         engine = self.llm_engine
         requests = []
+        # NOTE: every prompt is checked before the first is queued, so that a bad one anywhere
+        # leaves the engine exactly as it was.
         for i in range(num):
             text = prompts[i] if prompts is not None else None
-            if prompt_token_ids is not None:
-                ids = list(prompt_token_ids[i])
-            else:
-                if not isinstance(text, str):
-                    raise ValueError(f"prompts[{i}] must be a string, got {type(text).__name__}")
-                ids = engine.encode(text)
             try:
+                if prompt_token_ids is not None:
+                    ids = as_token_ids(prompt_token_ids[i])
+                else:
+                    if not isinstance(text, str):
+                        raise ValueError(f"prompts[{i}] must be a string, got "
+                                         f"{type(text).__name__}")
+                    ids = engine.encode(text)
                 engine.validate_request(ids, params[i])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             requests.append((text, ids, params[i]))
 
-        request_ids = [engine.add_request(None, text, p, ids) for text, ids, p in requests]
+        request_ids = []
+        try:
+            for text, ids, p in requests:
+                request_ids.append(engine.add_request(None, text, p, ids))
+        except BaseException:
+            for request_id in request_ids:  # (cannot happen after validation; stay clean)
+                engine.abort_request(request_id)
+            raise
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -110,3 +122,21 @@ class LLM:
         finally:
             bar.close()
         return [done[r] for r in request_ids]
+
+
+def _token_id_lists(prompt_token_ids) -> list:
+    """One prompt's ids, or a list of them (lists, numpy arrays or torch tensors), as a list."""
+    if hasattr(prompt_token_ids, "ndim") and hasattr(prompt_token_ids, "tolist"):
+        if prompt_token_ids.ndim == 1:
+            return [prompt_token_ids]
+        if prompt_token_ids.ndim == 2:
+            return list(prompt_token_ids)
+        raise ValueError(f"prompt_token_ids must be 1-D (one prompt) or 2-D (several), got "
+                         f"shape {tuple(prompt_token_ids.shape)}")
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids must be a list of token ids or a list of such "
+                         f"lists, got {type(prompt_token_ids).__name__}")
+    if prompt_token_ids and not isinstance(prompt_token_ids[0], (list, tuple)) \
+            and not hasattr(prompt_token_ids[0], "ndim"):
+        return [prompt_token_ids]  # one prompt
+    return list(prompt_token_ids)

@@ -1,9 +1,10 @@
 """Turning a scheduled step into one flat batch and running the model on it (lesson 06).
 
-All the step's tokens go into one sequence of tokens: first every prompt that is computed this
-step (packed one after another), then one token per decoding sequence. Alongside them:
-``positions``, ``slot_mapping`` (where each token's K/V go), and for the decode tokens their
-``block_tables`` and ``context_lens``.
+All the step's tokens go into one sequence of tokens: first the prompts computed from scratch
+(packed one after another), then chunks that continue a context already in the cache (the
+recompute of a group after preemption), then one token per decoding sequence. Alongside them:
+``positions``, ``slot_mapping`` (where each token's K/V go), and for the chunks and decode tokens
+their ``block_tables`` and context lengths.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from minipaged.block_manager import BlockSpaceManager
 from minipaged.input_metadata import InputMetadata
-from minipaged.sequence import SequenceGroup, SequenceStatus
+from minipaged.scheduler import PrefillChunk, SchedulerOutputs
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass
@@ -32,47 +34,82 @@ class PreparedInputs:
     meta: InputMetadata
     rows: list[Row]
     sample_indices: torch.Tensor  # (R,) which of the T tokens produce a next-token distribution
+    computed: list[tuple[Sequence, int]]  # after the step: (sequence, its num_computed_tokens)
 
 
-def prepare_inputs(seq_groups: list[SequenceGroup], block_manager: BlockSpaceManager,
-                   block_size: int, device: torch.device) -> PreparedInputs:
+def _work_of_groups(seq_groups: list[SequenceGroup], block_manager: BlockSpaceManager):
+    """Chunks and decodes of groups outside the scheduler (lessons): every fresh prompt whole."""
+    chunks, decode_groups = [], []
+    for group in seq_groups:
+        todo = [s for s in group.get_seqs(SequenceStatus.RUNNING) if s.num_computed_tokens == 0]
+        if not todo:
+            decode_groups.append(group)
+            continue
+        by_table: dict[tuple, list[Sequence]] = {}  # sequences sharing one table: computed once
+        for seq in todo:
+            key = tuple(block_manager.get_block_table(seq))
+            by_table.setdefault(key, []).append(seq)
+        for seqs in by_table.values():
+            chunks.append(PrefillChunk(group, seqs[0], 0, seqs[0].get_len(),
+                                       [s.seq_id for s in seqs]))
+    return chunks, decode_groups
+
+
+def _pad(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int32).view(len(padded), width)
+
+
+def prepare_inputs(scheduled: SchedulerOutputs | list[SequenceGroup],
+                   block_manager: BlockSpaceManager, block_size: int,
+                   device: torch.device) -> PreparedInputs:
+    """The flat batch of one step, from the scheduler's outputs (or a list of groups)."""
+    if isinstance(scheduled, SchedulerOutputs):
+        chunks, decode_groups = scheduled.prefill_chunks, scheduled.decode_seq_groups
+    else:
+        chunks, decode_groups = _work_of_groups(scheduled, block_manager)
+    # Prompts from scratch first, then chunks that read a cached context.
+    chunks = [c for c in chunks if c.start == 0] + [c for c in chunks if c.start > 0]
+
     input_ids: list[int] = []
     positions: list[torch.Tensor] = []  # pieces, concatenated once at the end
     slots: list[torch.Tensor] = []
     prompt_lens: list[int] = []
+    chunk_lens: list[int] = []
+    chunk_tables: list[list[int]] = []
+    chunk_ends: list[int] = []
     rows: list[Row] = []
     sample_indices: list[int] = []
+    computed: list[tuple[Sequence, int]] = []
 
-    # 1. Prompts: every sequence whose tokens are not in the cache yet.
-    for group in seq_groups:
-        todo = [s for s in group.get_seqs(SequenceStatus.RUNNING) if s.num_computed_tokens == 0]
-        if not todo:
-            continue
-        tables = [block_manager.block_tables[s.seq_id] for s in todo]
-        shared = all(t is tables[0] or t == tables[0] for t in tables[1:])
-        # NOTE: sequences that share one block table hold the same tokens: compute them once.
-        groups_of_seqs = [todo] if shared else [[s] for s in todo]
-        for seqs in groups_of_seqs:
-            seq = seqs[0]
-            tokens = seq.get_token_ids()
-            table = torch.tensor(block_manager.get_block_table(seq))  # (num_blocks,)
-            pos = torch.arange(len(tokens))  # (n,)
-            input_ids += tokens
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)  # (n,)
-            prompt_lens.append(len(tokens))
+    # 1. Prefill chunks: tokens [start, end) of a sequence.
+    for chunk in chunks:
+        seq, group = chunk.seq, chunk.seq_group
+        table_list = block_manager.get_block_table(seq)
+        table = torch.tensor(table_list)  # (num_blocks,)
+        pos = torch.arange(chunk.start, chunk.end)  # (n,)
+        input_ids += seq.get_token_ids()[chunk.start:chunk.end]
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)  # (n,)
+        if chunk.start == 0:
+            prompt_lens.append(chunk.num_tokens)
+        else:
+            chunk_lens.append(chunk.num_tokens)
+            chunk_tables.append(table_list)
+            chunk_ends.append(chunk.end)
+        if chunk.sample:
             sample_indices.append(len(input_ids) - 1)
-            rows.append(Row(group, [s.seq_id for s in seqs], True))
+            rows.append(Row(group, list(chunk.seq_ids), True))
+        computed += [(group.find(seq_id), chunk.end) for seq_id in chunk.seq_ids]
 
     # 2. Decodes: one new token per running sequence whose earlier tokens are cached.
     block_tables: list[list[int]] = []
     context_lens: list[int] = []
     decode_positions: list[int] = []
     decode_slots: list[int] = []
-    for group in seq_groups:
+    for group in decode_groups:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
-            if seq.num_computed_tokens == 0:
-                continue
             pos = seq.get_len() - 1
             table = block_manager.get_block_table(seq)
             input_ids.append(seq.get_last_token_id())
@@ -82,9 +119,7 @@ def prepare_inputs(seq_groups: list[SequenceGroup], block_manager: BlockSpaceMan
             context_lens.append(seq.get_len())
             sample_indices.append(len(input_ids) - 1)
             rows.append(Row(group, [seq.seq_id], False))
-
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+            computed.append((seq, seq.get_len()))
 
     positions.append(torch.tensor(decode_positions, dtype=torch.long))
     slots.append(torch.tensor(decode_slots, dtype=torch.long))
@@ -95,17 +130,21 @@ def prepare_inputs(seq_groups: list[SequenceGroup], block_manager: BlockSpaceMan
             return t.pin_memory().to(device, non_blocking=True)
         return t
 
+    chunk_loc = torch.tensor([0] + chunk_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     meta = InputMetadata(
         prompt_lens=prompt_lens,
         slot_mapping=to_device(torch.cat(slots).long()),
-        block_tables=to_device(torch.tensor(padded, dtype=torch.int32).view(len(padded),
-                                                                            max_blocks)),
+        block_tables=to_device(_pad(block_tables)),
         context_lens=to_device(torch.tensor(context_lens, dtype=torch.int32)),
         max_context_len=max(context_lens, default=0),
+        chunk_query_start_loc=to_device(chunk_loc),
+        chunk_block_tables=to_device(_pad(chunk_tables)),
+        chunk_context_lens=to_device(torch.tensor(chunk_ends, dtype=torch.int32)),
+        num_chunk_tokens=sum(chunk_lens),
     )
     return PreparedInputs(to_device(torch.tensor(input_ids, dtype=torch.long)),
                           to_device(torch.cat(positions).long()), meta, rows,
-                          to_device(torch.tensor(sample_indices, dtype=torch.long)))
+                          to_device(torch.tensor(sample_indices, dtype=torch.long)), computed)
 
 
 class ModelRunner:

@@ -55,14 +55,34 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from ``probs`` (V,), using exactly one random number of ``generator``.
+
+    NOTE: one uniform number per draw, whatever the distribution, is what makes a seeded
+    sequence's tokens the same in any batch, after any preemption: its generator advances by one
+    per token it samples and by nothing else.
+    """
+    cdf = torch.cumsum(probs.double(), dim=0)  # (V,)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    token = int(torch.searchsorted(cdf, u, right=True).clamp_(max=len(cdf) - 1))
+    while probs[token] <= 0:  # only rounding at the very top can land here
+        token -= 1
+    return token
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[Row],
-                 generators: dict[str, torch.Generator]) -> dict[str, dict[int, SequenceOutput]]:
-        """Returns, per request id, the next token of each of its sequences in this step."""
+                 generators: dict[int, torch.Generator]) -> dict[str, dict[int, SequenceOutput]]:
+        """Returns, per request id, the next token of each of its sequences in this step.
+
+        ``generators`` holds one random generator per sequence id (see ``draw``).
+        """
         logits = apply_penalties(logits, rows)  # (R, V)
         # NOTE: as in vLLM v0.1, returned logprobs are those of the distribution after penalties
         # and temperature (temperature 1 for greedy and beam search), before top-k/top-p.
-        temps = torch.tensor([r.seq_group.sampling_params.temperature or 1.0 for r in rows],
+        temps = torch.tensor([1.0 if r.seq_group.sampling_params.greedy
+                              or r.seq_group.sampling_params.use_beam_search
+                              else r.seq_group.sampling_params.temperature for r in rows],
                              device=logits.device)
         logits = logits / temps[:, None]
         logprobs = torch.log_softmax(logits, dim=-1)  # (R, V)
@@ -90,12 +110,12 @@ class Sampler:
             group_rows = [rows[i] for i in idx]
             if params.use_beam_search:
                 choices = self._beam_search(group, group_rows, logprobs[idx])
-            elif params.temperature == 0.0:
+            elif params.greedy:
                 choices = {seq_id: (k, seq_id, greedy_tokens[i])
                            for k, i in enumerate(idx) for seq_id in rows[i].seq_ids}
             else:
                 choices = self._random(group_rows, host_logits[[host_pos[i] for i in idx]],
-                                       params, generators[request_id])
+                                       params, generators)
             chosen += [(request_id, seq_id, idx[k], parent, token)
                        for seq_id, (k, parent, token) in choices.items()]
 
@@ -122,17 +142,15 @@ class Sampler:
     # Each strategy returns {seq_id: (row position within the group, parent seq id, token)}.
     @staticmethod
     def _random(rows: list[Row], logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> dict:
-        """``logits`` are on the host, where the request's own generator draws."""
+                generators: dict[int, torch.Generator]) -> dict:
+        """``logits`` are on the host, where each sequence's own generator draws."""
         choices = {}
         for i, row in enumerate(rows):
             filtered = top_k_top_p_filter(logits[i], params.top_k, params.top_p)
             probs = torch.softmax(filtered, dim=-1)  # (V,)
-            # A shared prompt row draws one token per sequence, independently.
-            tokens = torch.multinomial(probs, len(row.seq_ids), replacement=True,
-                                       generator=generator).tolist()
-            for seq_id, token in zip(row.seq_ids, tokens):
-                choices[seq_id] = (i, seq_id, token)
+            # A shared prompt row draws one token per sequence, each from its own generator.
+            for seq_id in row.seq_ids:
+                choices[seq_id] = (i, seq_id, draw(probs, generators[seq_id]))
         return choices
 
     @staticmethod

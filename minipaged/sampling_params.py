@@ -1,7 +1,12 @@
 """How to pick the next token: the user-facing knobs of one request (lessons 03 and 06)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
+# The seeds a torch.Generator takes (manual_seed accepts signed and unsigned 64-bit values).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
@@ -14,7 +19,7 @@ class SamplingParams:
             logprob are returned (default ``n``). With beam search it is the beam width.
         presence_penalty: subtracted once from the logit of every token already generated.
         frequency_penalty: subtracted from a token's logit once per time it was generated.
-        temperature: 0 means greedy; higher is more random.
+        temperature: 0 (or anything below 1e-5) means greedy; higher is more random.
         top_p: keep the smallest set of tokens whose probability sum reaches ``top_p``.
         top_k: keep the ``top_k`` most likely tokens (-1 keeps all).
         use_beam_search: beam search of width ``best_of`` instead of sampling.
@@ -57,7 +62,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 and not self.use_beam_search
+        # NOTE: as in vLLM, a temperature this small would only overflow the softmax; it means
+        # "always the most likely token".
+        return self.temperature < _GREEDY_TEMPERATURE and not self.use_beam_search
 
     def _verify(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -65,6 +72,10 @@ class SamplingParams:
 
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v) -> bool:  # a finite int or float, not a bool
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v))
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
@@ -74,26 +85,30 @@ class SamplingParams:
             )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                raise bad(name, "in [-2, 2]")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
-            raise bad("temperature", "a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
+            if not is_number(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "a number in [-2, 2]")
+        if not is_number(self.temperature) or self.temperature < 0.0:
+            raise bad("temperature", "a finite number >= 0")
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "a number in (0, 1]")
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "-1 (disabled) or an integer >= 1")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "None or an integer >= 0")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "None or an integer")
+        if self.seed is not None and (not is_int(self.seed)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
+        for name in ("use_beam_search", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
         if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if self.use_beam_search:
             if self.best_of == 1:
                 raise ValueError(f"best_of must be > 1 with beam search, got {self.best_of}")
-            if self.temperature != 0.0:
+            if self.temperature >= _GREEDY_TEMPERATURE:
                 raise ValueError(
                     f"temperature must be 0 with beam search, got {self.temperature}"
                 )

@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from minipaged.block_manager import BlockSpaceManager
-from minipaged.sequence import SequenceGroup, SequenceStatus
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class PreemptionMode(enum.Enum):
@@ -32,18 +32,70 @@ class SchedulerConfig:
 
 
 @dataclass
+class PrefillChunk:
+    """Tokens ``[start, end)`` of ``seq`` computed in one step.
+
+    They attend to the tokens before ``start`` (already in the cache, or written by an earlier
+    chunk of the same step) and causally to themselves. ``seq_ids`` are the sequences whose
+    cache this fills (several when they share the blocks); when ``end`` is the sequence's
+    length the last token's logits give each of them its next token (``sample``).
+    """
+
+    seq_group: SequenceGroup
+    seq: Sequence
+    start: int
+    end: int
+    seq_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def sample(self) -> bool:
+        return self.end == self.seq.get_len()
+
+
+@dataclass
 class SchedulerOutputs:
     scheduled_seq_groups: list[SequenceGroup]
-    prompt_run: list[bool]  # per scheduled group: is this its prefill run?
+    prompt_run: list[bool]  # per scheduled group: is this a prefill run (it has chunks)?
     num_batched_tokens: int
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
     preempted: list[tuple[str, str]] = field(default_factory=list)  # (request_id, mode)
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    decode_seq_groups: list[SequenceGroup] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return (not self.scheduled_seq_groups and not self.blocks_to_swap_in
                 and not self.blocks_to_swap_out and not self.blocks_to_copy)
+
+
+def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool) -> list[PrefillChunk]:
+    """The chunks that compute a group just given its blocks (see ``prompt_layout``).
+
+    A fresh group is one chunk: its prompt, computed once for all its sequences, sampled. A group
+    recomputed after preemption holds sequences that differ: the first computes the shared
+    prefix and its own tokens, the others only their own tokens after the prefix. Each stops one
+    token short, so that all of them compute their newest token, and sample, in the same decode
+    step (beam search needs its beams in step; seeds then draw in the same order).
+    """
+    seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+    if identical:
+        return [PrefillChunk(seq_group, seqs[0], 0, seqs[0].get_len(),
+                             [s.seq_id for s in seqs])]
+    # The shortest sequence computes the prefix: the first chunk is the cheapest to admit.
+    leader = min(seqs, key=lambda s: s.get_len())
+    chunks = [PrefillChunk(seq_group, leader, 0, leader.get_len() - 1, [leader.seq_id])]
+    for seq in seqs:
+        if seq is not leader:
+            seq.num_computed_tokens = shared_len  # the leader's chunk fills the shared blocks
+            if seq.get_len() - 1 > shared_len:
+                chunks.append(PrefillChunk(seq_group, seq, shared_len, seq.get_len() - 1,
+                                           [seq.seq_id]))
+    return chunks
 
 
 class Scheduler:
@@ -108,59 +160,82 @@ class Scheduler:
         blocks_to_swap_in: dict[int, int] = {}
         blocks_to_swap_out: dict[int, int] = {}
         blocks_to_copy: dict[int, list[int]] = {}
-        preempted: list[SequenceGroup] = []
         preempted_log: list[tuple[str, str]] = []
+        budget = self.config.max_num_batched_tokens  # tokens this step may still take
 
-        # 1. Running groups first, oldest first.
+        # 1. Running groups first, oldest first; each decoding sequence takes one token.
         # NOTE: they already hold blocks and have made progress; serving them first keeps a
         # request's latency bounded and frees their memory soonest.
         self.running.sort(key=lambda g: g.arrival_time)
         running: list[SequenceGroup] = []
+        decode_groups: list[SequenceGroup] = []
         while self.running:
             seq_group = self.running.pop(0)
+            if seq_group.pending_chunks:  # still prefilling: no new slot, no token to decode
+                running.append(seq_group)
+                continue
             while not self.block_manager.can_append_slot(seq_group):
                 if self.running:
                     # Take memory from the latest arrival (lowest priority).
                     victim = self.running.pop(-1)
                     preempted_log.append(self._preempt(victim, blocks_to_swap_out))
-                    preempted.append(victim)
                 else:
-                    # Nothing left to take from: this group itself goes.
+                    # Nothing left to take from: this group itself goes. (A request that fits
+                    # the pool alone never gets here: validate_request refuses the others.)
                     preempted_log.append(self._preempt(seq_group, blocks_to_swap_out))
-                    preempted.append(seq_group)
                     break
             else:
                 self._append_slots(seq_group, blocks_to_copy)
                 running.append(seq_group)
+                decode_groups.append(seq_group)
+                budget -= seq_group.num_seqs(SequenceStatus.RUNNING)
         self.running = running
+        preempted = bool(preempted_log)
 
-        # 2. Swapped groups come back before anything new is admitted.
+        # 2. Prefill chunks of running groups that were admitted with more work than fit.
+        chunks: list[PrefillChunk] = []
+        stalled = False
+        for seq_group in self.running:
+            while seq_group.pending_chunks and not stalled:
+                if seq_group.pending_chunks[0].num_tokens > budget:
+                    stalled = True  # FCFS: nothing younger may take the budget before it
+                else:
+                    chunk = seq_group.pending_chunks.pop(0)
+                    budget -= chunk.num_tokens
+                    chunks.append(chunk)
+
+        # 3. Swapped groups come back before anything new is admitted.
         self.swapped.sort(key=lambda g: g.arrival_time)
-        while self.swapped and not preempted:
+        while self.swapped and not preempted and not stalled:
             seq_group = self.swapped[0]
             if not self.block_manager.can_swap_in(seq_group):
                 break
             num_new = seq_group.num_seqs(SequenceStatus.SWAPPED)
             if self._num_running_seqs() + num_new > self.config.max_num_seqs:
                 break
+            decodes = not seq_group.pending_chunks
+            if decodes and num_new > budget:
+                break
             self.swapped.pop(0)
             blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
             for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
-            self._append_slots(seq_group, blocks_to_copy)
             self.running.append(seq_group)
+            if decodes:
+                self._append_slots(seq_group, blocks_to_copy)
+                decode_groups.append(seq_group)
+                budget -= num_new
 
-        num_batched_tokens = sum(
-            g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
-
-        # 3. Admit waiting groups, only while nothing is swapped out or was just preempted.
-        prompt_groups: list[SequenceGroup] = []
-        if not self.swapped and not preempted:
+        # 4. Admit waiting groups, only while nothing is swapped out, was just preempted, or
+        # waits for the budget.
+        if not self.swapped and not preempted and not stalled:
             self.waiting.sort(key=lambda g: g.arrival_time)
             while self.waiting:
                 seq_group = self.waiting[0]
-                num_prompt_tokens = self._num_prompt_tokens(seq_group)
-                if num_batched_tokens + num_prompt_tokens > self.config.max_num_batched_tokens:
+                _, shared_len, identical = self.block_manager.prompt_layout(seq_group)
+                first_chunk = (seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len()
+                               if identical else self._shortest_waiting_len(seq_group) - 1)
+                if first_chunk > budget:
                     break
                 num_new = seq_group.get_max_num_running_seqs()
                 if self._num_running_seqs() + num_new > self.config.max_num_seqs:
@@ -171,30 +246,32 @@ class Scheduler:
                 self.block_manager.allocate(seq_group)
                 for seq in seq_group.get_seqs(SequenceStatus.WAITING):
                     seq.status = SequenceStatus.RUNNING
+                seq_group.pending_chunks = plan_prefill(seq_group, shared_len, identical)
                 self.running.append(seq_group)
-                prompt_groups.append(seq_group)
-                num_batched_tokens += num_prompt_tokens
+                while seq_group.pending_chunks and seq_group.pending_chunks[0].num_tokens <= budget:
+                    chunk = seq_group.pending_chunks.pop(0)
+                    budget -= chunk.num_tokens
+                    chunks.append(chunk)
 
-        decode_groups = [g for g in self.running if g not in prompt_groups]
+        prompt_groups = list({id(c.seq_group): c.seq_group for c in chunks}.values())
         return SchedulerOutputs(
             scheduled_seq_groups=prompt_groups + decode_groups,
             prompt_run=[True] * len(prompt_groups) + [False] * len(decode_groups),
-            num_batched_tokens=num_batched_tokens,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_swap_in=blocks_to_swap_in,
             blocks_to_swap_out=blocks_to_swap_out,
             blocks_to_copy=blocks_to_copy,
             preempted=preempted_log,
+            prefill_chunks=chunks,
+            decode_seq_groups=decode_groups,
         )
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
 
-    def _num_prompt_tokens(self, seq_group: SequenceGroup) -> int:
-        """Tokens the prefill run of this group computes (shared prompts are computed once)."""
-        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        if self.block_manager._prompt_seqs_share(seq_group):
-            return seqs[0].get_len()
-        return sum(s.get_len() for s in seqs)
+    @staticmethod
+    def _shortest_waiting_len(seq_group: SequenceGroup) -> int:
+        return min(s.get_len() for s in seq_group.get_seqs(SequenceStatus.WAITING))
 
     def _append_slots(self, seq_group: SequenceGroup, blocks_to_copy: dict) -> None:
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
@@ -212,21 +289,20 @@ class Scheduler:
         mode = self.forced_mode
         if mode is None:
             # NOTE: a single sequence is cheap to recompute (its prompt and outputs become one
-            # prompt); a group of sequences sharing blocks would lose its sharing and compute
-            # every sequence again, so it is swapped instead.
+            # prompt); a group of sequences would compute their shared prefix once and each its
+            # own tokens again, so it is swapped instead when there is room.
             if seq_group.get_max_num_running_seqs() == 1:
                 mode = PreemptionMode.RECOMPUTE
             else:
                 mode = PreemptionMode.SWAP
         if mode is PreemptionMode.SWAP and not self.block_manager.can_swap_out(seq_group):
-            if self.forced_mode is PreemptionMode.SWAP:
-                # NOTE: refusing here keeps the cache consistent; only this request is lost.
-                return self._abort_for_swap_space(seq_group)
-            mode = PreemptionMode.RECOMPUTE  # no room in swap space: recomputing always works
+            # NOTE: out of swap space: recomputing needs no room anywhere, so it always works.
+            mode = PreemptionMode.RECOMPUTE
         if mode is PreemptionMode.RECOMPUTE:
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 self.block_manager.free(seq)
                 seq.reset_for_recompute()
+            seq_group.pending_chunks = []
             # Back to the front of the waiting queue (its arrival time keeps it first in line).
             self.waiting.insert(0, seq_group)
         else:
@@ -237,16 +313,3 @@ class Scheduler:
         self.block_manager._emit("preempt", request_id=seq_group.request_id, mode=mode.value)
         self.num_preemptions[mode] += 1
         return seq_group.request_id, mode.value
-
-    def _abort_for_swap_space(self, seq_group: SequenceGroup) -> tuple[str, str]:
-        needed = len(self.block_manager._physical_blocks(seq_group, SequenceStatus.RUNNING))
-        seq_group.error = (
-            f"out of CPU swap space: request {seq_group.request_id} needed {needed} CPU blocks "
-            f"but only {self.block_manager.get_num_free_cpu_blocks()} were free; raise "
-            f"swap_space (or num_cpu_blocks) or use preemption_mode='recompute'")
-        for seq in seq_group.get_seqs():
-            if not seq.is_finished():
-                seq.status = SequenceStatus.FINISHED_ABORTED
-            self.block_manager.free(seq)
-        self.aborted.append(seq_group)
-        return seq_group.request_id, "abort"

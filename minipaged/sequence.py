@@ -133,6 +133,9 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.error: str | None = None  # set when the engine had to abort the request itself
+        # Prefill work admitted but not run yet (see scheduler.PrefillChunk). While it is not
+        # empty the group's sequences wait; they decode together once every chunk has run.
+        self.pending_chunks: list = []
 
     @property
     def prompt(self) -> str | None:
@@ -167,7 +170,8 @@ class SequenceGroup:
 
     def is_prompt(self) -> bool:
         """True while some unfinished sequence still needs its tokens computed (a prefill run)."""
-        return any(s.num_computed_tokens == 0 for s in self.seqs if not s.is_finished())
+        return bool(self.pending_chunks) or any(
+            s.num_computed_tokens == 0 for s in self.seqs if not s.is_finished())
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id}, num_seqs={len(self.seqs)})"

@@ -37,11 +37,18 @@ def test_empty_prompt_raises_before_anything_runs(llm):
     assert llm.llm_engine.stats.num_steps == 0
 
 
-def test_prompt_longer_than_the_model_raises(llm):
+def test_prompt_longer_than_the_model_raises(tiny_llama):
+    llm = LLM(tiny_llama[0], block_size=8, num_gpu_blocks=64, watermark=0.0)
     too_long = list(range(2, 200)) + list(range(2, 100))  # 296 tokens > 256 positions
-    with pytest.raises(ValueError, match="maximum length is 256"):
+    with pytest.raises(ValueError, match="maximum length is 256 tokens .the model's maximum"):
         llm.generate(prompt_token_ids=[[5, 6], too_long], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_prompt_longer_than_the_pool_holds_raises_naming_the_pool(llm):
+    # 20 blocks of 8 tokens: max_model_len is lowered to 160 tokens, and says why.
+    with pytest.raises(ValueError, match="maximum length is 160 tokens .what the KV pool"):
+        llm.generate(prompt_token_ids=[list(range(2, 200))], use_tqdm=False)
 
 
 def test_token_ids_outside_the_vocabulary_raise(llm):
@@ -50,10 +57,11 @@ def test_token_ids_outside_the_vocabulary_raise(llm):
 
 
 def test_request_that_can_never_fit_the_pool_raises_instead_of_spinning(llm):
-    # 20 blocks of 8 tokens = 160 tokens; 100 + 100 tokens can never be held at once.
-    with pytest.raises(ValueError, match="can never fit in the KV pool"):
+    # 20 blocks of 8 tokens = 160 tokens; 4 samples of 100 + 50 tokens can never be held at once:
+    # 12 shared prompt blocks + 4 x 7 blocks of their own = 40 blocks.
+    with pytest.raises(ValueError, match="may need 40 blocks of 8 tokens.*pool has 20 usable"):
         llm.generate(prompt_token_ids=[list(range(2, 102))], use_tqdm=False,
-                     sampling_params=SamplingParams(max_tokens=100))
+                     sampling_params=SamplingParams(n=4, max_tokens=50))
     # The same engine still serves requests that fit.
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
                        sampling_params=SamplingParams(temperature=0, max_tokens=4))

@@ -71,14 +71,16 @@ def test_block_size_does_not_change_tokens(cases):
 
 def test_max_num_seqs_and_batched_tokens_limit_each_step(cases):
     path, prompts, refs = cases["gpt2"]
+    # 128 tokens a step: the longest request (75 + 48 tokens) still fits whole.
     llm = LLM(path, block_size=BLOCK, num_gpu_blocks=256, max_num_seqs=3,
-              max_num_batched_tokens=80)
+              max_num_batched_tokens=128)
     seen = []
     llm.llm_engine.add_observer(lambda snap: seen.append(snap))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_NEW]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert max(len(s.scheduler["running"]) for s in seen) <= 3
+    assert max(s.num_batched_tokens for s in seen) <= 128
     assert len(seen) == llm.llm_engine.stats.num_steps  # one observer call per step
 
 
@@ -110,11 +112,17 @@ def test_generation_stops_at_the_models_maximum_length(tmp_path):
                        sampling_params=SamplingParams(temperature=0, max_tokens=8,
                                                       ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
-    with pytest.raises(ValueError, match="can never fit|maximum length"):
-        # 30 + 20 tokens would pass position 40; it is capped instead of failing later
-        LLM(str(tmp_path), block_size=8, num_gpu_blocks=4).generate(
-            prompt_token_ids=[list(range(2, 32))], use_tqdm=False,
-            sampling_params=SamplingParams(max_tokens=20))
+    # A pool of 4 blocks of 8 tokens cannot hold a sequence of max_model_len = 40 tokens: asked
+    # for explicitly, that is refused at construction; left to default, the engine's maximum
+    # length becomes the 32 tokens the pool holds.
+    with pytest.raises(ValueError, match=r"needs 5 blocks of 8 tokens, the pool has 4 blocks"):
+        LLM(str(tmp_path), block_size=8, num_gpu_blocks=4, max_model_len=40)
+    small = LLM(str(tmp_path), block_size=8, num_gpu_blocks=4)
+    assert small.llm_engine.max_model_len == 32
+    capped = small.generate(prompt_token_ids=[list(range(2, 32))], use_tqdm=False,
+                            sampling_params=SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(capped[0].outputs[0].token_ids) == 2
+    assert capped[0].outputs[0].finish_reason == "length"
     out = llm.generate(prompt_token_ids=[list(range(2, 32))],
                        sampling_params=SamplingParams(temperature=0, max_tokens=20,
                                                       ignore_eos=True), use_tqdm=False)[0]

@@ -218,16 +218,21 @@ def test_no_logprobs_unless_asked(tiny_llama):
     assert o.logprobs is None and math.isfinite(o.cumulative_logprob)
 
 
-def test_more_logprobs_than_the_vocabulary_returns_them_all(tiny_llama):
+def test_logprobs_up_to_the_vocabulary_return_them_all_and_beyond_it_raise(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(path, block_size=4, num_cpu_blocks=0)
     out = llm.generate(prompt_token_ids=[[3, 4, 5], [6, 7]], use_tqdm=False,
                        sampling_params=SamplingParams(max_tokens=2, ignore_eos=True,
-                                                      logprobs=VOCAB + 10))
+                                                      logprobs=VOCAB))
     for r in out:
         assert all(len(step) == VOCAB for step in r.outputs[0].logprobs)
         assert all(math.isclose(sum(math.exp(v) for v in step.values()), 1.0, rel_tol=1e-4)
                    for step in r.outputs[0].logprobs)
+    with pytest.raises(ValueError, match=f"logprobs must be at most the vocabulary size "
+                                         f".{VOCAB}., got {VOCAB + 10}"):
+        llm.generate(prompt_token_ids=[[3, 4, 5]], use_tqdm=False,
+                     sampling_params=SamplingParams(logprobs=VOCAB + 10))
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 # -- EOS and max_tokens --------------------------------------------------------------------------

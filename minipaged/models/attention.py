@@ -1,8 +1,8 @@
 """The paged attention layer shared by all models (lesson 06).
 
 It replaces the usual "concatenate past keys" attention: new keys and values are written into
-their cache slots, prompts attend to themselves, and decode tokens read their context through the
-block table.
+their cache slots, prompts attend to themselves, chunks after a cached context and decode tokens
+read that context through the block table.
 """
 from __future__ import annotations
 
@@ -39,11 +39,16 @@ class PagedAttention(nn.Module):
             key_cache, value_cache = kv_cache
             ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(q)  # (T, H, D)
-        P = meta.num_prompt_tokens
+        P = meta.num_fresh_prompt_tokens  # prompts attending only to themselves
+        C = P + meta.num_chunk_tokens  # then chunks attending to their cached context too
         if P:
             out[:P] = ops.prefill_attention(q[:P], k[:P], v[:P], meta.prompt_lens, self.scale)
-        if T > P:
+        if C > P:
+            out[P:C] = ops.paged_prefill_attention(
+                q[P:C], key_cache, value_cache, meta.chunk_block_tables,
+                meta.chunk_query_start_loc, meta.chunk_context_lens, self.scale)
+        if T > C:
             assert kv_cache is not None, "decode tokens need a KV cache"
-            out[P:] = ops.paged_attention(q[P:], key_cache, value_cache, meta.block_tables,
+            out[C:] = ops.paged_attention(q[C:], key_cache, value_cache, meta.block_tables,
                                           meta.context_lens, self.scale, meta.max_context_len)
         return out.view(T, self.num_heads * self.head_size)
