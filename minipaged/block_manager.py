@@ -135,6 +135,7 @@ class BlockSpaceManager:
         # when its last block is shared (copy-on-write); otherwise the slot is already there.
         num_needed = 0
         shared: dict[int, PhysicalTokenBlock] = {}
+        writers: dict[int, int] = {}  # id of a shared last block -> sequences writing into it
         for seq in seqs:
             if seq.num_computed_tokens == 0:
                 continue  # a prefill run: its blocks were allocated for all its tokens
@@ -142,11 +143,19 @@ class BlockSpaceManager:
             if not self.share_blocks:
                 shared.update((id(b), b) for b in table if b.ref_count > 1)
                 num_needed += len(table) < len(seq.logical_token_blocks)
-            elif len(table) < len(seq.logical_token_blocks) or table[-1].ref_count > 1:
+            elif len(table) < len(seq.logical_token_blocks):
                 num_needed += 1
-        # Without sharing, unshare copies each shared block for all holders but the last; the
-        # holders of a block are always sequences of this same group.
-        num_needed += sum(b.ref_count - 1 for b in shared.values())
+            elif table[-1].ref_count > 1:
+                shared[id(table[-1])] = table[-1]
+                writers[id(table[-1])] = writers.get(id(table[-1]), 0) + 1
+        if not self.share_blocks:
+            # unshare copies each shared block for all holders but the last; the holders of a
+            # block are always sequences of this same group.
+            return num_needed + sum(b.ref_count - 1 for b in shared.values())
+        for key, block in shared.items():
+            # Copy-on-write copies the block for each writer; if every holder writes, the last
+            # one finds itself alone (ref count 1) and keeps the block.
+            num_needed += writers[key] - (writers[key] == block.ref_count)
         return num_needed
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
