@@ -183,27 +183,31 @@ class AsyncLLMEngine:
                         commands.append(self._commands.get_nowait())
                     except queue.Empty:
                         break
+                outbox: list[tuple[_Sink, tuple]] = []
                 for command in commands:
                     if command is _STOP:
                         self._fail_all(EngineDeadError("the server is shutting down"))
                         return
-                    self._apply(command)
+                    self._apply(command, outbox)
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    self._route(self.engine.step(), outbox)
+                # NOTE: metrics first, so a client that saw its last output reads fresh metrics.
                 self._publish_metrics()
+                for sink, item in outbox:
+                    sink.put(item)
         except BaseException as e:  # a step failed: the engine state cannot be trusted
             self.error = e
             self._fail_all(EngineDeadError(f"the engine loop stopped: {e!r}"))
             self._publish_metrics()
 
-    def _apply(self, command) -> None:
+    def _apply(self, command, outbox: list) -> None:
         if isinstance(command, _Abort):
             output = self.engine.abort_request(command.request_id)
             sink = self._sinks.pop(command.request_id, None)
             if output is not None:
                 self._count_finished(output)
                 if sink is not None:
-                    sink.put((command.request_id, output))
+                    outbox.append((sink, (command.request_id, output)))
             return
         added = []
         try:
@@ -220,14 +224,14 @@ class AsyncLLMEngine:
             self._sinks[request_id] = command.sink
         self._resolve(command.accepted, None)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _route(self, outputs: list[RequestOutput], outbox: list) -> None:
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if output.finished:
                 self._sinks.pop(output.request_id, None)
                 self._count_finished(output)
             if sink is not None:
-                sink.put((output.request_id, output))
+                outbox.append((sink, (output.request_id, output)))
 
     def _count_finished(self, output: RequestOutput) -> None:
         reasons = [c.finish_reason or "abort" for c in output.outputs] or ["abort"]
