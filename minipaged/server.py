@@ -223,8 +223,9 @@ async def _until_disconnect(coro, request: Request):
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        work.cancel()  # (no-op once done)
-    if work.cancelled():
+        if not work.done():
+            work.cancel()  # its requests are aborted as the cancellation unwinds it
+    if not work.done() or work.cancelled():
         return None
     return work.result()
 

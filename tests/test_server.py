@@ -61,7 +61,7 @@ def test_models_health_and_metrics_endpoints(url, client):
 
 def test_completion_streamed_equals_non_streamed_equals_transformers_greedy(client, tiny):
     path, model, tokenizer = tiny
-    for prompt in pick_prompts(model, [5, 11], 12):
+    for prompt in pick_prompts(model, [7], 12):
         expected = tokenizer.decode(greedy_reference(model, prompt, 12), skip_special_tokens=True)
         kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                       extra_body=IGNORE_EOS)
@@ -94,10 +94,14 @@ def test_chat_streamed_equals_non_streamed_equals_offline_llm_chat(client, tiny)
 
 
 def test_32_concurrent_clients_are_each_answered_correctly(url, tiny):
-    path, model, tokenizer = tiny
-    prompts = pick_prompts(model, [3, 4, 6, 7, 9, 12, 15, 20], 10, seed=1)
-    expected = [tokenizer.decode(greedy_reference(model, p, 10), skip_special_tokens=True)
-                for p in prompts]
+    prompts = [[(7 * k + 3 * i) % 250 + 2 for i in range(3 + 2 * k)] for k in range(8)]
+    # the oracle: the same engine offline, all prompts in one batch (the test above checks the
+    # engine against transformers); the server must give each client the same answer whatever
+    # else arrives around it
+    offline = LLM(tiny[0], num_gpu_blocks=64).generate(
+        prompt_token_ids=prompts, use_tqdm=False,
+        sampling_params=SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    expected = [o.outputs[0].text for o in offline]
     jobs = [(i % len(prompts), i % 2 == 0) for i in range(32)]  # half of them stream
 
     async def one(client, k, stream):
