@@ -86,6 +86,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the engine thread died, if it did
+        self._closed = False  # set once the thread stops taking commands
         self.num_requests_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.metrics: dict = {}  # republished by the engine thread after every step
         self._publish_metrics()
@@ -112,7 +113,7 @@ class AsyncLLMEngine:
         """Raise ``EngineDeadError`` if the engine thread is not serving."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
-        if not self.is_running:
+        if not self.is_running or self._closed:
             raise EngineDeadError("the engine loop is not running")
 
     # -- the client side (coroutines, any event loop) --------------------------------------------
@@ -131,6 +132,9 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         self._commands.put(_Add(list(request_ids), list(prompts), _Sink(loop, outputs), accepted))
+        if self._closed and not accepted.done():
+            # NOTE: the thread ended between the check above and the put: nobody will answer.
+            accepted.set_exception(EngineDeadError("the engine loop is not running"))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -239,6 +243,7 @@ class AsyncLLMEngine:
         self.num_requests_finished[reason] = self.num_requests_finished.get(reason, 0) + 1
 
     def _fail_all(self, error: EngineDeadError) -> None:
+        self._closed = True  # (before draining: see add_requests)
         for request_id, sink in self._sinks.items():
             sink.put((request_id, error))
         self._sinks.clear()
