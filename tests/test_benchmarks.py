@@ -17,3 +17,18 @@ def test_throughput_benchmark_runs_on_dummy_weights():
     assert "| minipaged |" in out and "transformers static batches of 4" in out
     assert "transformers continuous batching" in out  # ran, or said why it did not
     assert "step-time breakdown" in out
+
+
+def test_serving_benchmark_runs_on_a_tiny_model(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiny_models import save_tiny_model
+
+    save_tiny_model("llama", tmp_path, vocab_size=1000)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/serving.py", "--model", str(tmp_path), "--rates", "20",
+         "--num-requests", "6", "--prompt-len", "4", "12", "--output-len", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 20 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "6" and float(cells[4]) > 0  # all 6 answered, tokens/s measured
