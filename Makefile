@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-fast lab setup system-deps gpu-check bench clean
+.PHONY: demo test test-fast lab setup system-deps gpu-check bench clean sanitize
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ demo: $(STAMP)
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q tests lessons --nbmake -p no:cacheprovider
+
+# The CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer (also part of `test`).
+sanitize: $(STAMP)
+	$(PY) -m pytest -q tests/test_cuda_on_cpu_sanitizers.py -p no:cacheprovider
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -x -m "not slow"

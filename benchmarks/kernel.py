@@ -4,12 +4,16 @@ memory bandwidth of the GPU?
 Decode attention reads every cached key and value once and does little arithmetic on them, so
 its speed limit is memory bandwidth. For each batch size and context length this script times
 
-  paged     our CUDA kernel (minipaged.cuda_ops), reading K/V through block tables
+  v1, v2    our CUDA kernels (minipaged.cuda_ops), reading K/V through block tables: V1 one
+            CUDA block per (head, sequence), V2 also split into 512-token partitions; `auto`
+            is the one the launcher picks for that batch
   gather    the torch reference idea: gather the blocks into dense tensors, then SDPA
   sdpa      torch SDPA over a contiguous (unpaged) cache of the same size: what paging costs
 
-and reports the achieved bandwidth of `paged` (bytes of K/V it must read / time) as a fraction of
-a device-to-device copy measured on the same GPU (counting bytes read and written).
+and reports the achieved bandwidth of the chosen kernel (bytes of K/V it must read / time) as a
+fraction of a device-to-device copy measured on the same GPU (counting bytes read and written).
+Before timing, each kernel's output is checked against minipaged.ops.paged_attention_ref on the
+first sequences of the batch (the script stops on a mismatch: a fast wrong kernel is no result).
 
 Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
 physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up; the inputs
@@ -35,7 +39,7 @@ NUM_KV_HEADS = 32
 BLOCK_SIZE = 16
 DTYPE = torch.float16
 BATCHES = [1, 8, 32, 64, 128, 256]
-CONTEXTS = [128, 512, 1024, 2048, 4096]
+CONTEXTS = [128, 512, 1024, 2048, 4096, 16384]
 ROTATE_BYTES = 256 * 2**20  # rotate inputs until this much memory is touched (L2 is ~50 MB)
 BASELINE_LIMIT = 4 * 2**30  # skip the gather baseline above this many K/V bytes (it copies them)
 
@@ -84,11 +88,19 @@ def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
     scale = HEAD_SIZE ** -0.5
     out = torch.empty_like(queries[0])
 
-    def paged(i):
-        kernels.paged_attention(queries[i], key_cache, value_cache, tables[i], context_lens,
-                                scale, context, out=out)
+    times = {}
+    for version in (1, 2):
+        verify(kernels, queries[0], key_cache, value_cache, tables[0], context_lens, scale,
+               version)
 
-    times = {"paged_ms": time_ms(paged, copies)}
+        def paged(i, version=version):
+            kernels.paged_attention(queries[i], key_cache, value_cache, tables[i], context_lens,
+                                    scale, context, out=out, version=version)
+
+        times[f"v{version}_ms"] = time_ms(paged, copies)
+    chosen = kernels.paged_attention_plan(batch, NUM_HEADS, HEAD_SIZE, context)[0]
+    times["chosen"] = chosen
+    times["paged_ms"] = times[f"v{chosen}_ms"]
     if 2 * kv_bytes(batch, context) <= BASELINE_LIMIT:
         from minipaged.ops import gather_kv
 
@@ -99,6 +111,22 @@ def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
 
         times["gather_ms"] = time_ms(gather, copies)
     return times
+
+
+def verify(kernels, query, key_cache, value_cache, tables, context_lens, scale, version,
+           num_checked: int = 4) -> None:
+    """The kernel's output for the first sequences against the torch reference (fp32)."""
+    from minipaged.ops import paged_attention_ref
+
+    n = min(num_checked, query.shape[0])
+    out = kernels.paged_attention(query[:n], key_cache, value_cache, tables[:n],
+                                  context_lens[:n], scale, version=version)
+    ref = paged_attention_ref(query[:n], key_cache, value_cache, tables[:n], context_lens[:n],
+                              scale)
+    err = ((out.double() - ref.double()).flatten(1).norm(dim=1)
+           / ref.double().flatten(1).norm(dim=1)).max().item()
+    if not err < 2e-3:
+        raise SystemExit(f"V{version} disagrees with the reference: relative error {err:.2e}")
 
 
 def time_contiguous(batch: int, context: int, copies: int) -> dict:
@@ -153,8 +181,8 @@ def main() -> int:
           f"(read + write)")
     print(f"decode attention, fp16, head size {HEAD_SIZE}, {NUM_HEADS} heads / {NUM_KV_HEADS} "
           f"kv heads, block size {BLOCK_SIZE}; times in microseconds (median)")
-    header = (f"{'batch':>5} {'context':>7} {'K/V MB':>8} {'paged':>9} {'gather':>9} "
-              f"{'sdpa':>9} {'paged TB/s':>10} {'of copy':>8}")
+    header = (f"{'batch':>5} {'context':>7} {'K/V MB':>8} {'v1':>9} {'v2':>9} {'auto':>4} "
+              f"{'gather':>9} {'sdpa':>9} {'auto TB/s':>10} {'of copy':>8}")
     print(header)
     print("-" * len(header))
     goal = []
@@ -165,9 +193,12 @@ def main() -> int:
             fraction = bw / copy_bw
 
             us = [f"{row[k] * 1e3:9.1f}" if k in row else f"{'-':>9}"
-                  for k in ("paged_ms", "gather_ms", "sdpa_ms")]
+                  for k in ("v1_ms", "v2_ms")]
+            base = [f"{row[k] * 1e3:9.1f}" if k in row else f"{'-':>9}"
+                    for k in ("gather_ms", "sdpa_ms")]
             print(f"{batch:5d} {context:7d} {row['kv_bytes'] / 1e6:8.1f} {' '.join(us)} "
-                  f"{bw / 1e12:10.2f} {fraction:8.0%}", flush=True)
+                  f"{'V' + str(row['chosen']):>4} {' '.join(base)} {bw / 1e12:10.2f} "
+                  f"{fraction:8.0%}", flush=True)
             if batch >= 64 and context >= 1024:
                 goal.append(fraction)
     if goal:

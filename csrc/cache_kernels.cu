@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "kernels.h"  // the extern "C" declarations: the compiler checks they match
+
 namespace minipaged {
 
 // ----------------------------------------------------------------------------------------------

@@ -1,19 +1,22 @@
-// Single-query paged attention: the decode kernel of lesson 05.
+// Single-query paged attention: the decode kernels of lesson 05.
 //
 // Every running sequence has one new token whose query must attend to all the keys and values
 // already in the KV cache. Those keys and values are not contiguous: they live in fixed-size
-// blocks scattered over a pool, and the sequence's block table says where. This kernel reads them
-// through the block table.
+// blocks scattered over a pool, and the sequence's block table says where. These kernels read
+// them through the block table.
 //
 // Layouts (DESIGN §4; the same in minipaged/ops.py and minipaged/kernel_emulator.py):
 //   query        [num_seqs, num_heads, head_size]              (any strides for the first two dims)
 //   key_cache    [num_blocks, num_kv_heads, head_size / X, block_size, X]   X = 16 / sizeof(T)
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+//                (each cache: the last dims contiguous, its own strides for the first two)
 //   block_tables [num_seqs, max_blocks_per_seq] int32
 //   context_lens [num_seqs] int32
 //   out          [num_seqs, num_heads, head_size]              contiguous
 //
-// Work split: one CUDA block per (head, sequence), 128 threads = 4 warps of 32 lanes.
+// Work split: one CUDA block of 128 threads = 4 warps of 32 lanes per (head, sequence) in V1,
+// per (head, sequence, partition of PARTITION_SIZE tokens) in V2. Either way a CUDA block runs
+// `attend` on a range of tokens:
 //
 //   phase 1  query -> shared memory (fp32)
 //   phase 2  q.k: warp w takes KV blocks w, w+4, w+8, ... A warp is cut into thread groups of
@@ -25,7 +28,13 @@
 //            exponentials and their sum (the same two-level reduction), then normalise in place.
 //   phase 4  probabilities . V: each lane owns some rows (head dimensions) and one 16-byte slice
 //            of the block's tokens; lanes that share a row add up with a butterfly, then the
-//            four warps add up through shared memory and the result is written out.
+//            four warps add up through shared memory.
+//
+// V1 keeps one fp32 logit per token of the context in (dynamic) shared memory: one CUDA block
+// per sequence and head, the whole context. Long contexts would leave most SMs idle and run out
+// of shared memory, so V2 splits the context into partitions: each CUDA block writes its
+// partition's maximum logit, sum of exponentials and normalised output, and a second kernel
+// combines the partitions (softmax is a weighted average of the partitions' softmaxes).
 //
 // Readability first: every reduction says which lanes exchange values. The emulator in
 // minipaged/kernel_emulator.py follows this file step by step.
@@ -35,6 +44,10 @@
 #include <cuda_bf16.h>
 #include <cfloat>
 #include <cstdint>
+#include <mutex>
+#include <type_traits>
+
+#include "kernels.h"  // the extern "C" declarations: the compiler checks they match
 
 namespace minipaged {
 
@@ -142,18 +155,26 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, float ide
 }
 
 // ----------------------------------------------------------------------------------------------
-// The kernel
+// The work of one CUDA block: one query head over the tokens [start, end) of one sequence
 // ----------------------------------------------------------------------------------------------
+// Shared memory (declared by the kernels, which know its sizes): logits[end - start] (fp32),
+// q_smem[HEAD_SIZE], red_smem[2 * NUM_WARPS], out_smem[NUM_WARPS * HEAD_SIZE].
+// On return out_smem holds each warp's part of the *normalised* output (thread d adds up
+// out_smem[w * HEAD_SIZE + d] over the warps, see `write_output`), and the block's maximum logit
+// and sum of exponentials are returned in every thread.
+struct PartitionStats {
+  float max_logit;
+  float exp_sum;
+};
+
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
-__global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
-    T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE]
-    const T* __restrict__ query,          // [num_seqs, num_heads, HEAD_SIZE]
-    const T* __restrict__ key_cache,      // [num_blocks, num_kv_heads, HEAD_SIZE/X, BLOCK_SIZE, X]
-    const T* __restrict__ value_cache,    // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]
-    const int* __restrict__ block_tables, // [num_seqs, max_blocks_per_seq]
-    const int* __restrict__ context_lens, // [num_seqs]
-    int max_blocks_per_seq, int num_kv_heads, int64_t q_seq_stride, int64_t q_head_stride,
-    int64_t kv_block_stride, int64_t kv_head_stride, float scale, int logits_capacity) {
+__device__ __forceinline__ PartitionStats attend(
+    const T* __restrict__ q,              // [HEAD_SIZE], this head's query
+    const T* __restrict__ key_cache,      // already offset to this kv head
+    const T* __restrict__ value_cache,    // already offset to this kv head
+    const int* __restrict__ block_table,  // this sequence's row
+    int start, int end, int64_t k_block_stride, int64_t v_block_stride, float scale,
+    float* logits, float* q_smem, float* red_smem, float* out_smem) {
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   constexpr int X = Vec16<T>::N;                         // elements per 16-byte vector
   // phase 2 (q.k) constants
@@ -172,32 +193,15 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   static_assert(HEAD_SIZE % X == 0, "a key is a whole number of 16-byte chunks");
   static_assert(BLOCK_SIZE % V_VEC == 0, "a value row is a whole number of 16-byte vectors");
 
-  const int head = blockIdx.x;
-  const int num_heads = gridDim.x;
-  const int seq = blockIdx.y;
   const int warp = threadIdx.x / WARP_SIZE;
   const int lane = threadIdx.x % WARP_SIZE;
-  const int kv_head = head / (num_heads / num_kv_heads);  // grouped-query attention
-  const int context_len = context_lens[seq];
-  const int num_blocks = (context_len + BLOCK_SIZE - 1) / BLOCK_SIZE;
-  const int* block_table = block_tables + (int64_t)seq * max_blocks_per_seq;
-  T* out_row = out + ((int64_t)seq * num_heads + head) * HEAD_SIZE;
-
-  extern __shared__ float logits[];               // [logits_capacity]: one float per token
-  __shared__ __align__(16) float q_smem[HEAD_SIZE];  // the query, fp32
-  __shared__ float red_smem[2 * NUM_WARPS];       // max and sum scratch, one slot per warp
-  __shared__ float out_smem[NUM_WARPS][HEAD_SIZE]; // each warp's partial output
-
-  if (context_len > logits_capacity) {
-    // The caller's max_context_len was too small: fail loudly (NaN) instead of overrunning
-    // shared memory. Uniform over the CUDA block, so no barrier is left waiting.
-    const float nan = __int_as_float(0x7fc00000);
-    for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) out_row[d] = from_float<T>(nan);
-    return;
-  }
+  // KV blocks [first_block, first_block + num_blocks) of the block table cover [start, end);
+  // `start` is a multiple of BLOCK_SIZE.
+  const int first_block = start / BLOCK_SIZE;
+  const int num_blocks = (end - start + BLOCK_SIZE - 1) / BLOCK_SIZE;
+  const int num_tokens = end - start;
 
   // ---- phase 1: the query into shared memory --------------------------------------------------
-  const T* q = query + seq * q_seq_stride + head * q_head_stride;
   for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) q_smem[d] = to_float(q[d]);
   __syncthreads();
 
@@ -206,8 +210,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   const int lane_in_group = lane % G;   // which of the key's chunks this lane handles
   float qk_max = -FLT_MAX;
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
-    const int64_t physical_block = block_table[b];
-    const T* k = key_cache + physical_block * kv_block_stride + kv_head * kv_head_stride +
+    const int64_t physical_block = block_table[first_block + b];
+    const T* k = key_cache + physical_block * k_block_stride +
                  token_in_block * X;  // chunk c of this token is at k + c * BLOCK_SIZE * X
 
     // Load first, then multiply: all of this lane's 16-byte loads are in flight together.
@@ -239,8 +243,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
     // (With G == 1 there is nothing to add and the loop runs zero times.)
     const float qk = scale * butterfly<G / 2, 1>(partial, SumOp());
 
-    const int token = b * BLOCK_SIZE + token_in_block;
-    if (token < context_len) {
+    const int token = b * BLOCK_SIZE + token_in_block;  // from `start`
+    if (token < num_tokens) {
       if (lane_in_group == 0) logits[token] = qk;
       qk_max = fmaxf(qk_max, qk);
     }
@@ -253,7 +257,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   const float max_logit = block_reduce<NUM_WARPS, G>(qk_max, red_smem, -FLT_MAX, MaxOp());
 
   float exp_sum = 0.f;
-  for (int i = threadIdx.x; i < context_len; i += NUM_THREADS) {
+  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {
     const float e = expf(logits[i] - max_logit);
     logits[i] = e;
     exp_sum += e;
@@ -262,7 +266,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   // then the warps combine through red_smem[NUM_WARPS .. 2*NUM_WARPS).
   exp_sum = block_reduce<NUM_WARPS, 1>(exp_sum, red_smem + NUM_WARPS, 0.f, SumOp());
   const float inv_sum = 1.f / exp_sum;
-  for (int i = threadIdx.x; i < context_len; i += NUM_THREADS) logits[i] *= inv_sum;
+  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) logits[i] *= inv_sum;
   __syncthreads();  // every probability is written before any warp reads them
 
   // ---- phase 4: probabilities . V -----------------------------------------------------------
@@ -277,16 +281,16 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   for (int i = 0; i < ROWS_PER_LANE; ++i) acc[i] = 0.f;
 
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
-    const int64_t physical_block = block_table[b];
-    const T* v = value_cache + physical_block * kv_block_stride + kv_head * kv_head_stride +
+    const int64_t physical_block = block_table[first_block + b];
+    const T* v = value_cache + physical_block * v_block_stride +
                  slice * V_VEC;  // row r of this lane's slice is at v + r * BLOCK_SIZE
-    const int first_token = b * BLOCK_SIZE + slice * V_VEC;
-    // Tokens past the context (the tail of the last block) get probability 0 *and* value 0:
-    // neither their logits slots nor their cache slots were ever written, and 0 * NaN = NaN.
+    const int first_token = b * BLOCK_SIZE + slice * V_VEC;  // from `start`
+    // Tokens past the range (the tail of the last block) get probability 0 *and* value 0:
+    // neither their logits slots nor their cache slots were written, and 0 * NaN = NaN.
     float probs[V_VEC];
 #pragma unroll
     for (int j = 0; j < V_VEC; ++j) {
-      probs[j] = first_token + j < context_len ? logits[first_token + j] : 0.f;
+      probs[j] = first_token + j < num_tokens ? logits[first_token + j] : 0.f;
     }
     const bool last_block = b == num_blocks - 1;
 
@@ -299,7 +303,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
         if (last_block) {
 #pragma unroll
           for (int j = 0; j < V_VEC; ++j) {
-            if (first_token + j >= context_len) vals[j] = 0.f;
+            if (first_token + j >= num_tokens) vals[j] = 0.f;
           }
         }
 #pragma unroll
@@ -316,131 +320,446 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   }
 
   // Warps combine through shared memory: the first lane of each row team writes the warp's row
-  // sums, then thread d adds up row d over the NUM_WARPS warps and writes the output.
+  // sums; after the barrier thread d can add up row d over the NUM_WARPS warps.
   if (slice == 0) {
 #pragma unroll
     for (int i = 0; i < ROWS_PER_LANE; ++i) {
       const int row = row_in_pass + i * ROWS_PER_PASS;
-      if (row < HEAD_SIZE) out_smem[warp][row] = acc[i];
+      if (row < HEAD_SIZE) out_smem[warp * HEAD_SIZE + row] = acc[i];
     }
   }
   __syncthreads();
+  return {max_logit, exp_sum};
+}
+
+// Thread d adds up row d of the warps' partial outputs and stores it as OutT.
+template <typename OutT, int HEAD_SIZE, int NUM_THREADS>
+__device__ __forceinline__ void write_output(OutT* out_row, const float* out_smem) {
+  constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) sum += out_smem[w][d];
-    out_row[d] = from_float<T>(sum);
+    for (int w = 0; w < NUM_WARPS; ++w) sum += out_smem[w * HEAD_SIZE + d];
+    out_row[d] = from_float<OutT>(sum);
+  }
+}
+
+// NaN in every element of an output row: the loud answer for a context the kernel cannot
+// handle (empty, or longer than the caller promised). Uniform over the CUDA block.
+template <typename OutT, int HEAD_SIZE, int NUM_THREADS>
+__device__ __forceinline__ void write_nan(OutT* out_row) {
+  const float nan = __int_as_float(0x7fc00000);
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) out_row[d] = from_float<OutT>(nan);
+}
+
+// Arguments shared by the kernels.
+struct KernelArgs {
+  const int* block_tables;  // [num_seqs, max_blocks_per_seq]
+  const int* context_lens;  // [num_seqs]
+  int max_blocks_per_seq, num_kv_heads;
+  int64_t q_seq_stride, q_head_stride;
+  int64_t k_block_stride, k_head_stride, v_block_stride, v_head_stride;
+  float scale;
+};
+
+// ----------------------------------------------------------------------------------------------
+// V1: one CUDA block per (head, sequence), the whole context at once
+// ----------------------------------------------------------------------------------------------
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
+    T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE]
+    const T* __restrict__ query,          // [num_seqs, num_heads, HEAD_SIZE]
+    const T* __restrict__ key_cache,      // [num_blocks, num_kv_heads, HEAD_SIZE/X, BLOCK_SIZE, X]
+    const T* __restrict__ value_cache,    // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]
+    const KernelArgs a, int logits_capacity) {
+  constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
+  const int head = blockIdx.x;
+  const int num_heads = gridDim.x;
+  const int seq = blockIdx.y;
+  const int kv_head = head / (num_heads / a.num_kv_heads);  // grouped-query attention
+  const int context_len = a.context_lens[seq];
+  T* out_row = out + ((int64_t)seq * num_heads + head) * HEAD_SIZE;
+
+  extern __shared__ float logits[];                 // [logits_capacity]: one float per token
+  __shared__ __align__(16) float q_smem[HEAD_SIZE];  // the query, fp32
+  __shared__ float red_smem[2 * NUM_WARPS];         // max and sum scratch, one slot per warp
+  __shared__ float out_smem[NUM_WARPS * HEAD_SIZE];  // each warp's partial output
+
+  if (context_len <= 0 || context_len > logits_capacity) {
+    // An empty context, or the caller's max_context_len was too small: fail loudly (NaN)
+    // instead of dividing by zero or overrunning shared memory.
+    write_nan<T, HEAD_SIZE, NUM_THREADS>(out_row);
+    return;
+  }
+  attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(
+      query + seq * a.q_seq_stride + head * a.q_head_stride,
+      key_cache + kv_head * a.k_head_stride, value_cache + kv_head * a.v_head_stride,
+      a.block_tables + (int64_t)seq * a.max_blocks_per_seq, 0, context_len, a.k_block_stride,
+      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem);
+  write_output<T, HEAD_SIZE, NUM_THREADS>(out_row, out_smem);
+}
+
+// ----------------------------------------------------------------------------------------------
+// V2: one CUDA block per (head, sequence, partition), then one per (head, sequence) to combine
+// ----------------------------------------------------------------------------------------------
+constexpr int PARTITION_SIZE = 512;  // tokens per partition: 2 KiB of logits, a multiple of 32
+
+// Partition p of a sequence covers tokens [p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE) of its
+// context. Writes, for partition p, max_logits[seq, head, p], exp_sums[seq, head, p] and the
+// partition's own softmax-weighted values tmp_out[seq, head, p, :] (fp32).
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
+    float* __restrict__ max_logits,       // [num_seqs, num_heads, max_partitions]
+    float* __restrict__ exp_sums,         // [num_seqs, num_heads, max_partitions]
+    float* __restrict__ tmp_out,          // [num_seqs, num_heads, max_partitions, HEAD_SIZE]
+    const T* __restrict__ query, const T* __restrict__ key_cache,
+    const T* __restrict__ value_cache, const KernelArgs a) {
+  static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "a partition is whole KV blocks");
+  constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
+  const int head = blockIdx.x;
+  const int num_heads = gridDim.x;
+  const int seq = blockIdx.y;
+  const int partition = blockIdx.z;
+  const int max_partitions = gridDim.z;
+  const int kv_head = head / (num_heads / a.num_kv_heads);
+  const int context_len = a.context_lens[seq];
+  const int start = partition * PARTITION_SIZE;
+  // This sequence has fewer partitions than the longest one (or an empty context, which the
+  // reduce kernel reports): nothing to do. Uniform over the CUDA block.
+  if (start >= context_len) return;
+  const int end = context_len - start < PARTITION_SIZE ? context_len : start + PARTITION_SIZE;
+
+  __shared__ float logits[PARTITION_SIZE];
+  __shared__ __align__(16) float q_smem[HEAD_SIZE];
+  __shared__ float red_smem[2 * NUM_WARPS];
+  __shared__ float out_smem[NUM_WARPS * HEAD_SIZE];
+
+  const PartitionStats stats = attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(
+      query + seq * a.q_seq_stride + head * a.q_head_stride,
+      key_cache + kv_head * a.k_head_stride, value_cache + kv_head * a.v_head_stride,
+      a.block_tables + (int64_t)seq * a.max_blocks_per_seq, start, end, a.k_block_stride,
+      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem);
+  const int64_t slot = ((int64_t)seq * num_heads + head) * max_partitions + partition;
+  if (threadIdx.x == 0) {
+    max_logits[slot] = stats.max_logit;
+    exp_sums[slot] = stats.exp_sum;
+  }
+  write_output<float, HEAD_SIZE, NUM_THREADS>(tmp_out + slot * HEAD_SIZE, out_smem);
+}
+
+// Softmax over the whole context from the partitions' softmaxes: with m = max_p max_logits[p]
+// and weight[p] = exp_sums[p] * exp(max_logits[p] - m), the output is
+// sum_p weight[p] * tmp_out[p] / sum_p weight[p].
+template <typename T, int HEAD_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
+    T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE]
+    const float* __restrict__ max_logits, const float* __restrict__ exp_sums,
+    const float* __restrict__ tmp_out, const int* __restrict__ context_lens,
+    int max_partitions) {
+  constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
+  const int head = blockIdx.x;
+  const int num_heads = gridDim.x;
+  const int seq = blockIdx.y;
+  const int context_len = context_lens[seq];
+  T* out_row = out + ((int64_t)seq * num_heads + head) * HEAD_SIZE;
+  const int num_partitions = (context_len + PARTITION_SIZE - 1) / PARTITION_SIZE;
+
+  extern __shared__ float weights[];  // [max_partitions]
+  __shared__ float red_smem[2 * NUM_WARPS];
+
+  if (context_len <= 0 || num_partitions > max_partitions) {
+    write_nan<T, HEAD_SIZE, NUM_THREADS>(out_row);
+    return;
+  }
+  const int64_t first = ((int64_t)seq * num_heads + head) * max_partitions;
+  float m = -FLT_MAX;
+  for (int p = threadIdx.x; p < num_partitions; p += NUM_THREADS) {
+    m = fmaxf(m, max_logits[first + p]);
+  }
+  m = block_reduce<NUM_WARPS, 1>(m, red_smem, -FLT_MAX, MaxOp());
+  float total = 0.f;
+  for (int p = threadIdx.x; p < num_partitions; p += NUM_THREADS) {
+    const float w = exp_sums[first + p] * expf(max_logits[first + p] - m);
+    weights[p] = w;
+    total += w;
+  }
+  // The barrier inside block_reduce also makes every weight visible to every thread.
+  total = block_reduce<NUM_WARPS, 1>(total, red_smem + NUM_WARPS, 0.f, SumOp());
+  const float inv_total = 1.f / total;
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) {
+    float sum = 0.f;
+    for (int p = 0; p < num_partitions; ++p) sum += weights[p] * tmp_out[(first + p) * HEAD_SIZE + d];
+    out_row[d] = from_float<T>(sum * inv_total);
   }
 }
 
 // ----------------------------------------------------------------------------------------------
-// Launch: pick the template instance, size the shared memory, report errors as codes.
+// Launch: choose V1 or V2, pick the template instance, size the shared memory, check errors
 // ----------------------------------------------------------------------------------------------
 constexpr int NUM_THREADS = 128;
+constexpr int MAX_GRID_Y = 65535;      // gridDim.y (sequences) and gridDim.z (partitions)
+constexpr int V1_MAX_CONTEXT = 8192;   // V2 above this: V1's logits would crowd shared memory
+constexpr int V1_MIN_BLOCKS = 512;     // V1 only when num_seqs * num_heads fills the GPU
+
+// Error codes of the extern "C" functions below (0 = success, > 0 = a cudaError_t).
+enum ErrorCode {
+  UNSUPPORTED_DTYPE = -1,
+  UNSUPPORTED_HEAD_SIZE = -2,
+  UNSUPPORTED_BLOCK_SIZE = -3,
+  SHARED_MEMORY_TOO_SMALL = -4,  // V1's logits of max_context_len tokens do not fit
+  TOO_MANY_SEQUENCES = -5,       // more than MAX_GRID_Y sequences (or partitions)
+  MISALIGNED = -6,               // a cache pointer or stride is not a multiple of 16 bytes
+  WORKSPACE_TOO_SMALL = -7,
+  BAD_HEAD_COUNTS = -8,          // num_heads is not a multiple of num_kv_heads
+  BAD_VERSION = -9,
+};
+
+// V1 for short contexts, or when the batch alone has enough CUDA blocks to fill the GPU;
+// V2 (partitions) otherwise. `requested` 1 or 2 forces a version (tests, benchmarks).
+inline int choose_version(int num_seqs, int num_heads, int max_context_len, int requested) {
+  if (requested == 1 || requested == 2) return requested;
+  if (max_context_len <= PARTITION_SIZE) return 1;  // one partition: nothing to split
+  if (max_context_len <= V1_MAX_CONTEXT && (int64_t)num_seqs * num_heads >= V1_MIN_BLOCKS) return 1;
+  return 2;
+}
+
+inline int num_partitions(int max_context_len) {
+  return (max_context_len + PARTITION_SIZE - 1) / PARTITION_SIZE;
+}
+
+// V2's scratch: max_logits and exp_sums [num_seqs, num_heads, P] then tmp_out [..., P, head_size].
+inline int64_t workspace_floats(int num_seqs, int num_heads, int head_size, int max_context_len) {
+  return (int64_t)num_seqs * num_heads * num_partitions(max_context_len) * (2 + head_size);
+}
+
+// Device facts, queried once per device rather than on every call.
+constexpr int MAX_DEVICES = 64;
+struct DeviceLimits {
+  int error = 0;
+  int smem_optin = 0;  // shared memory one block may use after opting in
+};
+inline const DeviceLimits& device_limits(int device) {
+  static DeviceLimits limits[MAX_DEVICES];
+  static std::once_flag once[MAX_DEVICES];
+  std::call_once(once[device], [device] {
+    limits[device].error = (int)cudaDeviceGetAttribute(
+        &limits[device].smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  });
+  return limits[device];
+}
+
+// Static shared memory of a kernel, and permission to use all the rest dynamically (a kernel
+// must opt in above 48 KiB of static + dynamic shared memory). Done once per kernel and device.
+struct KernelSmem {
+  int error = 0;
+  size_t static_bytes = 0;
+  size_t max_dynamic = 0;
+};
+// (A template on the kernel itself: kernels of one dtype share a function type.)
+template <auto kernel>
+const KernelSmem& kernel_smem() {
+  static KernelSmem smem[MAX_DEVICES];
+  static std::once_flag once[MAX_DEVICES];
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess || device < 0 || device >= MAX_DEVICES) {
+    static KernelSmem failed;
+    failed.error = err != cudaSuccess ? (int)err : (int)cudaErrorInvalidDevice;
+    return failed;
+  }
+  std::call_once(once[device], [device] {
+    KernelSmem& s = smem[device];
+    const DeviceLimits& limits = device_limits(device);
+    cudaFuncAttributes attrs;
+    s.error = limits.error ? limits.error : (int)cudaFuncGetAttributes(&attrs, kernel);
+    if (s.error) return;
+    s.static_bytes = attrs.sharedSizeBytes;
+    s.max_dynamic = limits.smem_optin > (int)attrs.sharedSizeBytes
+                        ? limits.smem_optin - attrs.sharedSizeBytes : 0;
+    s.error = (int)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)s.max_dynamic);
+  });
+  return smem[device];
+}
 
 struct AttentionArgs {
   void* out;
   const void* query;
   const void* key_cache;
   const void* value_cache;
-  const int* block_tables;
-  const int* context_lens;
-  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
-  int64_t q_seq_stride, q_head_stride, kv_block_stride, kv_head_stride;
-  float scale;
-  int max_context_len;
+  int num_seqs, num_heads, head_size, max_context_len, version;
+  float* workspace;
+  int64_t workspace_floats;
   cudaStream_t stream;
+  KernelArgs k;
 };
 
+// The launch error of *this* launch: an error left pending by an earlier call is cleared before
+// launching (it was that call's to report), and the launch is checked right after.
+inline void clear_stale_error() { (void)cudaGetLastError(); }
+inline int launch_error() { return (int)cudaGetLastError(); }
+
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
-int launch(const AttentionArgs& a) {
-  auto kernel = paged_attention_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
+int launch_v1(const AttentionArgs& a) {
+  constexpr auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
+  const KernelSmem& smem = kernel_smem<kernel>();
+  if (smem.error) return smem.error;
   // One fp32 logit per token, rounded up to whole blocks (phase 4 reads block by block).
   const int capacity = (a.max_context_len + BLOCK_SIZE - 1) / BLOCK_SIZE * BLOCK_SIZE;
   const size_t dynamic_smem = (size_t)capacity * sizeof(float);
-
-  int device = 0, optin_limit = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return (int)err;
-  err = cudaDeviceGetAttribute(&optin_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return (int)err;
-  cudaFuncAttributes attrs;
-  err = cudaFuncGetAttributes(&attrs, kernel);
-  if (err != cudaSuccess) return (int)err;
-  if (dynamic_smem + attrs.sharedSizeBytes > (size_t)optin_limit) return -4;
-  if (dynamic_smem > 48 * 1024) {  // above 48 KiB a kernel must opt in
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               (int)dynamic_smem);
-    if (err != cudaSuccess) return (int)err;
-  }
-
+  if (dynamic_smem > smem.max_dynamic) return SHARED_MEMORY_TOO_SMALL;
   const dim3 grid(a.num_heads, a.num_seqs);
+  clear_stale_error();
   kernel<<<grid, NUM_THREADS, dynamic_smem, a.stream>>>(
       static_cast<T*>(a.out), static_cast<const T*>(a.query),
-      static_cast<const T*>(a.key_cache), static_cast<const T*>(a.value_cache),
-      a.block_tables, a.context_lens, a.max_blocks_per_seq, a.num_kv_heads, a.q_seq_stride,
-      a.q_head_stride, a.kv_block_stride, a.kv_head_stride, a.scale, capacity);
-  return (int)cudaGetLastError();
+      static_cast<const T*>(a.key_cache), static_cast<const T*>(a.value_cache), a.k, capacity);
+  return launch_error();
 }
 
-template <typename T, int HEAD_SIZE>
-int launch_for_head_size(const AttentionArgs& a) {
-  switch (a.block_size) {
-    case 8: return launch<T, HEAD_SIZE, 8>(a);
-    case 16: return launch<T, HEAD_SIZE, 16>(a);
-    case 32: return launch<T, HEAD_SIZE, 32>(a);
-    default: return -3;
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+int launch_v2(const AttentionArgs& a) {
+  const int partitions = num_partitions(a.max_context_len);
+  if (partitions > MAX_GRID_Y) return TOO_MANY_SEQUENCES;
+  if (a.workspace_floats < workspace_floats(a.num_seqs, a.num_heads, HEAD_SIZE,
+                                            a.max_context_len)) {
+    return WORKSPACE_TOO_SMALL;
   }
+  const int64_t stats = (int64_t)a.num_seqs * a.num_heads * partitions;
+  float* max_logits = a.workspace;
+  float* exp_sums = max_logits + stats;
+  float* tmp_out = exp_sums + stats;
+
+  constexpr auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
+  constexpr auto reduce = paged_attention_v2_reduce_kernel<T, HEAD_SIZE, NUM_THREADS>;
+  const KernelSmem& reduce_smem = kernel_smem<reduce>();
+  if (reduce_smem.error) return reduce_smem.error;
+  const size_t weights_smem = (size_t)partitions * sizeof(float);
+  if (weights_smem > reduce_smem.max_dynamic) return SHARED_MEMORY_TOO_SMALL;
+
+  clear_stale_error();
+  kernel<<<dim3(a.num_heads, a.num_seqs, partitions), NUM_THREADS, 0, a.stream>>>(
+      max_logits, exp_sums, tmp_out, static_cast<const T*>(a.query),
+      static_cast<const T*>(a.key_cache), static_cast<const T*>(a.value_cache), a.k);
+  int err = launch_error();
+  if (err) return err;
+  reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, weights_smem, a.stream>>>(
+      static_cast<T*>(a.out), max_logits, exp_sums, tmp_out, a.k.context_lens, partitions);
+  return launch_error();
 }
 
+// ---- one switch for every (dtype, head size, block size) the kernels are built for ------------
+// A test build may define MINIPAGED_FEW_INSTANCES to compile head size 64 and block size 16 only
+// (the sanitizer programs do: they then compile in seconds).
 template <typename T>
-int launch_for_dtype(const AttentionArgs& a) {
-  switch (a.head_size) {
-    case 64: return launch_for_head_size<T, 64>(a);
-    case 80: return launch_for_head_size<T, 80>(a);
-    case 96: return launch_for_head_size<T, 96>(a);
-    case 128: return launch_for_head_size<T, 128>(a);
-    default: return -2;
+struct Type {
+  using type = T;
+};
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+template <typename T, int HEAD_SIZE, typename F>
+int dispatch_block_size(int block_size, F& f) {
+  switch (block_size) {
+    case 16: return f(Type<T>(), Int<HEAD_SIZE>(), Int<16>());
+#ifndef MINIPAGED_FEW_INSTANCES
+    case 8: return f(Type<T>(), Int<HEAD_SIZE>(), Int<8>());
+    case 32: return f(Type<T>(), Int<HEAD_SIZE>(), Int<32>());
+#endif
+    default: return UNSUPPORTED_BLOCK_SIZE;
   }
 }
+
+template <typename T, typename F>
+int dispatch_head_size(int head_size, int block_size, F& f) {
+  switch (head_size) {
+    case 64: return dispatch_block_size<T, 64>(block_size, f);
+#ifndef MINIPAGED_FEW_INSTANCES
+    case 80: return dispatch_block_size<T, 80>(block_size, f);
+    case 96: return dispatch_block_size<T, 96>(block_size, f);
+    case 112: return dispatch_block_size<T, 112>(block_size, f);
+    case 128: return dispatch_block_size<T, 128>(block_size, f);
+    case 256: return dispatch_block_size<T, 256>(block_size, f);
+#endif
+    default: return UNSUPPORTED_HEAD_SIZE;
+  }
+}
+
+// f(Type<T>, Int<HEAD_SIZE>, Int<BLOCK_SIZE>) for dtype 0 = float32, 1 = float16, 2 = bfloat16.
+template <typename F>
+int dispatch(int dtype, int head_size, int block_size, F f) {
+  switch (dtype) {
+    case 0: return dispatch_head_size<float>(head_size, block_size, f);
+    case 1: return dispatch_head_size<__half>(head_size, block_size, f);
+    case 2: return dispatch_head_size<__nv_bfloat16>(head_size, block_size, f);
+    default: return UNSUPPORTED_DTYPE;
+  }
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace minipaged
 
-// Error codes: 0 = success; > 0 = a cudaError_t; -1 = unsupported dtype; -2 = unsupported head
-// size; -3 = unsupported block size; -4 = the logits of max_context_len tokens do not fit in this
-// GPU's shared memory. dtype: 0 = float32, 1 = float16, 2 = bfloat16.
+// Which kernel runs for this batch (1 or 2) and the bytes of device workspace the caller must
+// pass to minipaged_paged_attention (0 for V1). version: 0 = choose by context length, 1, 2.
+extern "C" int minipaged_paged_attention_plan(int num_seqs, int num_heads, int head_size,
+                                              int max_context_len, int version,
+                                              int* chosen_version, int64_t* workspace_bytes) {
+  if (version < 0 || version > 2) return minipaged::BAD_VERSION;
+  const int chosen = minipaged::choose_version(num_seqs, num_heads, max_context_len, version);
+  *chosen_version = chosen;
+  *workspace_bytes = chosen == 1 ? 0
+                                 : (int64_t)sizeof(float) * minipaged::workspace_floats(
+                                       num_seqs, num_heads, head_size, max_context_len);
+  return 0;
+}
+
+// Error codes: see minipaged::ErrorCode. dtype: 0 = float32, 1 = float16, 2 = bfloat16.
+// The caches must be 16-byte aligned, with block and head strides that keep them so.
 extern "C" int minipaged_paged_attention(
     void* out, const void* query, const void* key_cache, const void* value_cache,
     const int* block_tables, const int* context_lens, int num_seqs, int num_heads,
     int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
-    int64_t q_seq_stride, int64_t q_head_stride, int64_t kv_block_stride,
-    int64_t kv_head_stride, float scale, int max_context_len, int dtype, cudaStream_t stream) {
+    int64_t q_seq_stride, int64_t q_head_stride, int64_t k_block_stride, int64_t k_head_stride,
+    int64_t v_block_stride, int64_t v_head_stride, float scale, int max_context_len, int dtype,
+    int version, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
   if (num_seqs == 0 || num_heads == 0) return 0;
-  const minipaged::AttentionArgs a{out, query, key_cache, value_cache, block_tables,
-                                   context_lens, num_seqs, num_heads, num_kv_heads, head_size,
-                                   block_size, max_blocks_per_seq, q_seq_stride, q_head_stride,
-                                   kv_block_stride, kv_head_stride, scale, max_context_len,
-                                   stream};
-  switch (dtype) {
-    case 0: return minipaged::launch_for_dtype<float>(a);
-    case 1: return minipaged::launch_for_dtype<__half>(a);
-    case 2: return minipaged::launch_for_dtype<__nv_bfloat16>(a);
-    default: return -1;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return minipaged::BAD_HEAD_COUNTS;
+  if (num_seqs > minipaged::MAX_GRID_Y) return minipaged::TOO_MANY_SEQUENCES;
+  if (version < 0 || version > 2) return minipaged::BAD_VERSION;
+  const int element = dtype == 0 ? 4 : 2;
+  if (!minipaged::aligned16(key_cache) || !minipaged::aligned16(value_cache) ||
+      (k_block_stride * element) % 16 || (k_head_stride * element) % 16 ||
+      (v_block_stride * element) % 16 || (v_head_stride * element) % 16) {
+    return minipaged::MISALIGNED;
   }
+  const minipaged::AttentionArgs a{
+      out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len,
+      minipaged::choose_version(num_seqs, num_heads, max_context_len, version),
+      static_cast<float*>(workspace), workspace_bytes / (int64_t)sizeof(float), stream,
+      minipaged::KernelArgs{block_tables, context_lens, max_blocks_per_seq, num_kv_heads,
+                            q_seq_stride, q_head_stride, k_block_stride, k_head_stride,
+                            v_block_stride, v_head_stride, scale}};
+  return minipaged::dispatch(dtype, head_size, block_size, [&](auto type, auto head, auto block) {
+    using T = typename decltype(type)::type;
+    return a.version == 1 ? minipaged::launch_v1<T, decltype(head)::value, decltype(block)::value>(a)
+                          : minipaged::launch_v2<T, decltype(head)::value, decltype(block)::value>(a);
+  });
 }
 
-// The most tokens whose logits fit in shared memory for this configuration on the current
-// device (for error messages), or a negative error code.
-extern "C" int minipaged_paged_attention_max_context_len(int head_size, int dtype) {
-  int device = 0, optin_limit = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return -5;
-  if (cudaDeviceGetAttribute(&optin_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-      cudaSuccess) {
-    return -5;
-  }
-  if (dtype < 0 || dtype > 2) return -1;
-  // The static shared memory: q_smem, red_smem and out_smem (see the kernel).
-  const int static_bytes = (int)sizeof(float) * (head_size + 2 * (minipaged::NUM_THREADS / 32) +
-                                                  (minipaged::NUM_THREADS / 32) * head_size);
-  return (optin_limit - static_bytes) / (int)sizeof(float);
+// V1's shared memory on the current device: its static __shared__ bytes and the longest
+// context whose logits still fit (V2 has no such limit). For error messages and tests.
+extern "C" int minipaged_paged_attention_v1_limits(int head_size, int block_size, int dtype,
+                                                   int64_t* static_bytes,
+                                                   int64_t* max_context_len) {
+  return minipaged::dispatch(dtype, head_size, block_size, [&](auto type, auto head, auto block) {
+    using T = typename decltype(type)::type;
+    constexpr int BLOCK_SIZE = decltype(block)::value;
+    const minipaged::KernelSmem& smem = minipaged::kernel_smem<
+        minipaged::paged_attention_v1_kernel<T, decltype(head)::value, BLOCK_SIZE,
+                                             minipaged::NUM_THREADS>>();
+    if (smem.error) return smem.error;
+    *static_bytes = (int64_t)smem.static_bytes;
+    *max_context_len = (int64_t)(smem.max_dynamic / sizeof(float)) / BLOCK_SIZE * BLOCK_SIZE;
+    return 0;
+  });
 }

@@ -1,39 +1,49 @@
 // The one torch-facing file: it checks tensors, finds the current CUDA stream and calls the
 // plain-CUDA launchers of paged_attention.cu and cache_kernels.cu (which know nothing of torch).
 // minipaged/cuda_ops.py builds this file with torch.utils.cpp_extension and wraps it.
+//
+// The same file binds the CPU build of the kernels (minipaged/cuda_on_cpu.py, with
+// MINIPAGED_CUDA_ON_CPU defined): there the "device" tensors are CPU tensors, there are no
+// streams, and a few extra functions choose the emulated GPU and read its counters.
 
 #include <torch/extension.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
 #include <string>
 #include <vector>
 
-extern "C" {
-int minipaged_paged_attention(void* out, const void* query, const void* key_cache,
-                              const void* value_cache, const int* block_tables,
-                              const int* context_lens, int num_seqs, int num_heads,
-                              int num_kv_heads, int head_size, int block_size,
-                              int max_blocks_per_seq, int64_t q_seq_stride, int64_t q_head_stride,
-                              int64_t kv_block_stride, int64_t kv_head_stride, float scale,
-                              int max_context_len, int dtype, cudaStream_t stream);
-int minipaged_paged_attention_max_context_len(int head_size, int dtype);
-int minipaged_reshape_and_cache(const void* key, const void* value, void* key_cache,
-                                void* value_cache, const int64_t* slot_mapping, int num_tokens,
-                                int num_kv_heads, int head_size, int block_size, int x,
-                                int64_t key_token_stride, int64_t value_token_stride,
-                                int element_size, cudaStream_t stream);
-int minipaged_copy_blocks(const int64_t* key_cache_ptrs, const int64_t* value_cache_ptrs,
-                          const int64_t* block_pairs, int num_layers, int num_pairs,
-                          int64_t key_block_bytes, int64_t value_block_bytes,
-                          cudaStream_t stream);
-int minipaged_swap_blocks(void* dst, const void* src, int64_t block_bytes,
-                          const int64_t* block_pairs, int num_pairs, int kind,
-                          cudaStream_t stream);
+#ifdef MINIPAGED_CUDA_ON_CPU
+namespace {
+constexpr auto kDeviceType = at::kCPU;
+constexpr const char* kDeviceName = "CPU (the CUDA-on-CPU build)";
+constexpr bool kPinnedHostMemory = false;  // no CUDA in this torch: nothing to pin for
+struct DeviceGuard {
+  explicit DeviceGuard(const at::Device&) {}
+};
+cudaStream_t current_stream() { return nullptr; }
+std::string error_detail() {
+  const std::string detail = cuda_on_cpu::last_error_detail();
+  return detail.empty() ? "" : " (" + detail + ")";
 }
+}  // namespace
+#else
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+namespace {
+constexpr auto kDeviceType = at::kCUDA;
+constexpr const char* kDeviceName = "CUDA";
+constexpr bool kPinnedHostMemory = true;
+using DeviceGuard = c10::cuda::CUDAGuard;
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+std::string error_detail() { return ""; }
+}  // namespace
+#endif
+
+#include "kernels.h"
 
 namespace {
+
+constexpr int kMaxGridY = 65535;  // CUDA's limit on gridDim.y: one row of the grid per sequence
 
 // Turn a launcher's return code into a Python RuntimeError.
 void check_code(int code, const std::string& what) {
@@ -41,12 +51,18 @@ void check_code(int code, const std::string& what) {
   std::string why;
   switch (code) {
     case -1: why = "unsupported dtype or element size"; break;
-    case -2: why = "unsupported head size (built for 64, 80, 96, 128)"; break;
+    case -2: why = "unsupported head size (built for 64, 80, 96, 112, 128, 256)"; break;
     case -3: why = "unsupported block size (built for 8, 16, 32)"; break;
+    case -4: why = "not enough shared memory on this GPU"; break;
+    case -5: why = "more than 65535 sequences (or partitions) for one launch"; break;
+    case -6: why = "the caches must be 16-byte aligned, with 16-byte multiples as strides"; break;
+    case -7: why = "the workspace is too small"; break;
+    case -8: why = "num_heads must be a multiple of num_kv_heads"; break;
+    case -9: why = "version must be 0 (choose), 1 or 2"; break;
     default:
-      why = code > 0
-                ? std::string("CUDA error: ") + cudaGetErrorString(static_cast<cudaError_t>(code))
-                : "error code " + std::to_string(code);
+      why = code > 0 ? std::string("CUDA error: ") +
+                           cudaGetErrorString(static_cast<cudaError_t>(code)) + error_detail()
+                     : "error code " + std::to_string(code);
   }
   TORCH_CHECK(false, "minipaged ", what, ": ", why);
 }
@@ -62,21 +78,27 @@ int dtype_code(const torch::Tensor& t) {
   return -1;
 }
 
-void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& device) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+bool on_device(const torch::Tensor& t) { return t.device().type() == kDeviceType; }
+
+void check_device(const torch::Tensor& t, const char* name, const torch::Device& device) {
+  TORCH_CHECK(on_device(t), name, " must be a ", kDeviceName, " tensor, got ", t.device());
   TORCH_CHECK(t.device() == device, name, " is on ", t.device(), ", expected ", device);
 }
 
+bool aligned16(const torch::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
 // key_cache [num_blocks, num_kv_heads, head_size / x, block_size, x] and
-// value_cache [num_blocks, num_kv_heads, head_size, block_size], contiguous, same dtype.
+// value_cache [num_blocks, num_kv_heads, head_size, block_size], same dtype. Each block of a
+// kv head must be contiguous; the block and head strides are the caches' own (a cache may be a
+// view, e.g. one layer of a bigger tensor) as long as they keep the 16-byte alignment.
 void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                   int64_t head_size) {
   TORCH_CHECK(key_cache.dim() == 5, "key_cache must be [num_blocks, num_kv_heads, head_size/x, "
               "block_size, x], got ", key_cache.sizes());
   TORCH_CHECK(value_cache.dim() == 4, "value_cache must be [num_blocks, num_kv_heads, head_size, "
               "block_size], got ", value_cache.sizes());
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "key_cache and value_cache must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(),
               "key_cache and value_cache must have the same dtype");
   const int64_t x = 16 / key_cache.element_size();
@@ -88,19 +110,36 @@ void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cac
               && value_cache.size(3) == key_cache.size(3),
               "key_cache ", key_cache.sizes(), " and value_cache ", value_cache.sizes(),
               " disagree");
+  const int64_t block_size = key_cache.size(3);
+  TORCH_CHECK(key_cache.stride(4) == 1 && key_cache.stride(3) == x &&
+              key_cache.stride(2) == block_size * x,
+              "each kv head's block of key_cache must be contiguous, got strides ",
+              key_cache.strides());
+  TORCH_CHECK(value_cache.stride(3) == 1 && value_cache.stride(2) == block_size,
+              "each kv head's block of value_cache must be contiguous, got strides ",
+              value_cache.strides());
+  const int64_t e = key_cache.element_size();
+  TORCH_CHECK(aligned16(key_cache) && aligned16(value_cache) &&
+              key_cache.stride(0) * e % 16 == 0 && key_cache.stride(1) * e % 16 == 0 &&
+              value_cache.stride(0) * e % 16 == 0 && value_cache.stride(1) * e % 16 == 0,
+              "key_cache and value_cache must start on 16-byte boundaries and keep every block "
+              "of every head on one (the kernels read them in 16-byte vectors)");
 }
 
 // ---------------------------------------------------------------------------------------------
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                     torch::Tensor value_cache, torch::Tensor block_tables,
-                     torch::Tensor context_lens, double scale, int64_t max_context_len) {
+// version: 0 = V1 or V2 chosen by context length, 1 = V1, 2 = V2 (partitioned).
+// Returns the version that ran.
+int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                        torch::Tensor value_cache, torch::Tensor block_tables,
+                        torch::Tensor context_lens, double scale, int64_t max_context_len,
+                        int64_t version) {
   const auto device = query.device();
-  check_cuda(query, "query", device);
-  check_cuda(out, "out", device);
-  check_cuda(key_cache, "key_cache", device);
-  check_cuda(value_cache, "value_cache", device);
-  check_cuda(block_tables, "block_tables", device);
-  check_cuda(context_lens, "context_lens", device);
+  check_device(query, "query", device);
+  check_device(out, "out", device);
+  check_device(key_cache, "key_cache", device);
+  check_device(value_cache, "value_cache", device);
+  check_device(block_tables, "block_tables", device);
+  check_device(context_lens, "context_lens", device);
   TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_size]");
   TORCH_CHECK(query.stride(2) == 1, "query's last dimension must be contiguous");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
@@ -111,42 +150,102 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
               out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(num_seqs <= kMaxGridY, "paged_attention takes at most ", kMaxGridY,
+              " sequences per call (CUDA's grid limit), got ", num_seqs);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
               block_tables.is_contiguous() && block_tables.size(0) == num_seqs,
               "block_tables must be contiguous int32 [num_seqs, max_blocks_per_seq]");
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
               context_lens.is_contiguous() && context_lens.size(0) == num_seqs,
               "context_lens must be contiguous int32 [num_seqs]");
-  TORCH_CHECK(max_context_len >= 0, "max_context_len must be >= 0");
+  TORCH_CHECK(version >= 0 && version <= 2, "version must be 0 (choose), 1 or 2, got ", version);
+  if (num_seqs == 0 || num_heads == 0) return 0;
+  TORCH_CHECK(max_context_len >= 1 && max_context_len <= INT32_MAX,
+              "max_context_len must be in [1, 2^31), got ", max_context_len,
+              " (every sequence attends to at least its own token)");
+  const int64_t blocks_needed = (max_context_len + block_size - 1) / block_size;
+  TORCH_CHECK(block_tables.size(1) >= blocks_needed, "block_tables has ", block_tables.size(1),
+              " columns but max_context_len = ", max_context_len, " needs ", blocks_needed,
+              " blocks of ", block_size, " tokens");
+  if (context_lens.device().is_cpu()) {
+    // Host data: check every sequence (on a GPU this would cost a synchronisation; there the
+    // kernel writes NaN for a sequence whose context is empty or longer than max_context_len).
+    const int* lens = context_lens.data_ptr<int>();
+    const int* tables = block_tables.data_ptr<int>();
+    const int64_t width = block_tables.size(1), num_blocks = key_cache.size(0);
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_context_len, "context_lens[", s, "] = ",
+                  lens[s], " is outside [1, max_context_len = ", max_context_len, "]");
+      for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+        const int block = tables[s * width + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
+                    " is not a block of the cache (", num_blocks, " blocks)");
+      }
+    }
+  }
   const int dtype = dtype_code(query);
 
-  const c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  int chosen = 0;
+  int64_t workspace_bytes = 0;
+  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
+                                            (int)max_context_len, (int)version, &chosen,
+                                            &workspace_bytes),
+             "paged_attention");
+  const auto workspace = torch::empty({(workspace_bytes + 3) / 4},
+                                      query.options().dtype(torch::kFloat));
+  const DeviceGuard guard(device);
   const int code = minipaged_paged_attention(
       out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
       block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
       (int)num_kv_heads, (int)head_size, (int)block_size, (int)block_tables.size(1),
-      query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), (float)scale,
-      (int)max_context_len, dtype, stream);
-  if (code == -4) {
+      query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
+      value_cache.stride(0), value_cache.stride(1), (float)scale, (int)max_context_len, dtype,
+      chosen, workspace.data_ptr(), workspace_bytes, current_stream());
+  if (code == -4 && chosen == 1) {
+    int64_t static_bytes = 0, longest = 0;
+    minipaged_paged_attention_v1_limits((int)head_size, (int)block_size, dtype, &static_bytes,
+                                        &longest);
     TORCH_CHECK(false, "minipaged paged_attention: max_context_len = ", max_context_len,
-                " tokens need more shared memory for their logits than this GPU gives one block;"
-                " the most it can take is about ",
-                minipaged_paged_attention_max_context_len((int)head_size, dtype), " tokens");
+                " tokens need more shared memory for V1's logits than this GPU gives one block;"
+                " V1 takes at most ", longest, " tokens here (V2, version=2 or 0, has no limit)");
   }
   check_code(code, "paged_attention");
+  return chosen;
+}
+
+// (version that would run, workspace bytes) for a batch; version 0 = choose by context length.
+std::vector<int64_t> paged_attention_plan(int64_t num_seqs, int64_t num_heads, int64_t head_size,
+                                          int64_t max_context_len, int64_t version) {
+  int chosen = 0;
+  int64_t workspace_bytes = 0;
+  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
+                                            (int)max_context_len, (int)version, &chosen,
+                                            &workspace_bytes),
+             "paged_attention_plan");
+  return {chosen, workspace_bytes};
+}
+
+// (static shared bytes, longest context) of V1 on the current device; dtype as dtype_code.
+std::vector<int64_t> paged_attention_v1_limits(int64_t head_size, int64_t block_size,
+                                               int64_t dtype) {
+  int64_t static_bytes = 0, longest = 0;
+  check_code(minipaged_paged_attention_v1_limits((int)head_size, (int)block_size, (int)dtype,
+                                                 &static_bytes, &longest),
+             "paged_attention_v1_limits");
+  return {static_bytes, longest};
 }
 
 // ---------------------------------------------------------------------------------------------
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor slot_mapping) {
   const auto device = key_cache.device();
-  check_cuda(key, "key", device);
-  check_cuda(value, "value", device);
-  check_cuda(value_cache, "value_cache", device);
-  check_cuda(slot_mapping, "slot_mapping", device);
+  check_device(key, "key", device);
+  check_device(value, "value", device);
+  check_device(key_cache, "key_cache", device);
+  check_device(value_cache, "value_cache", device);
+  check_device(slot_mapping, "slot_mapping", device);
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
               "key and value must both be [num_tokens, num_kv_heads, head_size]");
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
@@ -155,6 +254,8 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
                 "each token's key and value must be contiguous (a row view is fine)");
   }
   check_caches(key_cache, value_cache, head_size);
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "reshape_and_cache writes contiguous caches only");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
               value.scalar_type() == key_cache.scalar_type(),
               "key, value and the caches must have the same dtype");
@@ -163,14 +264,18 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
               slot_mapping.is_contiguous() && slot_mapping.size(0) == num_tokens,
               "slot_mapping must be contiguous int64 [num_tokens]");
+  if (slot_mapping.device().is_cpu() && num_tokens > 0) {
+    const int64_t slots = key_cache.size(0) * key_cache.size(3);
+    TORCH_CHECK(slot_mapping.max().item<int64_t>() < slots, "slot_mapping holds a slot past the"
+                " cache's ", slots, " slots");
+  }
 
-  const c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const DeviceGuard guard(device);
   check_code(minipaged_reshape_and_cache(
                  key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  slot_mapping.data_ptr<int64_t>(), (int)num_tokens, (int)num_kv_heads,
                  (int)head_size, (int)key_cache.size(3), (int)key_cache.size(4), key.stride(0),
-                 value.stride(0), (int)key.element_size(), stream),
+                 value.stride(0), (int)key.element_size(), current_stream()),
              "reshape_and_cache");
 }
 
@@ -187,38 +292,42 @@ void copy_blocks(std::vector<torch::Tensor> key_caches, std::vector<torch::Tenso
   const auto device = first.device();
   const int64_t num_blocks = first.size(0);
   const int64_t num_layers = (int64_t)key_caches.size();
-  auto pointers = torch::empty({2, num_layers}, torch::kLong);  // row 0 keys, row 1 values
-  auto pointer_rows = pointers.accessor<int64_t, 2>();
+  const int64_t num_pairs = block_pairs.size(0);
+  if (num_pairs == 0) return;
+  const auto pairs = block_pairs.contiguous();
+  TORCH_CHECK(pairs.min().item<int64_t>() >= 0 && pairs.max().item<int64_t>() < num_blocks,
+              "copy_blocks: block numbers must be in [0, ", num_blocks, ")");
+
+  // One host table [key pointers | value pointers | pairs], in pinned memory, moved to the GPU
+  // with one asynchronous copy (the caching host allocator keeps it alive until the copy is done).
+  auto table = torch::empty({2 * num_layers + 2 * num_pairs},
+                            torch::TensorOptions().dtype(torch::kLong)
+                                .pinned_memory(kPinnedHostMemory));
+  int64_t* rows = table.data_ptr<int64_t>();
   for (int64_t l = 0; l < num_layers; ++l) {
     const auto& k = key_caches[l];
     const auto& v = value_caches[l];
-    check_cuda(k, "key_caches[l]", device);
-    check_cuda(v, "value_caches[l]", device);
+    check_device(k, "key_caches[l]", device);
+    check_device(v, "value_caches[l]", device);
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "caches must be contiguous");
     TORCH_CHECK(k.sizes() == first.sizes() && v.sizes() == value_caches[0].sizes() &&
                 k.scalar_type() == first.scalar_type() &&
-                v.scalar_type() == value_caches[0].scalar_type(),
+                v.scalar_type() == value_caches[0].scalar_type() && v.size(0) == num_blocks,
                 "every layer's caches must have the same shape and dtype");
-    pointer_rows[0][l] = reinterpret_cast<int64_t>(k.data_ptr());
-    pointer_rows[1][l] = reinterpret_cast<int64_t>(v.data_ptr());
+    rows[l] = reinterpret_cast<int64_t>(k.data_ptr());
+    rows[num_layers + l] = reinterpret_cast<int64_t>(v.data_ptr());
   }
-  const auto pairs = block_pairs.contiguous();
-  TORCH_CHECK(pairs.numel() == 0 || (pairs.min().item<int64_t>() >= 0 &&
-                                     pairs.max().item<int64_t>() < num_blocks),
-              "copy_blocks: block numbers must be in [0, ", num_blocks, ")");
+  std::memcpy(rows + 2 * num_layers, pairs.data_ptr<int64_t>(), 2 * num_pairs * sizeof(int64_t));
 
-  const c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const auto pointers_gpu = pointers.to(device);
-  const auto pairs_gpu = pairs.to(device);
+  const DeviceGuard guard(device);
+  const auto on_gpu = table.to(device, /*non_blocking=*/true);
+  const int64_t* gpu_rows = on_gpu.data_ptr<int64_t>();
   const int64_t key_block_bytes = first.numel() / num_blocks * first.element_size();
   const int64_t value_block_bytes =
       value_caches[0].numel() / num_blocks * value_caches[0].element_size();
-  check_code(minipaged_copy_blocks(pointers_gpu[0].data_ptr<int64_t>(),
-                                   pointers_gpu[1].data_ptr<int64_t>(),
-                                   pairs_gpu.data_ptr<int64_t>(), (int)num_layers,
-                                   (int)pairs.size(0), key_block_bytes, value_block_bytes,
-                                   stream),
+  check_code(minipaged_copy_blocks(gpu_rows, gpu_rows + num_layers, gpu_rows + 2 * num_layers,
+                                   (int)num_layers, (int)num_pairs, key_block_bytes,
+                                   value_block_bytes, current_stream()),
              "copy_blocks");
 }
 
@@ -226,7 +335,8 @@ void copy_blocks(std::vector<torch::Tensor> key_caches, std::vector<torch::Tenso
 // dst[d] = src[s] for each (s, d) row of block_pairs (int64 CPU [num_pairs, 2]); one of src and
 // dst may be a CPU tensor (pin it for asynchronous copies).
 void swap_blocks(torch::Tensor src, torch::Tensor dst, torch::Tensor block_pairs) {
-  TORCH_CHECK(src.is_cuda() || dst.is_cuda(), "swap_blocks: src or dst must be on the GPU");
+  TORCH_CHECK(on_device(src) || on_device(dst), "swap_blocks: src or dst must be a ",
+              kDeviceName, " tensor");
   TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.dim() >= 1 &&
               src.sizes().slice(1) == dst.sizes().slice(1),
               "swap_blocks: src ", src.sizes(), " and dst ", dst.sizes(),
@@ -243,20 +353,19 @@ void swap_blocks(torch::Tensor src, torch::Tensor dst, torch::Tensor block_pairs
                 "swap_blocks: block numbers out of range");
   }
   cudaMemcpyKind kind;
-  if (src.is_cuda() && dst.is_cuda()) {
+  if (on_device(src) && on_device(dst)) {
     kind = cudaMemcpyDeviceToDevice;
-  } else if (src.is_cuda()) {
+  } else if (on_device(src)) {
     kind = cudaMemcpyDeviceToHost;
   } else {
     kind = cudaMemcpyHostToDevice;
   }
-  const auto device = src.is_cuda() ? src.device() : dst.device();
-  const c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto device = on_device(src) ? src.device() : dst.device();
+  const DeviceGuard guard(device);
   const int64_t block_bytes = src.size(0) == 0 ? 0 : src.numel() / src.size(0) * src.element_size();
   check_code(minipaged_swap_blocks(dst.data_ptr(), src.data_ptr(), block_bytes,
                                    pairs.data_ptr<int64_t>(), (int)pairs.size(0), (int)kind,
-                                   stream),
+                                   current_stream()),
              "swap_blocks");
 }
 
@@ -266,9 +375,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "minipaged CUDA kernels (see csrc/). Use them through minipaged.cuda_ops.load().";
   m.def("paged_attention", &paged_attention,
         "paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale, "
-        "max_context_len): single-query attention through block tables, written into out");
+        "max_context_len, version): single-query attention through block tables, written into "
+        "out; returns the version that ran (1 or 2)");
+  m.def("paged_attention_plan", &paged_attention_plan,
+        "paged_attention_plan(num_seqs, num_heads, head_size, max_context_len, version) -> "
+        "[version that runs, workspace bytes]");
+  m.def("paged_attention_v1_limits", &paged_attention_v1_limits,
+        "paged_attention_v1_limits(head_size, block_size, dtype_code) -> [static shared bytes, "
+        "longest context V1 takes]");
   m.def("reshape_and_cache", &reshape_and_cache,
         "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)");
   m.def("copy_blocks", &copy_blocks, "copy_blocks(key_caches, value_caches, block_pairs)");
   m.def("swap_blocks", &swap_blocks, "swap_blocks(src, dst, block_pairs)");
+#ifdef MINIPAGED_CUDA_ON_CPU
+  m.def("set_device", [](int device) { check_code((int)cudaSetDevice(device), "set_device"); },
+        "the emulated GPU whose limits apply: 0 = H100 (sm_90), 1 = A100 (sm_80)");
+  m.def("counters", [] {
+    const auto c = cuda_on_cpu::counters();
+    return std::vector<int64_t>{c.launches, c.blocks, c.block_barriers, c.warp_exchanges};
+  }, "[launches, CUDA blocks, __syncthreads calls, warp exchanges] so far");
+#endif
 }

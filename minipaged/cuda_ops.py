@@ -6,7 +6,7 @@ returns an object with the four cache/attention operations:
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
-                    max_context_len, out=None) -> out
+                    max_context_len=None, out=None, version=0) -> out
     copy_blocks(key_caches, value_caches, block_mapping: dict[int, list[int]])
     swap_blocks(src, dst, block_mapping: dict[int, int])
 
@@ -102,7 +102,7 @@ def _make_ninja_findable(cpp_extension) -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-SUPPORTED_HEAD_SIZES = (64, 80, 96, 128)  # the template instances in paged_attention.cu
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)  # the template instances in paged_attention.cu
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 _warned_shapes: set = set()
 
@@ -121,8 +121,14 @@ class CudaKernels:
 
     def paged_attention(
         self, query, key_cache, value_cache, block_tables, context_lens, scale,
-        max_context_len=None, out=None,
+        max_context_len=None, out=None, version=0,
     ):
+        """Decode attention into ``out`` (allocated if None); returns ``out``.
+
+        ``version`` 0 lets the kernel choose by context length (``paged_attention_plan``):
+        V1, one CUDA block per (head, sequence), or V2, which also splits the context into
+        512-token partitions. 1 or 2 forces one (tests, benchmarks).
+        """
         import torch
 
         head_size, block_size = query.shape[-1], key_cache.shape[3]
@@ -142,9 +148,23 @@ class CudaKernels:
             query = query.contiguous()
         self.module.paged_attention(
             out, query, key_cache, value_cache, block_tables, context_lens,
-            float(scale), int(max_context_len),
+            float(scale), int(max_context_len), int(version),
         )
         return out
+
+    def paged_attention_plan(self, num_seqs, num_heads, head_size, max_context_len, version=0):
+        """The kernel version (1 or 2) that runs for such a batch, and its workspace bytes."""
+        chosen, workspace = self.module.paged_attention_plan(num_seqs, num_heads, head_size,
+                                                             max_context_len, version)
+        return chosen, workspace
+
+    def v1_limits(self, head_size, block_size, dtype):
+        """(static shared bytes, longest context) of the V1 kernel on the current device."""
+        import torch
+
+        code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
+        static_bytes, longest = self.module.paged_attention_v1_limits(head_size, block_size, code)
+        return static_bytes, longest
 
     @staticmethod
     def _reference(query, key_cache, value_cache, block_tables, context_lens, scale, out):

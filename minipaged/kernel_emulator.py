@@ -308,6 +308,49 @@ def _block_reduce(c, values, op, warp_masks, identity, partner, trace, ids):
 
 
 # ----------------------------------------------------------------------------------------------
+# Memory addresses: which bytes one warp reads in one 16-byte load (phase 2)
+# ----------------------------------------------------------------------------------------------
+def warp_key_load(c: KernelShape, element_bytes: int, layout: str = "paged", load: int = 0,
+                  num_kv_heads: int = 1, kv_block: int = 0, kv_head: int = 0) -> dict:
+    """The byte addresses the 32 lanes read in their ``load``-th 16-byte key load of one block.
+
+    Lane l belongs to thread group l // G (token ``l // G`` of the block) and loads the key's
+    16-byte chunk ``l % G + load * G``, as in phase 2 of the kernel. ``layout`` says where that
+    chunk lives, as a byte offset from the start of the key cache:
+
+    - "paged": the kernel's layout [num_blocks, num_kv_heads, head_size / x, block_size, x]:
+      chunk c of token t is at ((kv_block * num_kv_heads + kv_head) * head_size / x + c)
+      * block_size + t, in 16-byte units;
+    - "naive": [num_blocks, num_kv_heads, block_size, head_size], a token's key contiguous:
+      ((kv_block * num_kv_heads + kv_head) * block_size + t) * head_size / x + c.
+
+    Returns {"lane", "token", "chunk", "address"} (lists of 32, address None where the lane has
+    no chunk to load), "sectors" (distinct 32-byte sectors touched: the unit a GPU moves from
+    memory) and "lines" (distinct 128-byte cache lines: memory transactions of the load).
+    """
+    if c.x * element_bytes != 16:
+        raise ValueError("x must be 16 // element_bytes")
+    lanes = LANES
+    token = lanes // c.G
+    chunk = lanes % c.G + load * c.G
+    head_base = kv_block * num_kv_heads + kv_head  # which (block, kv head) slab
+    if layout == "paged":
+        vector = (head_base * c.NUM_K_CHUNKS + chunk) * c.block_size + token
+    elif layout == "naive":
+        vector = (head_base * c.block_size + token) * c.NUM_K_CHUNKS + chunk
+    else:
+        raise ValueError('layout must be "paged" or "naive"')
+    address = [int(v) * 16 if ch < c.NUM_K_CHUNKS else None for v, ch in zip(vector, chunk)]
+    used = [a for a in address if a is not None]
+    return {
+        "lane": lanes.tolist(), "token": token.tolist(), "chunk": chunk.tolist(),
+        "address": address,
+        "sectors": len({a // 32 for a in used} | {(a + 15) // 32 for a in used}),
+        "lines": len({a // 128 for a in used} | {(a + 15) // 128 for a in used}),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
 # torch / NumPy at the edges
 # ----------------------------------------------------------------------------------------------
 def _as_numpy(t):

@@ -3,8 +3,9 @@
 Every csrc/*.cu is built with nvcc into a temporary directory, with the macros torch's extension
 builder adds (they switch off implicit half/bfloat16 conversions, which the kernels must not rely
 on). The torch binding needs a CUDA build of torch to compile, so here it is only checked as text:
-it must declare every extern "C" launcher with exactly the parameter types the .cu files define
-(a mismatch would link fine and break at run time).
+csrc/kernels.h, which it includes, must declare every extern "C" launcher with exactly the
+parameter types the .cu files define (the .cu files include it too, so nvcc also checks), and the
+binding must call every one of them.
 """
 import os
 import re
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.lesson05
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 CU_FILES = sorted(CSRC.glob("*.cu"))
 BINDING = CSRC / "torch_bindings.cpp"
+DECLARATIONS = CSRC / "kernels.h"  # the extern "C" interface, included by the binding
 
 
 def find_nvcc():
@@ -102,9 +104,10 @@ def launcher_definitions():
 
 
 def binding_declarations():
-    text = _strip_comments(BINDING.read_text())
+    assert '#include "kernels.h"' in BINDING.read_text()
+    text = _strip_comments(DECLARATIONS.read_text())
     block = re.search(r'extern\s+"C"\s*\{(.*?)\n\}', text, flags=re.S)
-    assert block, 'torch_bindings.cpp must declare the launchers in an extern "C" { } block'
+    assert block, 'kernels.h must declare the launchers in an extern "C" { } block'
     return {name: _param_types(params)
             for name, params in re.findall(r"int\s+(\w+)\s*\(([^)]*)\)\s*;", block.group(1))}
 
@@ -124,6 +127,10 @@ def test_binding_calls_every_launcher_and_exports_the_ops():
     body = text[text.index("namespace {"):]
     for name in launcher_definitions():
         assert re.search(rf"\b{name}\s*\(", body), f"{name} is declared but never called"
-    exported = set(re.findall(r'm\.def\(\s*"(\w+)"', text))
-    assert exported == {"paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"}
+    cpu_only = text[text.index("#ifdef MINIPAGED_CUDA_ON_CPU", text.index("PYBIND11_MODULE")):]
+    exported = set(re.findall(r'm\.def\(\s*"(\w+)"', text.replace(cpu_only, "")))
+    assert exported == {"paged_attention", "paged_attention_plan", "paged_attention_v1_limits",
+                        "reshape_and_cache", "copy_blocks", "swap_blocks"}
+    # the CPU build (minipaged.cuda_on_cpu) adds the emulated device's controls only
+    assert set(re.findall(r'm\.def\(\s*"(\w+)"', cpu_only)) == {"set_device", "counters"}
     assert "getCurrentCUDAStream" in text and "CUDAGuard" in text

@@ -200,3 +200,25 @@ def test_broken_max_butterfly_is_harmless():
     args = make_inputs(128, 16, 4, 4, 2, [300, 250], seed=2)
     out = emu.paged_attention(*args, _masks={"max": (16,)})
     assert rel_err(out, paged_attention_ref(*args)) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory addresses of one warp's 16-byte key loads (lesson 05)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_paged_key_layout_makes_a_warp_read_512_contiguous_bytes(block_size):
+    shape = emu.KernelShape(128, block_size, 8)
+    paged = emu.warp_key_load(shape, 2, "paged", kv_block=3)
+    addresses = sorted(paged["address"])
+    assert addresses == list(range(addresses[0], addresses[0] + 512, 16))  # coalesced
+    assert (paged["sectors"], paged["lines"]) == (16, 4)
+    naive = emu.warp_key_load(shape, 2, "naive", kv_block=3)
+    assert naive["lines"] == {8: 8, 16: 16, 32: 32}[block_size]  # one line per token (or two)
+    assert naive["sectors"] >= paged["sectors"]
+
+
+def test_warp_key_load_follows_the_kernels_lane_to_chunk_mapping():
+    shape = emu.KernelShape(64, 16, 4)  # G = 2, 16 chunks, 8 loads per lane
+    load = emu.warp_key_load(shape, 4, "paged", load=1)
+    assert load["token"][:4] == [0, 0, 1, 1] and load["chunk"][:4] == [2, 3, 2, 3]
+    assert load["address"][3] == (3 * 16 + 1) * 16  # chunk 3 of token 1

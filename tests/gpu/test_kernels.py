@@ -57,11 +57,12 @@ def reference(inputs):
     return ops.paged_attention_ref(**cpu)
 
 
-def run_kernel(kernels, inputs, max_context_len=None):
+def run_kernel(kernels, inputs, max_context_len=None, version=0):
     out = torch.full_like(inputs["query"], float("nan"))  # poison: every element must be written
     if max_context_len is None:
         max_context_len = int(inputs["context_lens"].max())
-    result = kernels.paged_attention(**inputs, max_context_len=max_context_len, out=out)
+    result = kernels.paged_attention(**inputs, max_context_len=max_context_len, out=out,
+                                     version=version)
     assert result is out
     torch.cuda.synchronize()
     return out.cpu()
@@ -75,27 +76,51 @@ def rel_err(out, ref):
 # ----------------------------------------------------------------------------------------------
 # paged_attention
 # ----------------------------------------------------------------------------------------------
+def per_sequence_err(out, ref):
+    """The worst sequence's error relative to its own output norm."""
+    out, ref = out.double().flatten(1), ref.double().flatten(1)
+    return ((out - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
+
+
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA, ids=lambda v: str(v))
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_paged_attention_matches_reference(kernels, dtype, head_size, block_size, num_heads,
-                                           num_kv_heads):
-    lens = [1, block_size, block_size + 1, 300, 1000]
+                                           num_kv_heads, version):
+    lens = [1, block_size - 1, block_size, block_size + 1, 300, 1000, 4096]
     inputs = make_inputs(head_size, block_size, dtype, num_heads, num_kv_heads, lens,
                          seed=head_size * block_size)
-    out = run_kernel(kernels, inputs)
+    out = run_kernel(kernels, inputs, version=version)
     ref = reference(inputs)
     assert not torch.isnan(out).any(), "some output elements were never written"
-    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert per_sequence_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("version", [0, 1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_long_context_uses_more_than_48k_of_shared_memory(kernels, dtype):
-    # 16384 fp32 logits = 64 KiB of dynamic shared memory: the launcher must opt in.
+def test_long_context_uses_more_than_48k_of_shared_memory(kernels, dtype, version):
+    # 16384 fp32 logits = 64 KiB of dynamic shared memory: V1 must opt in; V2 needs none.
     inputs = make_inputs(128, 16, dtype, 8, 2, [16384, 3000], seed=1)
-    out = run_kernel(kernels, inputs)
-    assert rel_err(out, reference(inputs)) < TOLERANCE[dtype]
+    out = run_kernel(kernels, inputs, version=version)
+    assert per_sequence_err(out, reference(inputs)) < TOLERANCE[dtype]
+
+
+def test_v1_just_over_48k_of_static_plus_dynamic_shared_memory(kernels):
+    """Contexts whose logits fit in 48 KiB but not together with the static shared memory
+    (about 11.6k to 12.3k tokens at head size 128, fp32) must opt in too."""
+    static_bytes, _ = kernels.v1_limits(128, 16, torch.float32)
+    n = (48 * 1024 - static_bytes) // 4 // 16 * 16 + 16
+    inputs = make_inputs(128, 16, torch.float32, 2, 1, [n], seed=8)
+    assert per_sequence_err(run_kernel(kernels, inputs, version=1), reference(inputs)) < 1e-5
+
+
+def test_v2_takes_over_by_context_length(kernels):
+    assert kernels.paged_attention_plan(4, 8, 128, 512)[0] == 1
+    assert kernels.paged_attention_plan(4, 8, 128, 513)[0] == 2
+    assert kernels.paged_attention_plan(64, 8, 128, 8192)[0] == 1
+    assert kernels.paged_attention_plan(64, 8, 128, 8193)[0] == 2
 
 
 def test_ops_dispatches_to_the_kernel(kernels):
@@ -136,15 +161,18 @@ def test_garbage_past_the_context_is_never_read(kernels, dtype):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
-def test_too_long_a_context_for_shared_memory_raises(kernels):
-    inputs = make_inputs(64, 16, torch.float16, 2, 2, [10], seed=5)
-    with pytest.raises(RuntimeError, match="shared memory"):
-        kernels.paged_attention(**inputs, max_context_len=10_000_000)
+def test_v1_past_its_shared_memory_raises_and_v2_runs(kernels):
+    _, longest = kernels.v1_limits(64, 16, torch.float16)
+    inputs = make_inputs(64, 16, torch.float16, 2, 2, [longest + 16], seed=5)
+    with pytest.raises(RuntimeError, match=f"V1 takes at most {longest} tokens"):
+        kernels.paged_attention(**inputs, version=1)
+    out = run_kernel(kernels, inputs)  # V2 chosen
+    assert per_sequence_err(out, reference(inputs)) < TOLERANCE[torch.float16]
 
 
 def test_context_longer_than_max_context_len_gives_nan_not_corruption(kernels):
     inputs = make_inputs(64, 16, torch.float32, 2, 2, [100, 10], seed=6)
-    out = run_kernel(kernels, inputs, max_context_len=10)
+    out = run_kernel(kernels, inputs, max_context_len=10, version=1)
     assert torch.isnan(out[0]).all()  # the sequence that does not fit is marked, loudly
     assert rel_err(out[1], reference(inputs)[1]) < 1e-5  # the one that fits is right
 
@@ -160,7 +188,7 @@ def test_unsupported_head_size_falls_back_to_the_reference(kernels):
 # reshape_and_cache
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_reshape_and_cache_is_exact(kernels, dtype, head_size, block_size):
     gen = torch.Generator().manual_seed(head_size + block_size)

@@ -1,0 +1,182 @@
+"""The real CUDA kernels of ``csrc/``, compiled for the CPU and run lane by lane (lesson 05).
+
+``load()`` compiles ``csrc/paged_attention.cu``, ``csrc/cache_kernels.cu`` and
+``csrc/torch_bindings.cpp`` with the host C++ compiler (``torch.utils.cpp_extension``, cached on
+disk) against ``csrc/cpu/cuda_on_cpu.h``, a small CUDA runtime in which every CUDA thread is a
+host thread: ``__syncthreads`` is a real barrier of the block, ``__shfl_xor_sync`` a real exchange
+among the 32 lanes of a warp, shared memory is sized as on an sm_90 GPU, fp16/bf16 round as on
+the GPU. It returns a ``CudaKernels`` object (see ``minipaged.cuda_ops``) whose methods take CPU
+tensors::
+
+    kernels = cuda_on_cpu.load()
+    out = kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                  scale)
+
+This is for tests, sanitizers and the lesson, not for speed: a decode step of a small model takes
+seconds. Unlike ``cuda_ops.load()`` it raises when the build fails (there is nothing to fall
+back to when the point is to run these kernels).
+
+Two bits of CUDA syntax that the preprocessor cannot handle are rewritten on a temporary copy of
+each ``.cu`` file, line for line, so that compiler messages and sanitizer reports name the real
+file and line (``rewrite_cuda_source``). The same rewrite builds the sanitizer programs
+(``build_sanitizer_program``), where one ``__syncthreads`` can be dropped on purpose to show that
+ThreadSanitizer catches the data race it leaves.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CPU_DIR = CSRC / "cpu"
+CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu")
+RUNTIME_SOURCES = ("cuda_on_cpu.cpp",)
+FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-pthread"]
+
+_LAUNCH = re.compile(r"<<<(.*?)>>>", re.S)
+_EXTERN_SHARED = re.compile(
+    r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([A-Za-z_][\w:]*)\s+(\w+)\s*\[\s*\]\s*;")
+
+_lock = threading.Lock()
+_loaded = None
+
+
+def rewrite_cuda_source(text: str, path: str, drop_barrier: str | None = None) -> str:
+    """CUDA source -> host C++ for ``cuda_on_cpu.h``, with the same line numbers.
+
+    Args:
+        text: the ``.cu`` file's text.
+        path: its path, for the ``#line`` directive.
+        drop_barrier: if given, the ``__syncthreads();`` on the first line containing this text
+            is compiled out (the removed-barrier demonstration of the sanitizer tests).
+
+    ``kernel<<<grid, block, smem, stream>>>(args)`` becomes
+    ``kernel % ::cuda_on_cpu::LaunchConfig(grid, block, smem, stream)(args)`` and
+    ``extern __shared__ T name[];`` becomes ``T* const name = ::cuda_on_cpu::dynamic_shared<T>();``.
+    """
+    text = _LAUNCH.sub(lambda m: f" % ::cuda_on_cpu::LaunchConfig({m.group(1)})", text)
+    text = _EXTERN_SHARED.sub(
+        lambda m: f"{m.group(1)}* const {m.group(2)} = ::cuda_on_cpu::dynamic_shared<{m.group(1)}>();",
+        text)
+    if drop_barrier is not None:
+        lines = text.split("\n")
+        hits = [i for i, line in enumerate(lines) if drop_barrier in line and "__syncthreads();" in line]
+        if not hits:
+            raise ValueError(f"no line with __syncthreads(); contains {drop_barrier!r}")
+        lines[hits[0]] = lines[hits[0]].replace("__syncthreads();", "/* barrier dropped */;", 1)
+        text = "\n".join(lines)
+    return f'#line 1 "{path}"\n{text}'
+
+
+def write_rewritten_sources(out_dir: Path, drop_barrier: str | None = None) -> list[Path]:
+    """The rewritten ``.cu`` files as ``out_dir/<name>.cpp``; a file is rewritten only when its
+    text changes, so that the build cache stays valid."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in CU_SOURCES:
+        source = CSRC / name
+        target = out_dir / f"{name}.cpp"
+        text = rewrite_cuda_source(source.read_text(), str(source),
+                                   drop_barrier if name == "paged_attention.cu" else None)
+        if not target.exists() or target.read_text() != text:
+            target.write_text(text)
+        written.append(target)
+    return written
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MINIPAGED_EXT_DIR",
+                               Path.home() / ".cache" / "minipaged" / "torch_ext"))
+
+
+def load():
+    """The CUDA kernels built for the CPU, as a ``minipaged.cuda_ops.CudaKernels`` (cached)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build()
+    return _loaded
+
+
+def _build():
+    import torch
+    from torch.utils import cpp_extension
+
+    from minipaged import cuda_ops
+
+    cuda_ops._make_ninja_findable(cpp_extension)
+    build_dir = _cache_root() / f"cuda_on_cpu-torch{torch.__version__}"
+    sources = write_rewritten_sources(build_dir / "src")
+    os.environ.setdefault("MAX_JOBS", "2")
+    module = cpp_extension.load(
+        name="minipaged_cuda_on_cpu",
+        sources=[str(CSRC / "torch_bindings.cpp"), *map(str, sources),
+                 *(str(CPU_DIR / s) for s in RUNTIME_SOURCES)],
+        extra_include_paths=[str(CPU_DIR / "include"), str(CSRC)],
+        extra_cflags=["-O2", "-DMINIPAGED_CUDA_ON_CPU", *FLAGS[1:]],
+        extra_ldflags=["-pthread"],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("MINIPAGED_VERBOSE_BUILD", "") not in ("", "0"),
+    )
+    return cuda_ops.CudaKernels(module)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sanitizer programs: the kernels plus csrc/cpu/sanitize_main.cpp, no Python, no torch
+# ----------------------------------------------------------------------------------------------
+SANITIZERS = {"thread": ["-fsanitize=thread"], "address": ["-fsanitize=address",
+                                                           "-fno-omit-frame-pointer"]}
+
+
+def build_sanitizer_program(sanitizer: str, drop_barrier: str | None = None,
+                            compiler: str = "g++") -> Path:
+    """Build (or reuse) the sanitizer test program; returns the executable's path.
+
+    The program (``csrc/cpu/sanitize_main.cpp``) runs small cases of every kernel; built with
+    ``-fsanitize=thread`` or ``-fsanitize=address``. Objects are cached by a hash of their
+    (rewritten) source, the headers and the flags, so a second variant (``drop_barrier``)
+    recompiles only paged_attention.cu.
+    """
+    flags = [*FLAGS, "-O1", "-g", "-DMINIPAGED_FEW_INSTANCES", *SANITIZERS[sanitizer],
+             f"-I{CPU_DIR / 'include'}", f"-I{CSRC}"]
+    headers = b"".join(p.read_bytes() for p in [CPU_DIR / "cuda_on_cpu.h", CSRC / "kernels.h"])
+    root = _cache_root() / "sanitize" / sanitizer
+    rewritten = write_rewritten_sources(root / f"src-{_digest(drop_barrier or '')}", drop_barrier)
+    sources = [*rewritten, *(CPU_DIR / s for s in RUNTIME_SOURCES), CPU_DIR / "sanitize_main.cpp"]
+    objects, jobs = [], []
+    for source in sources:
+        obj = root / f"{source.name}-{_digest(flags, compiler, headers, source.read_bytes())}.o"
+        objects.append(obj)
+        if not obj.exists():
+            jobs.append((obj, subprocess.Popen(
+                [compiler, *flags, "-x", "c++", "-c", str(source), "-o", f"{obj}.tmp"],
+                stderr=subprocess.PIPE, text=True)))
+        if len(jobs) >= int(os.environ.get("MAX_JOBS", "2")):
+            _wait(*jobs.pop(0))
+    for job in jobs:
+        _wait(*job)
+    program = root / f"sanitize_main-{_digest(*(o.name for o in objects))}"
+    if not program.exists():
+        _wait(program, subprocess.Popen(
+            [compiler, *SANITIZERS[sanitizer], "-pthread", *map(str, objects), "-o",
+             f"{program}.tmp"], stderr=subprocess.PIPE, text=True))
+    return program
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else repr(part).encode())
+    return h.hexdigest()[:16]
+
+
+def _wait(target: Path, process: subprocess.Popen) -> None:
+    """Wait for a compile or link of ``target`` (written as target.tmp, renamed when done)."""
+    _, err = process.communicate()
+    if process.returncode:
+        raise RuntimeError(f"building the sanitizer program failed:\n{err}")
+    Path(f"{target}.tmp").rename(target)
