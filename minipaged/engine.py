@@ -596,6 +596,10 @@ class LLMEngine:
             if not (seq.status is SequenceStatus.FINISHED_STOPPED
                     and group.sampling_params.stop_strings):
                 seq.output_text = self._decode(seq.output_token_ids)
+            if seq.status is not SequenceStatus.FINISHED_STOPPED:
+                # Cut off by max_tokens (or an abort) inside a multi-byte character: drop the
+                # half character rather than end the text with U+FFFD.
+                seq.output_text = seq.output_text.rstrip("\ufffd")
 
     def _forget(self, group: SequenceGroup) -> None:
         self._requests.pop(group.request_id, None)

@@ -50,6 +50,7 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens *before* it already reach top_p (the top one always stays).
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop_sorted[0] = False  # (a top_p below float32's range compares as 0)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
