@@ -83,8 +83,8 @@ class BlockAllocator:
 
     def allocate(self) -> PhysicalTokenBlock:
         if not self.free_blocks:
-            raise RuntimeError(f"out of {self.device.value.upper()} blocks: all "
-                               f"{self.num_blocks} are in use")
+            raise ValueError(f"out of {self.device.value.upper()} blocks: all "
+                             f"{self.num_blocks} are in use")
         block = self.free_blocks.pop()
         assert block.ref_count == 0
         block.ref_count = 1

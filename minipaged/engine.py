@@ -180,6 +180,9 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits.
         preemption_mode: None (recompute single sequences, swap groups), "recompute" or "swap".
         watermark: fraction of the GPU pool kept free when admitting prompts.
+        enable_chunked_prefill: each step's budget (``max_num_batched_tokens``) goes to the
+            decodes first; prompts fill what is left, split over several steps when needed.
+            False: a prompt runs whole in one step, so it must fit the budget.
         load_format: "auto" (read the checkpoint) or "dummy" (random weights from the config).
     """
 
@@ -190,6 +193,7 @@ class LLMEngine:
                  num_cpu_blocks: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str | None = None, watermark: float = 0.01,
+                 enable_chunked_prefill: bool = True,
                  load_format: str = "auto", hf_config=None) -> None:
         _check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, swap_space=swap_space,
@@ -198,6 +202,9 @@ class LLMEngine:
                         max_model_len=max_model_len, watermark=watermark, seed=seed)
         if preemption_mode is not None:
             PreemptionMode(preemption_mode)  # raises ValueError on anything else
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True or False, got "
+                             f"{enable_chunked_prefill!r}")
         self.device = _resolve_device(device)
         self.block_size = block_size
         self.seed = seed
@@ -224,7 +231,7 @@ class LLMEngine:
                                              self.head_size, self.dtype)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens or max(4096, self.max_model_len),
-            self.max_model_len, preemption_mode)
+            self.max_model_len, preemption_mode, enable_chunked_prefill)
         blocks_cap = max_num_seqs * math.ceil(self.max_model_len / block_size)
         if num_gpu_blocks is None:
             if self.device.type == "cuda":
@@ -267,11 +274,13 @@ class LLMEngine:
         cfg = self.scheduler_config
         usable = num_gpu_blocks - int(watermark * num_gpu_blocks)
         pool_tokens = usable * self.block_size
-        if explicit and cfg.max_num_batched_tokens < self.max_model_len:
+        chunked = cfg.enable_chunked_prefill  # then the budget limits a step, not a prompt
+        if explicit and not chunked and cfg.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.max_model_len}): a long prompt could never be scheduled; "
-                f"raise max_num_batched_tokens or lower max_model_len")
+                f"raise max_num_batched_tokens, lower max_model_len, or enable chunked "
+                f"prefill")
         if explicit and pool_tokens < self.max_model_len:
             raise ValueError(
                 f"the KV pool cannot hold one sequence of max_model_len ({self.max_model_len}) "
@@ -279,7 +288,8 @@ class LLMEngine:
                 f"{self.block_size} tokens, the pool has {num_gpu_blocks} blocks of which "
                 f"{usable} are usable (watermark {watermark}); give a larger pool or a "
                 f"max_model_len of at most {pool_tokens}")
-        limit = min(pool_tokens, cfg.max_num_batched_tokens if explicit_budget else pool_tokens)
+        limit = min(pool_tokens, cfg.max_num_batched_tokens
+                    if explicit_budget and not chunked else pool_tokens)
         if limit < 2:
             raise ValueError(
                 f"the engine cannot run any request: {num_gpu_blocks} blocks of "
@@ -381,14 +391,12 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), "
                              f"got {bad[:5]}")
-        if n > self.scheduler_config.max_num_batched_tokens:
-            raise ValueError(f"prompt is {n} tokens long, more than max_num_batched_tokens "
-                             f"({self.scheduler_config.max_num_batched_tokens})")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none: pass "
                              "tokenizer=, or stop on token ids with max_tokens")
-        max_seqs = min(self.scheduler_config.max_num_seqs,
-                       self.scheduler_config.max_num_batched_tokens)
+        max_seqs = self.scheduler_config.max_num_seqs
+        if not self.scheduler_config.enable_chunked_prefill:  # decodes wait for the budget too
+            max_seqs = min(max_seqs, self.scheduler_config.max_num_batched_tokens)
         if params.best_of > max_seqs:
             raise ValueError(f"best_of ({params.best_of}) is more than the engine runs at once "
                              f"(max_num_seqs {self.scheduler_config.max_num_seqs}, "

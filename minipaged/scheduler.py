@@ -29,6 +29,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096  # tokens in one step (prompt tokens + one per decode)
     max_model_len: int = 2048
     preemption_mode: str | None = None  # None: recompute single sequences, swap groups
+    # Split prompts into chunks that fill what the step's budget leaves after the decodes.
+    enable_chunked_prefill: bool = True
 
 
 @dataclass
@@ -71,6 +73,14 @@ class SchedulerOutputs:
     def is_empty(self) -> bool:
         return (not self.scheduled_seq_groups and not self.blocks_to_swap_in
                 and not self.blocks_to_swap_out and not self.blocks_to_copy)
+
+
+def _prefill_progress(seq_group: SequenceGroup) -> list[int] | None:
+    """[tokens computed, prompt length] of the sequence whose prefill is under way."""
+    if not seq_group.pending_chunks:
+        return None
+    chunk = seq_group.pending_chunks[0]
+    return [chunk.start, chunk.seq.get_len()]
 
 
 def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool) -> list[PrefillChunk]:
@@ -142,7 +152,9 @@ class Scheduler:
             return {"request_id": g.request_id, "num_seqs": g.num_seqs(),
                     "num_unfinished": sum(not s.is_finished() for s in g.get_seqs()),
                     "num_tokens": max(s.get_len() for s in g.get_seqs()),
-                    "seq_ids": [s.seq_id for s in g.get_seqs()]}
+                    "seq_ids": [s.seq_id for s in g.get_seqs()],
+                    # (tokens in the cache, tokens to prefill) while a prompt is half done
+                    "prefill_progress": _prefill_progress(g)}
 
         bm = self.block_manager
         return {
@@ -196,13 +208,10 @@ class Scheduler:
         chunks: list[PrefillChunk] = []
         stalled = False
         for seq_group in self.running:
-            while seq_group.pending_chunks and not stalled:
-                if seq_group.pending_chunks[0].num_tokens > budget:
-                    stalled = True  # FCFS: nothing younger may take the budget before it
-                else:
-                    chunk = seq_group.pending_chunks.pop(0)
-                    budget -= chunk.num_tokens
-                    chunks.append(chunk)
+            if seq_group.pending_chunks and not stalled:
+                budget = self._take_chunks(seq_group, budget, chunks)
+                # FCFS: nothing younger may take the budget before this group is done.
+                stalled = bool(seq_group.pending_chunks)
 
         # 3. Swapped groups come back before anything new is admitted.
         self.swapped.sort(key=lambda g: g.arrival_time)
@@ -214,8 +223,8 @@ class Scheduler:
             if self._num_running_seqs() + num_new > self.config.max_num_seqs:
                 break
             decodes = not seq_group.pending_chunks
-            if decodes and num_new > budget:
-                break
+            if decodes and num_new > budget and not self.config.enable_chunked_prefill:
+                break  # (with chunking, decodes never wait for the budget)
             self.swapped.pop(0)
             blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
             for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
@@ -235,7 +244,7 @@ class Scheduler:
                 _, shared_len, identical = self.block_manager.prompt_layout(seq_group)
                 first_chunk = (seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len()
                                if identical else self._shortest_waiting_len(seq_group) - 1)
-                if first_chunk > budget:
+                if budget < (1 if self.config.enable_chunked_prefill else first_chunk):
                     break
                 num_new = seq_group.get_max_num_running_seqs()
                 if self._num_running_seqs() + num_new > self.config.max_num_seqs:
@@ -248,10 +257,9 @@ class Scheduler:
                     seq.status = SequenceStatus.RUNNING
                 seq_group.pending_chunks = plan_prefill(seq_group, shared_len, identical)
                 self.running.append(seq_group)
-                while seq_group.pending_chunks and seq_group.pending_chunks[0].num_tokens <= budget:
-                    chunk = seq_group.pending_chunks.pop(0)
-                    budget -= chunk.num_tokens
-                    chunks.append(chunk)
+                budget = self._take_chunks(seq_group, budget, chunks)
+                if seq_group.pending_chunks:
+                    break  # the budget is spent: younger groups wait (FCFS)
 
         prompt_groups = list({id(c.seq_group): c.seq_group for c in chunks}.values())
         return SchedulerOutputs(
@@ -265,6 +273,28 @@ class Scheduler:
             prefill_chunks=chunks,
             decode_seq_groups=decode_groups,
         )
+
+    def _take_chunks(self, seq_group: SequenceGroup, budget: int,
+                     chunks: list[PrefillChunk]) -> int:
+        """Move the group's pending chunks that fit the budget into ``chunks``.
+
+        With chunked prefill, the first chunk that does not fit is split: its first ``budget``
+        tokens run now, the rest waits for the next step. Returns the budget left.
+        """
+        while seq_group.pending_chunks and budget > 0:
+            chunk = seq_group.pending_chunks[0]
+            if chunk.num_tokens <= budget:
+                chunks.append(seq_group.pending_chunks.pop(0))
+                budget -= chunk.num_tokens
+            elif self.config.enable_chunked_prefill:
+                split = chunk.start + budget
+                chunks.append(PrefillChunk(seq_group, chunk.seq, chunk.start, split,
+                                           chunk.seq_ids))
+                chunk.start = split
+                budget = 0
+            else:
+                break
+        return budget
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)

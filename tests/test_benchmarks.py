@@ -32,3 +32,14 @@ def test_serving_benchmark_runs_on_a_tiny_model(tmp_path):
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| 20 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "6" and float(cells[4]) > 0  # all 6 answered, tokens/s measured
+
+
+def test_chunked_prefill_benchmark_runs_on_a_tiny_model(tiny_llama, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import chunked_prefill
+
+    assert chunked_prefill.main(["--model", tiny_llama[0], "--budget", "16", "--num-decoders",
+                                 "2", "--decode-tokens", "12", "--num-long", "2", "--long-len",
+                                 "60", "90", "--every", "3", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| chunked, budget 16 |" in out and "p99 TPOT" in out

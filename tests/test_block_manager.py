@@ -22,7 +22,7 @@ def test_allocator_hands_out_each_block_once_and_takes_it_back():
     assert sorted(b.block_number for b in blocks) == [0, 1, 2]
     assert all(b.ref_count == 1 for b in blocks)
     assert alloc.get_num_free_blocks() == 0
-    with pytest.raises(RuntimeError, match="out of GPU blocks"):
+    with pytest.raises(ValueError, match="out of GPU blocks"):
         alloc.allocate()
     alloc.free(blocks[1])
     assert alloc.get_num_free_blocks() == 1

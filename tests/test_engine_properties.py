@@ -68,7 +68,16 @@ def engines(draw):
         num_gpu_blocks=num_gpu_blocks,
         num_cpu_blocks=draw(st.sampled_from([0, 2, 64])),
         preemption_mode=draw(st.sampled_from([None, "recompute", "swap"])),
-        max_num_batched_tokens=draw(st.sampled_from([None, max_model_len, 2 * max_model_len])),
+        **draw(st.sampled_from([
+            # whole prompts in one step: the budget must hold max_model_len tokens
+            dict(enable_chunked_prefill=False, max_num_batched_tokens=None),
+            dict(enable_chunked_prefill=False, max_num_batched_tokens=max_model_len),
+            # chunked prefill: any budget, down to one token per step
+            dict(enable_chunked_prefill=True, max_num_batched_tokens=None),
+            dict(enable_chunked_prefill=True, max_num_batched_tokens=1),
+            dict(enable_chunked_prefill=True, max_num_batched_tokens=5),
+            dict(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len // 2),
+        ])),
         max_num_seqs=draw(st.sampled_from([3, 8, 256])),
     )
 
@@ -176,7 +185,10 @@ def test_every_accepted_request_finishes_with_the_tokens_it_gets_alone(models, w
     finals: dict[str, object] = {}
     pending = sorted(enumerate(reqs), key=lambda item: item[1]["arrive_at"])
     step = 0
-    bound = 50 + 4 * sum(len(r["prompt"]) + r["params"].max_tokens for r in reqs)
+    budget = cfg["max_num_batched_tokens"] or cfg["max_model_len"]
+    bound = 50 + 4 * sum(math.ceil(len(r["prompt"]) / min(budget, len(r["prompt"])))
+                         * r["params"].best_of + len(r["prompt"]) + r["params"].max_tokens
+                         for r in reqs)
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1]["arrive_at"] <= step:
             i, req = pending.pop(0)
@@ -187,8 +199,9 @@ def test_every_accepted_request_finishes_with_the_tokens_it_gets_alone(models, w
                 # Refused only when it could never run alone, and told with numbers.
                 sched = engine.scheduler_config
                 if str(err).startswith("best_of"):
-                    assert req["params"].best_of > min(sched.max_num_seqs,
-                                                       sched.max_num_batched_tokens)
+                    limit = sched.max_num_seqs if sched.enable_chunked_prefill else min(
+                        sched.max_num_seqs, sched.max_num_batched_tokens)
+                    assert req["params"].best_of > limit
                 else:
                     assert "can never fit" in str(err), err
                     need = engine.max_blocks_needed(len(req["prompt"]), req["params"])
@@ -208,6 +221,7 @@ def test_every_accepted_request_finishes_with_the_tokens_it_gets_alone(models, w
     stats = engine.stats
     event(f"preempted: recompute {stats.num_preemptions_recompute > 0}, "
           f"swap {stats.num_preemptions_swap > 0}")
+    event(f"chunked prefill {cfg['enable_chunked_prefill']}")
     multi = [r for r in accepted.values() if r["params"].best_of > 1]
     if multi and stats.num_preemptions_recompute:
         event("a group of several sequences in an engine that recomputed")

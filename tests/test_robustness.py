@@ -198,7 +198,9 @@ def test_a_configuration_that_cannot_run_one_max_model_len_request_is_refused(ti
     path, _ = tiny_gpt2
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller than "
                                          r"max_model_len \(128\)"):
-        LLM(path, max_model_len=128, max_num_batched_tokens=64)
+        LLM(path, max_model_len=128, max_num_batched_tokens=64, enable_chunked_prefill=False)
+    # With chunked prefill the budget limits a step, not a prompt.
+    assert LLM(path, max_model_len=128, max_num_batched_tokens=64).llm_engine.max_model_len == 128
     with pytest.raises(ValueError, match=r"needs 8 blocks of 16 tokens, the pool has 8 blocks "
                                          r"of which 7 are usable"):
         LLM(path, max_model_len=128, num_gpu_blocks=8, watermark=0.2)
