@@ -8,6 +8,12 @@ Three queues, first-come-first-served:
 
 One call to ``schedule()`` decides the step and returns the block operations that must happen
 before the model runs (``blocks_to_swap_in``, ``blocks_to_swap_out``, ``blocks_to_copy``).
+
+A step has a budget of ``max_num_batched_tokens`` tokens. The running decodes come first (one
+token each, and they never wait); prompts fill what is left as ``PrefillChunk``s. With chunked
+prefill (the default) a prompt longer than what is left is split, and continues in the next steps
+from where it stopped, reading its earlier tokens from the cache; it samples only when its last
+chunk has run.
 """
 from __future__ import annotations
 
