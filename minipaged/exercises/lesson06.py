@@ -17,7 +17,7 @@ import torch
 from typing import NamedTuple
 
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.exercises.simulation import RandomTraffic
+from minipaged.dry_run import RandomTraffic
 from minipaged.model_runner import prepare_inputs
 from minipaged.sequence import SequenceStatus
 
