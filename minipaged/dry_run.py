@@ -66,6 +66,18 @@ class DryRun:
                 token = next_token(seq) if next_token else 100 + seq.get_len()
                 seq.append_token_id(token, {token: 0.0})
 
+    def fork(self, parent: Sequence) -> Sequence:
+        """A new sequence continuing from ``parent`` (what beam search does when a beam is
+        copied): it shares all of the parent's blocks."""
+        group = next(g for g in self.groups.values() if parent in g.get_seqs())
+        child = Sequence(self._next_seq_id, None, parent.prompt_token_ids, self.block_size)
+        self._next_seq_id += 1
+        child.copy_state_from(parent)
+        child.status = parent.status
+        group.seqs.append(child)
+        self.block_manager.fork(parent, child)
+        return child
+
     def finish(self, seq: Sequence) -> None:
         """The sequence stopped (length or end of text): its blocks are freed."""
         seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED

@@ -430,3 +430,18 @@ def test_engine_never_imports_the_visualizer_or_ipywidgets():
             "bad = [m for m in ('ipywidgets', 'visualizer', 'IPython') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.lesson03
+def test_fork_tree_names_every_node_once(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, num_gpu_blocks=64, num_cpu_blocks=8)
+    recorder = EventRecorder.for_engine(llm.llm_engine)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=6,
+                            ignore_eos=True)
+    llm.generate(prompt_token_ids=[[3, 4, 5, 6, 7]], sampling_params=params, use_tqdm=False)
+    nodes = fork_tree_nodes(recorder, "0")
+    names = [n.label.split(" (")[0] for n in nodes[1:]]
+    assert len(set(names)) == len(names), names
+    reused = [n for n in names if not n[-1].isdigit()]
+    assert reused  # beam search reuses sequence ids, and the tree tells the lives apart
