@@ -18,7 +18,7 @@ from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, svg_ro
                             to_string)
 
 ROW_H = 18  # one logical block per row
-BLOCK_W, BLOCK_H, BLOCK_GAP = 56, 38, 6  # one physical block of the pool
+BLOCK_W, BLOCK_H, BLOCK_GAP = 70, 38, 6  # wide enough for '#1455' and 'ref 12' side by side  # one physical block of the pool
 BLOCKS_PER_ROW = 8
 X_LOGICAL, X_TABLE, X_POOL = 10, 226, 390
 
