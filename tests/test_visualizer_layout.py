@@ -111,3 +111,29 @@ def test_line_chart_has_clean_labels(seed):
     svg = render_line_chart(series, title="a chart", x_label="tokens", y_label="ms",
                             log_y=bool(seed % 2), marks=[(150, "crossover")])
     assert_clean_layout(svg, "line chart")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_timeline_and_flat_batch_views_have_clean_labels(seed):
+    import torch
+
+    from minipaged.model_runner import prepare_inputs
+    from visualizer.flat_batch import render_flat_batch
+    from visualizer.timeline import render_timeline
+
+    snapshots, arrivals = [], {}
+    for step, (traffic, info) in enumerate(random_runs(seed, 14), start=1):
+        sched = traffic.scheduler
+        groups = sched.running
+        batch = prepare_inputs([g for g in groups], traffic.bm, traffic.block_size,
+                               torch.device("cpu"))
+        if batch.rows:
+            assert_clean_layout(render_flat_batch(batch, traffic.block_size, title="a step"),
+                                "flat batch")
+        for rid in [g.request_id for q in (sched.waiting, sched.running, sched.swapped)
+                    for g in q]:
+            arrivals.setdefault(rid, step)
+        snapshots.append(type("Snap", (), {"step": step, "scheduled": info["scheduled"],
+                                           "prompt_run": info["prompt_run"],
+                                           "preempted": info["preempted"], "finished": []}))
+    assert_clean_layout(render_timeline(snapshots, arrivals, title="timeline"), "timeline")
