@@ -1,0 +1,128 @@
+"""Each lesson opens in JupyterLab in a real browser, runs all its cells, and shows no error.
+
+JupyterLab is started on 127.0.0.1 over a copy of the lessons (so saving does not touch the
+repository), with MINIPAGED_SOLUTIONS=1 so that unanswered exercises use the solutions. Debian's
+Chromium, driven by playwright, opens each notebook, runs "Run All Cells", waits for the kernel,
+and saves. Then: no saved output is an error, every widget output rendered in the page (no
+"Error displaying widget"), and every code cell ran. Nothing is downloaded.
+"""
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "06_engine"]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    work = tmp_path_factory.mktemp("lab")
+    for name in LESSONS:
+        shutil.copy(ROOT / "lessons" / f"{name}.ipynb", work)
+    port = _free_port()
+    env = dict(os.environ, MINIPAGED_SOLUTIONS="1", JUPYTER_PLATFORM_DIRS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    log = open(work / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+         "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
+         "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
+         f"--ServerApp.root_dir={work}", "--allow-root"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited: {(work / 'lab.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/api", timeout=2):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError("jupyter lab did not answer")
+            time.sleep(0.5)
+    try:
+        yield url, work
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
+            args=["--headless", "--no-sandbox", "--disable-gpu",
+                  "--disable-background-networking"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
+    url, work = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        page.goto(f"{url}/lab/tree/{name}.ipynb", timeout=120_000)
+        page.wait_for_function("() => window.jupyterapp && document.querySelector("
+                               "'.jp-NotebookPanel .jp-Notebook .jp-Cell')", timeout=120_000)
+        # Wait for the kernel, then run everything, as a learner would from the Run menu.
+        page.wait_for_function("() => { const w = window.jupyterapp.shell.currentWidget;"
+                               " return w && w.sessionContext && w.sessionContext.session"
+                               " && w.sessionContext.session.kernel"
+                               " && w.sessionContext.session.kernel.connectionStatus"
+                               " === 'connected'; }", timeout=120_000)
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        page.wait_for_timeout(2000)
+        page.wait_for_function(
+            "() => { const w = window.jupyterapp.shell.currentWidget;"
+            " const k = w.sessionContext.session.kernel;"
+            " const pending = [...document.querySelectorAll('.jp-InputPrompt')]"
+            "   .some(e => e.innerText.includes('*'));"
+            " return k.status === 'idle' && !pending; }", timeout=400_000, polling=1000)
+        page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+        page.wait_for_timeout(1500)
+        notebook = json.loads((work / f"{name}.ipynb").read_text())
+        code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+        errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(code)
+                  for o in c.get("outputs", []) if o["output_type"] == "error"]
+        assert not errors, errors
+        assert all(c.get("execution_count") for c in code), "some cells did not run"
+        widgets = sum("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                      for c in code for o in c.get("outputs", []))
+        page_text = page.inner_text(".jp-NotebookPanel")
+        assert "Error displaying widget" not in page_text
+        rendered = page.locator(".jp-OutputArea-output .jupyter-widgets").count()
+        assert rendered >= widgets, (rendered, widgets)
+        svgs = page.locator(".jp-OutputArea-output svg").count()
+        assert svgs > 0
+    finally:
+        page.close()
