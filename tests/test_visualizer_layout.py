@@ -137,3 +137,18 @@ def test_timeline_and_flat_batch_views_have_clean_labels(seed):
                                            "prompt_run": info["prompt_run"],
                                            "preempted": info["preempted"], "finished": []}))
     assert_clean_layout(render_timeline(snapshots, arrivals, title="timeline"), "timeline")
+
+
+def test_show_source_keeps_listings_to_40_lines(monkeypatch):
+    from minipaged.scheduler import Scheduler
+    from visualizer import source
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", shown.append)
+    source.show_source(Scheduler.schedule, end="# 2.")
+    source.show_source(Scheduler.schedule, start="# 3.")
+    source.show_source(Scheduler.schedule)  # whole: cut at 40 lines, with a note
+    lengths = [len(code.data.splitlines()) for code in shown]
+    assert all(n <= source.MAX_LINES + 2 for n in lengths), lengths
+    assert "more lines" in shown[-1].data
+    assert "# 1." in shown[0].data and "# 2." not in shown[0].data
