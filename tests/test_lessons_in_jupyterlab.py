@@ -124,5 +124,10 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
         assert rendered >= widgets, (rendered, widgets)
         svgs = page.locator(".jp-OutputArea-output svg").count()
         assert svgs > 0
+        shots = os.environ.get("MINIPAGED_SCREENSHOTS")  # a folder: keep pictures of the widgets
+        if shots:
+            for k, widget in enumerate(page.locator(".jp-OutputArea-output .widget-vbox").all()):
+                widget.scroll_into_view_if_needed()
+                widget.screenshot(path=os.path.join(shots, f"{name}_widget{k}.png"))
     finally:
         page.close()
