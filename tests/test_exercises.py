@@ -8,7 +8,7 @@ with a hint. Unanswered exercises raise ``NotDone`` unless MINIPAGED_SOLUTIONS=1
 import pytest
 
 from minipaged.exercises import ExerciseFailed, NotDone, not_done, solutions as S
-from minipaged.exercises import lesson01, lesson02, lesson03, lesson04, lesson06
+from minipaged.exercises import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06
 
 
 # ---- plausible wrong answers -------------------------------------------------------------------
@@ -78,6 +78,20 @@ def batch_in_schedule_order(seqs, block_size):
     return out
 
 
+def reduce_missing_a_mask(values, op):
+    import numpy as np
+
+    from minipaged.kernel_emulator import shfl_xor
+    for mask in (8, 4, 2, 1):  # forgot 16: two half-warps each get their own result
+        values = (np.add if op == "sum" else np.maximum)(values, shfl_xor(values, mask))
+    return values
+
+
+def naive_key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x):
+    # the value layout [blocks, heads, head_size, block_size], ignoring x
+    return ((block * num_kv_heads + head) * head_size + dim) * block_size + slot
+
+
 CHECKS = [
     (lesson01.check_bytes_per_token, S.bytes_per_token, [bytes_without_v]),
     (lesson01.check_reservation_slots, S.reservation_slots, [reservation_no_internal]),
@@ -88,6 +102,8 @@ CHECKS = [
     (lesson03.check_append_action, S.append_action, [append_ignoring_sharing]),
     (lesson04.check_schedule_running, S.schedule_running, [preempt_the_needy]),
     (lesson04.check_resume_and_admit, S.resume_and_admit, [admit_while_swapped]),
+    (lesson05.check_warp_reduce, S.warp_reduce, [reduce_missing_a_mask]),
+    (lesson05.check_key_offset, S.key_offset, [naive_key_offset]),
     (lesson06.check_flat_batch, S.flat_batch, [decode_position_off_by_one]),
     (lesson06.check_slot_mapping, S.slot_mapping, [batch_in_schedule_order]),
 ]

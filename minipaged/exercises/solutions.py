@@ -104,3 +104,23 @@ def flat_batch(seqs):
 
 def slot_mapping(seqs, block_size):
     return [slot_of(s.block_table, pos, block_size) for s, pos, _ in _flat_positions(seqs)]
+
+
+# ---- lesson 05 (prepared) --------------------------------------------------------------------
+
+
+def warp_reduce(values, op):
+    import numpy as np
+
+    from minipaged.kernel_emulator import shfl_xor
+
+    combine = np.add if op == "sum" else np.maximum
+    for mask in (16, 8, 4, 2, 1):
+        values = combine(values, shfl_xor(values, mask))
+    return values
+
+
+def key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x):
+    chunk, lane_element = divmod(dim, x)
+    return ((((block * num_kv_heads + head) * (head_size // x) + chunk) * block_size + slot) * x
+            + lane_element)
