@@ -107,3 +107,35 @@ class RandomTraffic(DryRun):
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 if self.rng.random() < 0.12:
                     self.finish(seq)
+
+
+def replay_trace_paged(trace, capacity: int, block_size: int = 16):
+    """Lesson 01's trace served by the real scheduler and ``BlockSpaceManager`` (no model).
+
+    Returns a ``kv_cache.WasteReport`` counted from the block tables at every step: slots holding
+    a token's K/V ("used") and the empty tail of each sequence's last block ("internal").
+    Requests run to their ``final_len``; when the pool runs out the scheduler preempts by
+    recompute, as ``kv_cache.paged_waste`` assumes.
+    """
+    from minipaged.kv_cache import WasteReport
+
+    run = DryRun(block_size, capacity // block_size, preemption_mode="recompute")
+    final_len = {run.add_request([1] * r.prompt_len).request_id: r.final_len for r in trace}
+    report = WasteReport("paged (BlockSpaceManager)", (capacity // block_size) * block_size,
+                         block_size)
+    bm = run.block_manager
+    while run.scheduler.has_unfinished_seqs():
+        outs = run.scheduler.schedule()  # every running sequence now has a slot for its tokens
+        running = [s for g in run.scheduler.running for s in g.get_seqs(SequenceStatus.RUNNING)]
+        for seq in running:
+            used = seq.get_len()
+            report.slot_steps["used"] += used
+            report.slot_steps["internal"] += len(bm.block_tables[seq.seq_id]) * block_size - used
+        report.max_running = max(report.max_running, len(running))
+        report.num_steps += 1
+        run.sampled(outs)
+        for group in outs.scheduled_seq_groups:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                if seq.get_len() > final_len[group.request_id]:
+                    run.finish(seq)
+    return report

@@ -166,3 +166,15 @@ def test_flat_batch_cases_mix_prompts_and_decodes():
     mixed = sum(len({s.num_computed_tokens == 0 for s in seqs}) == 2
                 for seqs, _, _ in lesson06._random_batches(rng_for(0), 200))
     assert mixed >= 20
+
+
+def test_block_manager_replay_of_lesson_01_trace_agrees_with_the_paged_model():
+    from minipaged import kv_cache
+    from minipaged.dry_run import replay_trace_paged
+
+    trace = kv_cache.request_trace(40, seed=3)
+    real = replay_trace_paged(trace, capacity=2048, block_size=16)
+    model = kv_cache.paged_waste(trace, capacity=2048, block_size=16)
+    assert real.slot_steps["used"] > 0 and real.slot_steps["internal"] > 0
+    assert abs(real.waste_fraction - model.waste_fraction) < 0.01
+    assert real.slot_steps["internal"] <= 15 * real.max_running * real.num_steps
