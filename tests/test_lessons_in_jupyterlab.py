@@ -40,7 +40,12 @@ def lab(tmp_path_factory):
     for name in LESSONS:
         shutil.copy(ROOT / "lessons" / f"{name}.ipynb", work)
     port = _free_port()
+    # Render every cell (no windowing), so that the page holds every output to check.
+    settings = work / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     env = dict(os.environ, MINIPAGED_SOLUTIONS="1", JUPYTER_PLATFORM_DIRS="1",
+               JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     log = open(work / "lab.log", "w")
     proc = subprocess.Popen(
@@ -86,6 +91,29 @@ def browser():
             b.close()
 
 
+# Per code cell of the notebook model: its execution count (null while queued or running).
+COUNTS = ("() => { const m = window.jupyterapp.shell.currentWidget.content.model;"
+          " const out = []; for (let i = 0; i < m.cells.length; i++) {"
+          " const c = m.cells.get(i); if (c.type === 'code') out.push(c.executionCount); }"
+          " return out; }")
+IDLE = "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+
+
+def _wait_until_done(page, timeout: float = 400) -> None:
+    """Every code cell has run, or the kernel stayed idle with cells left (an error stopped
+    "Run All"; the checks below report it)."""
+    deadline = time.monotonic() + timeout
+    idle_polls = 0
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(2000)
+        if all(page.evaluate(COUNTS)):
+            return
+        idle_polls = idle_polls + 1 if page.evaluate(IDLE) == "idle" else 0
+        if idle_polls >= 4:
+            return
+    raise TimeoutError("the notebook was still running")
+
+
 @pytest.mark.parametrize("name", LESSONS)
 def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
     url, work = lab
@@ -101,13 +129,7 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
                                " && w.sessionContext.session.kernel.connectionStatus"
                                " === 'connected'; }", timeout=120_000)
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        page.wait_for_timeout(2000)
-        page.wait_for_function(
-            "() => { const w = window.jupyterapp.shell.currentWidget;"
-            " const k = w.sessionContext.session.kernel;"
-            " const pending = [...document.querySelectorAll('.jp-InputPrompt')]"
-            "   .some(e => e.innerText.includes('*'));"
-            " return k.status === 'idle' && !pending; }", timeout=400_000, polling=1000)
+        _wait_until_done(page)
         page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
         page.wait_for_timeout(1500)
         notebook = json.loads((work / f"{name}.ipynb").read_text())
