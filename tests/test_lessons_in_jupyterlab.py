@@ -137,7 +137,8 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
         errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(code)
                   for o in c.get("outputs", []) if o["output_type"] == "error"]
         assert not errors, errors
-        assert all(c.get("execution_count") for c in code), "some cells did not run"
+        counts = [c.get("execution_count") for c in code]
+        assert all(counts), f"some cells did not run: {counts}, in the page {page.evaluate(COUNTS)}"
         widgets = sum("application/vnd.jupyter.widget-view+json" in o.get("data", {})
                       for c in code for o in c.get("outputs", []))
         page_text = page.inner_text(".jp-NotebookPanel")
