@@ -103,13 +103,17 @@ def _wait_until_done(page, timeout: float = 400) -> None:
     """Every code cell has run, or the kernel stayed idle with cells left (an error stopped
     "Run All"; the checks below report it)."""
     deadline = time.monotonic() + timeout
-    idle_polls = 0
+    idle_polls, last = 0, None
     while time.monotonic() < deadline:
         page.wait_for_timeout(2000)
-        if all(page.evaluate(COUNTS)):
+        counts = page.evaluate(COUNTS)
+        if all(counts):
             return
-        idle_polls = idle_polls + 1 if page.evaluate(IDLE) == "idle" else 0
-        if idle_polls >= 4:
+        # Stopped: some cells ran, and for 20 s the kernel was idle and nothing changed.
+        quiet = any(counts) and counts == last and page.evaluate(IDLE) == "idle"
+        idle_polls = idle_polls + 1 if quiet else 0
+        last = counts
+        if idle_polls >= 10:
             return
     raise TimeoutError("the notebook was still running")
 
