@@ -107,17 +107,20 @@ CHECKS = [
     (lesson06.check_flat_batch, S.flat_batch, [decode_position_off_by_one]),
     (lesson06.check_slot_mapping, S.slot_mapping, [batch_in_schedule_order]),
 ]
-IDS = [check.__name__ for check, _, _ in CHECKS]
+# Each case carries its lesson's marker: `pytest -m lesson03` runs lesson 03's checkers.
+CHECKS = [pytest.param(*case, id=case[0].__name__,
+                       marks=getattr(pytest.mark, case[0].__module__.rsplit(".", 1)[-1]))
+          for case in CHECKS]
 
 
-@pytest.mark.parametrize("check, solution, wrong", CHECKS, ids=IDS)
+@pytest.mark.parametrize("check, solution, wrong", CHECKS)
 def test_checker_passes_the_solution_on_other_seeds(check, solution, wrong, monkeypatch):
     monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
     for seed in (0, 1, 2):
         assert "✓" in check(solution, seed=seed)
 
 
-@pytest.mark.parametrize("check, solution, wrong", CHECKS, ids=IDS)
+@pytest.mark.parametrize("check, solution, wrong", CHECKS)
 def test_checker_fails_a_plausible_wrong_answer_with_a_hint(check, solution, wrong):
     for fn in wrong:
         with pytest.raises(ExerciseFailed) as info:
@@ -126,7 +129,7 @@ def test_checker_fails_a_plausible_wrong_answer_with_a_hint(check, solution, wro
         assert "case" in message and "hint:" in message and "expected:" in message
 
 
-@pytest.mark.parametrize("check, solution, wrong", CHECKS, ids=IDS)
+@pytest.mark.parametrize("check, solution, wrong", CHECKS)
 def test_unanswered_exercise_says_not_done_unless_solutions_are_allowed(check, solution, wrong,
                                                                          monkeypatch):
     def unanswered(*args):
