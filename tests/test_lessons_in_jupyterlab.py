@@ -123,9 +123,13 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
     url, work = lab
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     try:
-        page.goto(f"{url}/lab/tree/{name}.ipynb", timeout=120_000)
-        page.wait_for_function("() => window.jupyterapp && document.querySelector("
-                               "'.jp-NotebookPanel .jp-Notebook .jp-Cell')", timeout=120_000)
+        # A fresh workspace per lesson: JupyterLab would otherwise reopen the previous tabs.
+        page.goto(f"{url}/lab/workspaces/{name}/tree/{name}.ipynb?reset", timeout=120_000)
+        page.wait_for_function(
+            "name => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+            " return w && w.context && w.context.path.endsWith(name + '.ipynb')"
+            " && document.querySelector('.jp-NotebookPanel .jp-Notebook .jp-Cell'); }",
+            arg=name, timeout=120_000)
         # Wait for the kernel, then run everything, as a learner would from the Run menu.
         page.wait_for_function("() => { const w = window.jupyterapp.shell.currentWidget;"
                                " return w && w.sessionContext && w.sessionContext.session"
@@ -149,7 +153,7 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
         assert "Error displaying widget" not in page_text
         rendered = page.locator(".jp-OutputArea-output .jupyter-widgets").count()
         assert rendered >= widgets, (rendered, widgets)
-        svgs = page.locator(".jp-OutputArea-output svg").count()
+        svgs = page.locator(".jp-OutputArea-output svg, .jp-RenderedSVG").count()  # drawings
         assert svgs > 0
         shots = os.environ.get("MINIPAGED_SCREENSHOTS")  # a folder: keep pictures of the widgets
         if shots:
