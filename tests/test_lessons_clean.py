@@ -2,6 +2,7 @@
 code only."""
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -21,3 +22,15 @@ def test_lesson_has_no_outputs_or_execution_counts(path):
              and (cell.get("outputs") or cell.get("execution_count") is not None)]
     assert not dirty, (f"{path.name}: cells {dirty} have outputs or execution counts; clear "
                        f"them (jupyter nbconvert --clear-output --inplace {path.name})")
+
+
+# Lesson 05 moves to show_source when its exercises land (another round).
+@pytest.mark.parametrize("path", [p for p in LESSONS if not p.name.startswith("05_")],
+                         ids=lambda p: p.name)
+def test_lesson_source_listings_are_parts_of_at_most_40_lines(path):
+    """Lessons show the package's code through show_source, which keeps a listing to 40 lines,
+    never a whole long function."""
+    notebook = json.loads(path.read_text())
+    code = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
+    assert "inspect.getsource" not in code, "use show_source (it limits the listing's length)"
+    assert not re.search(r"^def show\(", code, re.M), "import show_source instead of a local show"

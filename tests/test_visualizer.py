@@ -54,6 +54,14 @@ def drawn_pool(root, device="gpu") -> dict[int, dict]:
             for b in by_class(root, "physical-block", device=device)}
 
 
+def assert_draws_held_blocks(root, snap) -> None:
+    """Every held GPU block is drawn with its ref count (free ones may be left out)."""
+    pool = drawn_pool(root, "gpu")
+    for block in snap["gpu_blocks"]:
+        if block["ref_count"]:
+            assert pool[block["block_number"]]["ref"] == block["ref_count"]
+
+
 def ref_texts(root, number) -> list[str]:
     block = by_class(root, "physical-block", block=number, device="gpu")[0]
     return [t.text for t in by_class(block, "ref-count")]
@@ -401,8 +409,8 @@ def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny
         engine.step()
         steps += 1
         assert view.num_redraws == steps
-        assert view.last_svg == render_block_tables(engine.block_manager.snapshot())
         root = parse(view.last_svg)
+        assert_draws_held_blocks(root, engine.block_manager.snapshot())
         assert root.get("data-num-free-gpu-blocks") == \
             str(engine.block_manager.get_num_free_gpu_blocks())
         assert len(by_class(root, "sequence")) == len(engine.block_manager.block_tables)
@@ -414,8 +422,8 @@ def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny
     llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5, 6, 7, 8]],
                  sampling_params=SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert view.num_redraws - before == engine.stats.num_steps - steps
-    assert view.last_svg == render_block_tables(engine.block_manager.snapshot())
     root = parse(view.last_svg)
+    assert_draws_held_blocks(root, engine.block_manager.snapshot())
     assert len(by_class(root, "free-block", device="gpu")) == 12
     assert not by_class(root, "sequence")
 
@@ -430,3 +438,57 @@ def test_engine_never_imports_the_visualizer_or_ipywidgets():
             "bad = [m for m in ('ipywidgets', 'visualizer', 'IPython') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.lesson03
+def test_fork_tree_names_every_node_once(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, num_gpu_blocks=64, num_cpu_blocks=8)
+    recorder = EventRecorder.for_engine(llm.llm_engine)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=6,
+                            ignore_eos=True)
+    llm.generate(prompt_token_ids=[[3, 4, 5, 6, 7]], sampling_params=params, use_tqdm=False)
+    nodes = fork_tree_nodes(recorder, "0")
+    names = [n.label.split(" (")[0] for n in nodes[1:]]
+    assert len(set(names)) == len(names), names
+    reused = [n for n in names if not n[-1].isdigit()]
+    assert reused  # beam search reuses sequence ids, and the tree tells the lives apart
+
+
+@pytest.mark.lesson06
+def test_engine_views_draw_a_compact_pool_and_mark_blocks_entered_this_step():
+    pytest.importorskip("ipywidgets")
+    from minipaged.dry_run import DryRun
+    from visualizer.widgets import COMPACT_POOL, _new_blocks
+
+    run = DryRun(block_size=4, num_gpu_blocks=1456)
+    seq = run.add_request([1, 2, 3]).seqs[0]
+    snaps = []
+    for _ in range(3):
+        before = run.block_manager.snapshot()
+        run.step()
+        snaps.append(run.block_manager.snapshot())
+    # step 1 admitted the prompt; step 3 stored the 5th token: a new block
+    assert _new_blocks(before, snaps[-1]) == [run.block_manager.get_block_table(seq)[-1]]
+    root = parse(render_block_tables(snaps[-1], max_pool_blocks=COMPACT_POOL))
+    assert len(drawn_pool(root)) == COMPACT_POOL  # not 1456 cells
+    assert by_class(root, "pool-elided")[0].get("data-count") == str(1456 - COMPACT_POOL)
+
+
+@pytest.mark.lesson04
+def test_step_player_slider_shows_the_engine_step_number(tiny_llama):
+    pytest.importorskip("ipywidgets")
+    from visualizer.widgets import StepPlayer
+
+    path, _ = tiny_llama
+    llm = LLM(path, block_size=4, num_gpu_blocks=12)
+    snaps = []
+    llm.llm_engine.add_observer(snaps.append)
+    llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(
+        max_tokens=3, ignore_eos=True), use_tqdm=False)
+    player = StepPlayer(snaps[1:])  # start at the second step: the slider still says its number
+    assert (player.slider.min, player.slider.max) == (snaps[1].step, snaps[-1].step)
+    for snap in snaps[1:]:
+        player.slider.value = snap.step
+        assert f"engine step {snap.step}:" in player.caption.value
+    assert player.speed.value == player.play.interval

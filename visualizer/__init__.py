@@ -6,6 +6,7 @@ Renderers (plain functions, snapshot in, SVG string out; no ipywidgets needed):
     render_scheduler(Scheduler.snapshot())                 lesson 04
     render_butterfly(butterfly_steps(trace, phase="max"))  lesson 05
     render_memory_waste(contiguous_report, paged_report)   lesson 01
+    render_line_chart({"name": [(x, y), ...]})              lessons 04, 06 (measurements)
 
 Recording and widgets:
 
@@ -22,12 +23,15 @@ from visualizer.butterfly import butterfly_steps, render_butterfly
 from visualizer.events import EventRecorder, RecordedStep, describe
 from visualizer.fork_tree import (fork_tree_dot, fork_tree_nodes, fork_tree_text,
                                   render_fork_tree, show_fork_tree)
+from visualizer.charts import render_line_chart
 from visualizer.memory_waste import render_memory_waste
 from visualizer.scheduler_view import render_scheduler
+from visualizer.source import show_source
 
 __all__ = [
     "render_block_tables", "render_scheduler", "render_butterfly", "butterfly_steps",
-    "render_memory_waste", "EventRecorder", "RecordedStep", "describe", "fork_tree_nodes",
+    "render_memory_waste", "render_line_chart", "EventRecorder", "RecordedStep", "describe",
+    "fork_tree_nodes", "show_source",
     "fork_tree_dot", "fork_tree_text", "render_fork_tree", "show_fork_tree",
     "EventPlayer", "StepPlayer", "LiveBlockTableView",
 ]

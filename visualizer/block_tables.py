@@ -18,7 +18,7 @@ from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, svg_ro
                             to_string)
 
 ROW_H = 18  # one logical block per row
-BLOCK_W, BLOCK_H, BLOCK_GAP = 56, 38, 6  # one physical block of the pool
+BLOCK_W, BLOCK_H, BLOCK_GAP = 70, 38, 6  # wide enough for '#1455' and 'ref 12' side by side  # one physical block of the pool
 BLOCKS_PER_ROW = 8
 X_LOGICAL, X_TABLE, X_POOL = 10, 226, 390
 
@@ -40,12 +40,15 @@ def _rows_height(count: int) -> float:
     return rows * (BLOCK_H + BLOCK_GAP)
 
 
-def _blocks_to_draw(pool: list[dict], limit: int) -> tuple[list[dict], int]:
-    """All held blocks, then free ones by number, up to ``limit``; returns (blocks, elided)."""
+def _blocks_to_draw(pool: list[dict], limit: int,
+                    free_order: list[int]) -> tuple[list[dict], int]:
+    """All held blocks, then the free ones that will be handed out next, up to ``limit``;
+    returns (blocks, elided)."""
     if len(pool) <= limit:
         return pool, 0
     held = [b for b in pool if b["ref_count"] > 0]
-    free = [b for b in pool if b["ref_count"] == 0][:max(0, limit - len(held))]
+    by_number = {b["block_number"]: b for b in pool}
+    free = [by_number[n] for n in free_order[:max(0, limit - len(held))]]
     chosen = sorted(held + free, key=lambda b: b["block_number"])
     return chosen, len(pool) - len(chosen)
 
@@ -59,7 +62,8 @@ def render_block_tables(snapshot: dict, title: str | None = None,
         title: a line above the drawing (e.g. the step's caption).
         highlight_blocks: GPU block numbers touched by the current event, outlined in red.
         highlight_seq: the sequence the current event is about; its label is bold.
-        max_pool_blocks: a larger pool is drawn as its held blocks plus the first free ones.
+        max_pool_blocks: a larger pool is drawn as its held blocks plus the free ones that
+            will be handed out next.
         max_free_list: free-list entries drawn before "+N more".
     """
     block_size = snapshot["block_size"]
@@ -84,8 +88,10 @@ def render_block_tables(snapshot: dict, title: str | None = None,
     # ---- layout: left column height ----------------------------------------------------------
     top = 44 if title else 26
     left_h = sum(ROW_H * (1 + len(s["logical_blocks"])) + 8 for s in seqs) or ROW_H
-    gpu_draw, gpu_elided = _blocks_to_draw(snapshot["gpu_blocks"], max_pool_blocks)
-    cpu_draw, cpu_elided = _blocks_to_draw(snapshot["cpu_blocks"], max_pool_blocks)
+    gpu_draw, gpu_elided = _blocks_to_draw(snapshot["gpu_blocks"], max_pool_blocks,
+                                           snapshot["free_gpu_blocks"])
+    cpu_draw, cpu_elided = _blocks_to_draw(snapshot["cpu_blocks"], max_pool_blocks,
+                                           snapshot["free_cpu_blocks"])
     gpu_y = top + 16
     gpu_pos = _pool_positions([b["block_number"] for b in gpu_draw], X_POOL, gpu_y)
     free_y = gpu_y + _rows_height(len(gpu_draw)) + (14 if gpu_elided else 0) + 14

@@ -55,6 +55,10 @@ def render_butterfly(records: list[dict], title: str | None = None) -> str:
     columns = [records[0]["values_before"]] + [r["values_after"] for r in records]
     top = 58 if title else 38
     width = 50 + len(columns) * CELL_W + (len(columns) - 1) * GAP + 10
+    footer = (f"{records[0].get('phase') or 'reduce'}: every lane l reads lane l ^ mask and "
+              f"combines it with its own value")
+    # Never clip the title or the footer: widen the drawing to the longest line of text.
+    width = max(width, 20 + 0.6 * 13 * len(title or ""), 20 + 0.6 * 10 * len(footer))
     height = top + num_lanes * LANE_H + 24
     first = records[0]
     root = svg_root(width, height, "butterfly", data_phase=first.get("phase") or "",
@@ -98,6 +102,5 @@ def render_butterfly(records: list[dict], title: str | None = None) -> str:
                y2=lane_y(lane) + LANE_H / 2, stroke=INK if partner > lane else "#4e79a7",
                stroke_width=0.8, opacity=0.8, class_="exchange", data_step=s,
                data_mask=record["mask"], data_lane=lane, data_partner=partner)
-    text(root, 10, height - 8, f"{first.get('phase') or 'reduce'}: every lane l reads lane "
-         f"l ^ mask and combines it with its own value", size=10, fill=MUTED)
+    text(root, 10, height - 8, footer, size=10, fill=MUTED)
     return to_string(root)

@@ -3,7 +3,8 @@
 The root is the request's prompt. ``allocate`` gives it one child per sequence (they share the
 prompt's blocks); every ``fork`` (beam search: a beam continues from another beam) adds a child
 under the parent's current node. A sequence id can be reused: in beam search a dropped beam's
-sequence is freed and forked again from a better beam, so a node is a (sequence, generation).
+sequence is freed and forked again from a better beam, so a node is a (sequence, generation),
+named ``seq 4``, ``seq 4b``, ``seq 4c``... so that no two nodes have the same name.
 
 Drawn with graphviz's ``dot`` where it is installed; otherwise as indented text.
 """
@@ -28,7 +29,13 @@ def fork_tree_nodes(steps, request_id: str) -> list[ForkNode]:
     """Nodes of the fork tree of ``request_id`` (root first) from a recording's steps."""
     nodes: list[ForkNode] = []
     current: dict[int, int] = {}  # seq id -> its latest node
+    lives: dict[int, int] = {}  # seq id -> how many nodes it has had
     freed: set[int] = set()
+
+    def name(seq_id: int) -> str:
+        # A reused sequence id gets a suffix, so that every node's name is unique: seq 4, 4b, 4c
+        lives[seq_id] = lives.get(seq_id, 0) + 1
+        return f"seq {seq_id}" + ("" if lives[seq_id] == 1 else chr(ord("a") + lives[seq_id] - 1))
 
     def add(seq_id, label, parent):
         node = ForkNode(len(nodes), seq_id, label, parent)
@@ -46,12 +53,13 @@ def fork_tree_nodes(steps, request_id: str) -> list[ForkNode]:
             root = add(None, f"request {request_id}: prompt of {seq['num_tokens']} tokens, "
                              f"blocks {e['blocks']}", None)
             for seq_id in e["seq_ids"]:
-                current[seq_id] = add(seq_id, f"seq {seq_id}", root)
+                current[seq_id] = add(seq_id, name(seq_id), root)
         elif e["op"] == "fork" and e["parent"] in current:
             child = e["child"]
             length = next((s["num_tokens"] for s in step.blocks["sequences"]
                            if s["seq_id"] == child), "?")
-            current[child] = add(child, f"seq {child} (from seq {e['parent']} at {where}, "
+            parent = nodes[current[e["parent"]]].label.split(" (")[0]
+            current[child] = add(child, f"{name(child)} (from {parent} at {where}, "
                                         f"{length} tokens)", current[e["parent"]])
             freed.discard(child)
         elif e["op"] == "free" and e["seq_id"] in current:

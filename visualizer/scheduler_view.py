@@ -9,10 +9,13 @@ Elements for tests: ``queue`` (``data-queue``, ``data-count``), ``badge`` (``dat
 """
 from __future__ import annotations
 
+import textwrap
+
 from visualizer.svg import FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, svg_root, text, to_string
 
 QUEUES = ("waiting", "running", "swapped")
 COL_W, BADGE_W, BADGE_H = 210, 190, 36
+NOTE_CHARS = 100  # characters of a size-10 note line that fit in the drawing's width
 
 
 def request_colour(request_id) -> str:
@@ -94,9 +97,11 @@ def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None
 def _step_notes(step: dict) -> list[str]:
     notes = []
     if step.get("scheduled"):
-        notes.append("scheduled: " + ", ".join(
-            f"req {rid} ({'prefill' if p else 'decode'})"
-            for rid, p in zip(step["scheduled"], step.get("prompt_run", []))))
+        runs = list(zip(step["scheduled"], step.get("prompt_run", [])))
+        for kind, is_prompt in (("prefill", True), ("decode", False)):
+            ids = [str(rid) for rid, p in runs if bool(p) == is_prompt]
+            if ids:
+                notes.append(f"{kind}: req " + ", ".join(ids))
     for key, label in (("blocks_to_swap_out", "swap out GPU→CPU"),
                        ("blocks_to_swap_in", "swap in CPU→GPU"),
                        ("blocks_to_copy", "copy-on-write src→dst")):
@@ -104,4 +109,6 @@ def _step_notes(step: dict) -> list[str]:
             notes.append(f"{label}: " + ", ".join(f"{s}→{d}" for s, d in step[key].items()))
     if step.get("finished"):
         notes.append("finished: " + ", ".join(f"req {r}" for r in step["finished"]))
-    return notes
+    # One note may be long (many groups, many blocks): wrap it to the drawing's width.
+    return [line for note in notes
+            for line in textwrap.wrap(note, NOTE_CHARS, subsequent_indent="    ")]

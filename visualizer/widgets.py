@@ -5,14 +5,19 @@
 - ``StepPlayer(snapshots)``: the same over engine steps (``StepSnapshot`` objects an observer
   collected), showing the scheduler's queues next to the block tables.
 - ``LiveBlockTableView(engine)``: an engine observer that redraws the block tables (and,
-  optionally, the scheduler's queues) after every ``engine.step()``, so the picture moves while
-  ``llm.generate`` runs. ``num_redraws`` counts the redraws; ``last_svg`` is the latest drawing.
+  optionally, the scheduler's queues beside them) after every ``engine.step()``, so the picture
+  moves while ``llm.generate`` runs; a slider sets a pause per step. ``num_redraws`` counts the
+  redraws; ``last_svg`` is the latest drawing.
+
+The engine views draw the pool compactly (every held block, then a few free ones: a pool of 1456
+blocks is not 1456 idle cells), and outline in red the blocks a sequence entered in this step.
 
 Only this module imports ipywidgets; the engine never does.
 """
 from __future__ import annotations
 
 import html
+import time
 
 import ipywidgets as W
 
@@ -25,29 +30,49 @@ def _caption_html(text: str) -> str:
 
 
 def _figure_html(*svgs: str) -> str:
-    parts = "".join(f'<div style="display:inline-block;vertical-align:top">{s}</div>'
-                    for s in svgs)
-    return f'<div class="minipaged-figure">{parts}</div>'
+    # Side by side (queues left, block tables right), scrolling sideways rather than wrapping.
+    parts = "".join(f'<div style="flex:none">{s}</div>' for s in svgs)
+    return ('<div class="minipaged-figure" style="display:flex;gap:12px;align-items:flex-start;'
+            f'overflow-x:auto">{parts}</div>')
+
+
+def _new_blocks(previous: dict | None, current: dict) -> list[int]:
+    """GPU blocks that a sequence's table holds now but did not hold in ``previous``: where a
+    sequence just crossed into a new block (or got a copy)."""
+    if previous is None:
+        return []
+    held = {(s["seq_id"], b) for s in previous["sequences"] if s["device"] == "gpu"
+            for b in s["block_table"]}
+    return sorted({b for s in current["sequences"] if s["device"] == "gpu"
+                   for b in s["block_table"] if (s["seq_id"], b) not in held})
+
+
+COMPACT_POOL = 24  # pool blocks drawn by the engine views: every held block, then a few free
 
 
 class _Player(W.VBox):
     """A Play button and a slider over ``num_frames`` frames; subclasses draw frame i."""
 
-    def __init__(self, num_frames: int, interval_ms: int) -> None:
+    def __init__(self, num_frames: int, interval_ms: int, first: int = 0) -> None:
         if num_frames < 1:
             raise ValueError("nothing recorded")
-        last = num_frames - 1
-        self.play = W.Play(value=0, min=0, max=last, step=1, interval=interval_ms,
+        # The slider shows the step number the caption names (``first`` is frame 0's number).
+        self.first = first
+        last = first + num_frames - 1
+        self.play = W.Play(value=first, min=first, max=last, step=1, interval=interval_ms,
                            description="play")
-        self.slider = W.IntSlider(value=0, min=0, max=last, step=1, description="step",
+        self.slider = W.IntSlider(value=first, min=first, max=last, step=1, description="step",
                                   continuous_update=True)
+        self.speed = W.IntSlider(value=interval_ms, min=100, max=3000, step=100,
+                                 description="ms/step", continuous_update=False)
         W.jslink((self.play, "value"), (self.slider, "value"))
+        W.jslink((self.speed, "value"), (self.play, "interval"))
         self.caption = W.HTML()
         self.view = W.HTML()
         self.caption.add_class("minipaged-player-caption")
         self.view.add_class("minipaged-player-view")
-        super().__init__([W.HBox([self.play, self.slider]), self.caption, self.view])
-        self.slider.observe(lambda change: self.show(change["new"]), names="value")
+        super().__init__([W.HBox([self.play, self.slider, self.speed]), self.caption, self.view])
+        self.slider.observe(lambda change: self.show(change["new"] - self.first), names="value")
         self.show(0)
 
     def frame(self, index: int) -> tuple[str, list[str]]:
@@ -112,14 +137,19 @@ class StepPlayer(_Player):
 
     def __init__(self, snapshots, interval_ms: int = 800, **render_kwargs) -> None:
         self.snapshots = list(snapshots)
+        render_kwargs.setdefault("max_pool_blocks", COMPACT_POOL)
         self.render_kwargs = render_kwargs
-        super().__init__(len(self.snapshots), interval_ms)
+        first = self.snapshots[0].step if self.snapshots else 0
+        super().__init__(len(self.snapshots), interval_ms, first=first)
 
     def frame(self, index: int) -> tuple[str, list[str]]:
         snap = self.snapshots[index]
+        previous = self.snapshots[index - 1].block_manager if index else None
         return describe_engine_step(snap), [
             render_scheduler(snap.scheduler, step=vars(snap)),
-            render_block_tables(snap.block_manager, **self.render_kwargs)]
+            render_block_tables(snap.block_manager,
+                                highlight_blocks=_new_blocks(previous, snap.block_manager),
+                                **self.render_kwargs)]
 
 
 class LiveBlockTableView(W.VBox):
@@ -131,28 +161,38 @@ class LiveBlockTableView(W.VBox):
         render_kwargs: passed to ``render_block_tables``.
     """
 
-    def __init__(self, engine, show_scheduler: bool = False, **render_kwargs) -> None:
+    def __init__(self, engine, show_scheduler: bool = False, seconds_per_step: float = 0.0,
+                 **render_kwargs) -> None:
         self.engine = engine
         self.show_scheduler = show_scheduler
+        render_kwargs.setdefault("max_pool_blocks", COMPACT_POOL)
         self.render_kwargs = render_kwargs
         self.num_redraws = 0
         self.last_svg: str | None = None
         self.last_snapshot = None  # the engine's StepSnapshot behind last_svg
         self.caption = W.HTML(_caption_html("waiting for the first engine step"))
+        # A pause after each redraw, so that a person can follow the steps while generate runs.
+        self.speed = W.FloatSlider(value=seconds_per_step, min=0.0, max=2.0, step=0.1,
+                                   description="s/step", continuous_update=False)
         self.view = W.HTML(_figure_html(render_block_tables(engine.block_manager.snapshot(),
-                                                            **render_kwargs)))
-        super().__init__([self.caption, self.view])
+                                                            **self.render_kwargs)))
+        super().__init__([W.HBox([self.speed, self.caption]), self.view])
         engine.add_observer(self._on_step)
 
     def _on_step(self, snap) -> None:
-        self.last_svg = render_block_tables(snap.block_manager, **self.render_kwargs)
+        previous = self.last_snapshot.block_manager if self.last_snapshot else None
+        self.last_svg = render_block_tables(
+            snap.block_manager, highlight_blocks=_new_blocks(previous, snap.block_manager),
+            **self.render_kwargs)
         svgs = [self.last_svg]
         if self.show_scheduler:
-            svgs.append(render_scheduler(snap.scheduler, step=vars(snap)))
+            svgs.insert(0, render_scheduler(snap.scheduler, step=vars(snap)))
         self.last_snapshot = snap
         self.num_redraws += 1
         self.caption.value = _caption_html(describe_engine_step(snap))
         self.view.value = _figure_html(*svgs)
+        if self.speed.value:
+            time.sleep(self.speed.value)
 
     def detach(self) -> None:
         """Stop observing the engine."""

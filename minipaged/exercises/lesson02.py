@@ -1,0 +1,94 @@
+"""Lesson 02 exercises: where a token's K/V live, and how a block table grows.
+
+    slot_of(block_table, position, block_size) -> int
+        the cache slot of the token at ``position``: physical block * block_size + offset
+    grow_block_table(block_table, num_tokens, block_size, allocate) -> None
+        the sequence now holds ``num_tokens`` tokens (the newest was just appended); if the
+        newest token has no block yet, call ``allocate()`` and append the block number it returns
+
+Expected answers: the ``slot_mapping`` of ``model_runner.prepare_inputs`` on block tables that a
+real ``BlockSpaceManager`` scrambled, and the tables of ``BlockSpaceManager.append_slot``.
+"""
+from __future__ import annotations
+
+import torch
+
+from minipaged import SamplingParams
+from minipaged.block_manager import BlockSpaceManager
+from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.model_runner import prepare_inputs
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def _admit(bm, seq_id, num_tokens, block_size):
+    seq = Sequence(seq_id, None, list(range(100, 100 + num_tokens)), block_size)
+    group = SequenceGroup(str(seq_id), [seq], SamplingParams(), arrival_time=float(seq_id))
+    bm.allocate(group)
+    seq.status = SequenceStatus.RUNNING
+    return seq, group
+
+
+def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> str:
+    learner = Learner("slot_of", fn)
+    rng = rng_for(seed)
+    checked = 0
+    for case in range(num_cases):
+        block_size = rng.choice([1, 2, 4, 8, 16])
+        bm = BlockSpaceManager(block_size, num_gpu_blocks=64, num_cpu_blocks=0, watermark=0.0)
+        # Admit and free a few requests so the next table's blocks are scattered in the pool.
+        seqs = [_admit(bm, i, rng.randint(1, 5 * block_size), block_size)[0] for i in range(4)]
+        for seq in rng.sample(seqs, 2):
+            bm.free(seq)
+        seq, group = _admit(bm, 9, rng.randint(1, 6 * block_size), block_size)
+        batch = prepare_inputs([group], bm, block_size, torch.device("cpu"))
+        table = bm.get_block_table(seq)
+        for position, expected in enumerate(batch.meta.slot_mapping.tolist()):
+            got = learner(list(table), position, block_size)
+            checked += 1
+            if got != expected:
+                if got == table[position // block_size] + position % block_size:
+                    hint = "a block number counts blocks, not slots: multiply it by block_size"
+                elif got == position:
+                    hint = "the slot comes from the block TABLE, not from the position alone"
+                else:
+                    hint = ("logical block = position // block_size, offset = position % "
+                            "block_size; slot = block_table[logical block] * block_size + offset")
+                fail(learner.name, case, f"block_table={table}, position={position}, "
+                     f"block_size={block_size}", got, expected, hint)
+    return passed(learner, checked)
+
+
+def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> str:
+    learner = Learner("grow_block_table", fn)
+    rng = rng_for(seed)
+    checked = 0
+    for case in range(num_cases):
+        block_size = rng.choice([1, 2, 3, 4, 8, 16])
+        bm = BlockSpaceManager(block_size, num_gpu_blocks=128, num_cpu_blocks=0, watermark=0.0)
+        seq, _ = _admit(bm, 0, rng.randint(1, 3 * block_size), block_size)
+        mine = bm.get_block_table(seq)
+        for _ in range(rng.randint(1, 3 * block_size + 2)):
+            before = list(mine)
+            seq.append_token_id(7, {7: 0.0})
+            calls = []
+            next_free = bm.snapshot()["free_gpu_blocks"][0]
+
+            def allocate():
+                calls.append(next_free)
+                return next_free
+
+            learner(mine, seq.get_len(), block_size, allocate)
+            bm.append_slot(seq)
+            expected = bm.get_block_table(seq)
+            checked += 1
+            if mine != expected:
+                new_block = len(expected) > len(before)
+                hint = ("a new block is needed exactly when the newest token is the first of "
+                        "a logical block, i.e. when the table has fewer blocks than "
+                        "ceil(num_tokens / block_size)") if new_block or calls else \
+                    "append the block number that allocate() returns"
+                if len(calls) > 1:
+                    hint = "call allocate() at most once per new token"
+                fail(learner.name, case, f"block_table={before}, num_tokens={seq.get_len()}, "
+                     f"block_size={block_size}", mine, expected, hint)
+    return passed(learner, checked)

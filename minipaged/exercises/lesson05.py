@@ -1,0 +1,63 @@
+"""Lesson 05 exercises (prepared; the notebook gets them in a later round).
+
+    warp_reduce(values, op) -> (32,) array
+        reduce 32 lane values with XOR shuffles (``kernel_emulator.shfl_xor``), so that every
+        lane ends with the result, as the kernel's butterflies do
+    key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x) -> int
+        the element offset of key element ``dim`` of the token in ``slot`` of physical block
+        ``block``, kv head ``head``, in the key cache laid out as
+        [num_blocks, num_kv_heads, head_size // x, block_size, x]
+
+Expected answers: ``kernel_emulator.butterfly_reduce`` and the shape of the cache engine's key
+blocks (``CacheEngine.key_block_shape``), flattened by NumPy.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minipaged import kernel_emulator as emu
+from minipaged.cache_engine import CacheEngine
+from minipaged.exercises.checking import Learner, fail, passed, rng_for
+
+
+def check_warp_reduce(fn, num_cases: int = 100, seed: int | None = 0) -> str:
+    learner = Learner("warp_reduce", fn)
+    rng = np.random.default_rng(seed)
+    for case in range(num_cases):
+        op = ("sum", "max")[case % 2]
+        values = rng.standard_normal(emu.WARP_SIZE).astype(np.float32)
+        expected = emu.butterfly_reduce(values, op)
+        got = np.asarray(learner(values.copy(), op), dtype=np.float32)
+        if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-5, atol=1e-5):
+            hint = ("every lane must end with the result of ALL 32 lanes: masks 16, 8, 4, 2, 1, "
+                    "each step combining a lane's value with shfl_xor(values, mask)")
+            if got.shape == expected.shape and len(set(np.round(got, 4))) > 1:
+                hint = "the lanes disagree at the end: a mask is missing (16 to 1: five steps)"
+            fail(learner.name, case, f"values=<32 floats>, op={op!r}", got.tolist()[:4],
+                 expected.tolist()[:4], hint)
+    return passed(learner, num_cases)
+
+
+def check_key_offset(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+    learner = Learner("key_offset", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        dtype = rng.choice([torch.float16, torch.float32])
+        x = 16 // torch.tensor([], dtype=dtype).element_size()
+        num_kv_heads, head_size = rng.randint(1, 4), rng.choice([32, 64, 128])
+        block_size, num_blocks = rng.choice([1, 8, 16, 32]), rng.randint(1, 6)
+        shape = (num_blocks, *CacheEngine(1, num_kv_heads, head_size, block_size, 0, 0, dtype,
+                                          torch.device("cpu")).key_block_shape())
+        block, head = rng.randrange(num_blocks), rng.randrange(num_kv_heads)
+        dim, slot = rng.randrange(head_size), rng.randrange(block_size)
+        expected = int(np.ravel_multi_index((block, head, dim // x, slot, dim % x), shape))
+        args = (block, head, dim, slot, num_kv_heads, head_size, block_size, x)
+        got = learner(*args)
+        if got != expected:
+            hint = ("the key layout is [blocks, kv heads, head_size // x, block_size, x]: the "
+                    "dimension is split into a chunk (dim // x) and a place in it (dim % x), and "
+                    "the slot comes BETWEEN them, so one token's x elements are contiguous")
+            fail(learner.name, case, "block=%d, head=%d, dim=%d, slot=%d, num_kv_heads=%d, "
+                 "head_size=%d, block_size=%d, x=%d" % args, got, expected, hint)
+    return passed(learner, num_cases)

@@ -1,0 +1,126 @@
+"""The answers to the lessons' code exercises. The checkers' tests prove each one passes; the
+lessons use them only when run headless with MINIPAGED_SOLUTIONS=1. Try the exercise first!"""
+from __future__ import annotations
+
+# ---- lesson 01 -------------------------------------------------------------------------------
+
+
+def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def reservation_slots(request, num_tokens):
+    return {"used": num_tokens,
+            "reserved": request.final_len - num_tokens,
+            "internal": request.max_len - request.final_len}
+
+
+def paged_slots(num_tokens, block_size):
+    num_blocks = -(-num_tokens // block_size)
+    return num_blocks, num_blocks * block_size - num_tokens
+
+
+# ---- lesson 02 -------------------------------------------------------------------------------
+
+
+def slot_of(block_table, position, block_size):
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def grow_block_table(block_table, num_tokens, block_size, allocate):
+    if len(block_table) < -(-num_tokens // block_size):
+        block_table.append(allocate())
+
+
+# ---- lesson 03 -------------------------------------------------------------------------------
+
+
+def fork(parent_table, ref_counts):
+    for block in parent_table:
+        ref_counts[block] += 1
+    return list(parent_table)
+
+
+def append_action(block_table, ref_counts, num_tokens, block_size):
+    if len(block_table) < -(-num_tokens // block_size):
+        return "new block"
+    if ref_counts[block_table[-1]] > 1:
+        return "copy"
+    return "in place"
+
+
+# ---- lesson 04 -------------------------------------------------------------------------------
+
+
+def schedule_running(running, num_free):
+    queue, kept, preempted = list(running), [], []
+    while queue:
+        group = queue.pop(0)
+        while group.needs_block and num_free == 0:
+            victim = queue.pop() if queue else group
+            preempted.append(victim.request_id)
+            num_free += victim.blocks_held
+            if victim is group:
+                break
+        else:
+            num_free -= group.needs_block
+            kept.append(group.request_id)
+    return kept, preempted
+
+
+def resume_and_admit(swapped, waiting, num_free):
+    swapped_in, admitted = [], []
+    for group in swapped:
+        if num_free < group.blocks_held + 1:
+            break
+        num_free -= group.blocks_held + group.needs_block
+        swapped_in.append(group.request_id)
+    if len(swapped_in) == len(swapped):
+        for group in waiting:
+            if group.prompt_blocks > num_free:
+                break
+            num_free -= group.prompt_blocks
+            admitted.append(group.request_id)
+    return swapped_in, admitted
+
+
+# ---- lesson 06 -------------------------------------------------------------------------------
+
+
+def _flat_positions(seqs):
+    prompts = [s for s in seqs if s.num_computed_tokens == 0]
+    decodes = [s for s in seqs if s.num_computed_tokens > 0]
+    for s in prompts:
+        for pos, token in enumerate(s.token_ids):
+            yield s, pos, token
+    for s in decodes:
+        yield s, len(s.token_ids) - 1, s.token_ids[-1]
+
+
+def flat_batch(seqs):
+    rows = list(_flat_positions(seqs))
+    return [token for _, _, token in rows], [pos for _, pos, _ in rows]
+
+
+def slot_mapping(seqs, block_size):
+    return [slot_of(s.block_table, pos, block_size) for s, pos, _ in _flat_positions(seqs)]
+
+
+# ---- lesson 05 (prepared) --------------------------------------------------------------------
+
+
+def warp_reduce(values, op):
+    import numpy as np
+
+    from minipaged.kernel_emulator import shfl_xor
+
+    combine = np.add if op == "sum" else np.maximum
+    for mask in (16, 8, 4, 2, 1):
+        values = combine(values, shfl_xor(values, mask))
+    return values
+
+
+def key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x):
+    chunk, lane_element = divmod(dim, x)
+    return ((((block * num_kv_heads + head) * (head_size // x) + chunk) * block_size + slot) * x
+            + lane_element)

@@ -1,0 +1,183 @@
+"""Every exercise checker passes the solution and fails plausible wrong answers.
+
+A checker that passed everything would teach nothing; one that failed the solution would block
+the learner. Each wrong answer below is a mistake a learner makes (off by one, forgetting K or
+V, forgetting shared blocks, preempting the wrong group, ...), and the checker must stop at it
+with a hint. Unanswered exercises raise ``NotDone`` unless MINIPAGED_SOLUTIONS=1.
+"""
+import pytest
+
+from minipaged.exercises import ExerciseFailed, NotDone, not_done, solutions as S
+from minipaged.exercises import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06
+
+
+# ---- plausible wrong answers -------------------------------------------------------------------
+def bytes_without_v(num_layers, num_kv_heads, head_dim, dtype_bytes):
+    return num_layers * num_kv_heads * head_dim * dtype_bytes  # forgot the value vectors
+
+
+def reservation_no_internal(request, num_tokens):
+    return {"used": num_tokens, "reserved": request.max_len - num_tokens, "internal": 0}
+
+
+def paged_off_by_one(num_tokens, block_size):
+    blocks = num_tokens // block_size + 1  # one block too many when the last one is exactly full
+    return blocks, blocks * block_size - num_tokens
+
+
+def slot_without_block_size(block_table, position, block_size):
+    return block_table[position // block_size] + position % block_size
+
+
+def grow_off_by_one(block_table, num_tokens, block_size, allocate):
+    if num_tokens % block_size == 0:  # should be == 1: the FIRST token of a block opens it
+        block_table.append(allocate())
+
+
+def fork_without_refs(parent_table, ref_counts):
+    return list(parent_table)
+
+
+def append_ignoring_sharing(block_table, ref_counts, num_tokens, block_size):
+    return "new block" if len(block_table) * block_size < num_tokens else "in place"
+
+
+def preempt_the_needy(running, num_free):
+    kept, preempted = [], []
+    for g in running:  # preempts the group that needs the block instead of the newest
+        if g.needs_block and num_free == 0:
+            preempted.append(g.request_id)
+        else:
+            num_free -= g.needs_block
+            kept.append(g.request_id)
+    return kept, preempted
+
+
+def admit_while_swapped(swapped, waiting, num_free):
+    swapped_in, admitted = S.resume_and_admit(swapped, [], num_free)
+    num_free -= sum(g.blocks_held + g.needs_block for g in swapped if g.request_id in swapped_in)
+    for g in waiting:  # forgets that nothing new is admitted while a group is still swapped
+        if g.prompt_blocks > num_free:
+            break
+        num_free -= g.prompt_blocks
+        admitted.append(g.request_id)
+    return swapped_in, admitted
+
+
+def decode_position_off_by_one(seqs):
+    ids, pos = S.flat_batch(seqs)
+    n_prompt = sum(len(s.token_ids) for s in seqs if s.num_computed_tokens == 0)
+    return ids, pos[:n_prompt] + [p + 1 for p in pos[n_prompt:]]
+
+
+def batch_in_schedule_order(seqs, block_size):
+    out = []  # decodes and prompts interleaved in the order given, not prompts first
+    for s in seqs:
+        positions = range(len(s.token_ids)) if s.num_computed_tokens == 0 else [len(s.token_ids) - 1]
+        out += [S.slot_of(s.block_table, p, block_size) for p in positions]
+    return out
+
+
+def reduce_missing_a_mask(values, op):
+    import numpy as np
+
+    from minipaged.kernel_emulator import shfl_xor
+    for mask in (8, 4, 2, 1):  # forgot 16: two half-warps each get their own result
+        values = (np.add if op == "sum" else np.maximum)(values, shfl_xor(values, mask))
+    return values
+
+
+def naive_key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x):
+    # the value layout [blocks, heads, head_size, block_size], ignoring x
+    return ((block * num_kv_heads + head) * head_size + dim) * block_size + slot
+
+
+CHECKS = [
+    (lesson01.check_bytes_per_token, S.bytes_per_token, [bytes_without_v]),
+    (lesson01.check_reservation_slots, S.reservation_slots, [reservation_no_internal]),
+    (lesson01.check_paged_slots, S.paged_slots, [paged_off_by_one]),
+    (lesson02.check_slot_of, S.slot_of, [slot_without_block_size]),
+    (lesson02.check_grow_block_table, S.grow_block_table, [grow_off_by_one]),
+    (lesson03.check_fork, S.fork, [fork_without_refs]),
+    (lesson03.check_append_action, S.append_action, [append_ignoring_sharing]),
+    (lesson04.check_schedule_running, S.schedule_running, [preempt_the_needy]),
+    (lesson04.check_resume_and_admit, S.resume_and_admit, [admit_while_swapped]),
+    (lesson05.check_warp_reduce, S.warp_reduce, [reduce_missing_a_mask]),
+    (lesson05.check_key_offset, S.key_offset, [naive_key_offset]),
+    (lesson06.check_flat_batch, S.flat_batch, [decode_position_off_by_one]),
+    (lesson06.check_slot_mapping, S.slot_mapping, [batch_in_schedule_order]),
+]
+# Each case carries its lesson's marker: `pytest -m lesson03` runs lesson 03's checkers.
+CHECKS = [pytest.param(*case, id=case[0].__name__,
+                       marks=getattr(pytest.mark, case[0].__module__.rsplit(".", 1)[-1]))
+          for case in CHECKS]
+
+
+@pytest.mark.parametrize("check, solution, wrong", CHECKS)
+def test_checker_passes_the_solution_on_other_seeds(check, solution, wrong, monkeypatch):
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+    for seed in (0, 1, 2):
+        assert "✓" in check(solution, seed=seed)
+
+
+@pytest.mark.parametrize("check, solution, wrong", CHECKS)
+def test_checker_fails_a_plausible_wrong_answer_with_a_hint(check, solution, wrong):
+    for fn in wrong:
+        with pytest.raises(ExerciseFailed) as info:
+            check(fn)
+        message = str(info.value)
+        assert "case" in message and "hint:" in message and "expected:" in message
+
+
+@pytest.mark.parametrize("check, solution, wrong", CHECKS)
+def test_unanswered_exercise_says_not_done_unless_solutions_are_allowed(check, solution, wrong,
+                                                                         monkeypatch):
+    def unanswered(*args):
+        not_done()
+
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+    with pytest.raises(NotDone, match="not done yet"):
+        check(unanswered)
+    monkeypatch.setenv("MINIPAGED_SOLUTIONS", "1")
+    assert "solution was used" in check(unanswered)
+
+
+def test_a_learner_error_is_not_hidden_by_the_solution(monkeypatch):
+    monkeypatch.setenv("MINIPAGED_SOLUTIONS", "1")
+
+    def buggy(*args):
+        raise ZeroDivisionError("the learner's own bug")
+
+    with pytest.raises(ZeroDivisionError):
+        lesson01.check_bytes_per_token(buggy)
+
+
+def test_scheduler_cases_cover_preemption_resume_and_admission():
+    from minipaged.exercises.checking import rng_for
+    seen = {"preempt": 0, "swap_in": 0, "admit": 0, "self_preempt": 0}
+    for (running, _, _, _), outs in lesson04._random_steps(rng_for(0), 300):
+        seen["preempt"] += bool(outs.preempted)
+        seen["swap_in"] += bool(outs.blocks_to_swap_in)
+        seen["admit"] += any(outs.prompt_run)
+        seen["self_preempt"] += bool(running) and any(r == running[0].request_id
+                                                      for r, _ in outs.preempted)
+    assert all(count >= 3 for count in seen.values()), seen
+
+
+def test_flat_batch_cases_mix_prompts_and_decodes():
+    from minipaged.exercises.checking import rng_for
+    mixed = sum(len({s.num_computed_tokens == 0 for s in seqs}) == 2
+                for seqs, _, _ in lesson06._random_batches(rng_for(0), 200))
+    assert mixed >= 20
+
+
+def test_block_manager_replay_of_lesson_01_trace_agrees_with_the_paged_model():
+    from minipaged import kv_cache
+    from minipaged.dry_run import replay_trace_paged
+
+    trace = kv_cache.request_trace(40, seed=3)
+    real = replay_trace_paged(trace, capacity=2048, block_size=16)
+    model = kv_cache.paged_waste(trace, capacity=2048, block_size=16)
+    assert real.slot_steps["used"] > 0 and real.slot_steps["internal"] > 0
+    assert abs(real.waste_fraction - model.waste_fraction) < 0.01
+    assert real.slot_steps["internal"] <= 15 * real.max_running * real.num_steps

@@ -1,0 +1,164 @@
+"""Each lesson opens in JupyterLab in a real browser, runs all its cells, and shows no error.
+
+JupyterLab is started on 127.0.0.1 over a copy of the lessons (so saving does not touch the
+repository), with MINIPAGED_SOLUTIONS=1 so that unanswered exercises use the solutions. Debian's
+Chromium, driven by playwright, opens each notebook, runs "Run All Cells", waits for the kernel,
+and saves. Then: no saved output is an error, every widget output rendered in the page (no
+"Error displaying widget"), and every code cell ran. Nothing is downloaded.
+"""
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "06_engine"]
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    work = tmp_path_factory.mktemp("lab")
+    for name in LESSONS:
+        shutil.copy(ROOT / "lessons" / f"{name}.ipynb", work)
+    port = _free_port()
+    # Render every cell (no windowing), so that the page holds every output to check.
+    settings = work / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    env = dict(os.environ, MINIPAGED_SOLUTIONS="1", JUPYTER_PLATFORM_DIRS="1",
+               JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    log = open(work / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+         "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
+         "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
+         f"--ServerApp.root_dir={work}", "--allow-root"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited: {(work / 'lab.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/api", timeout=2):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError("jupyter lab did not answer")
+            time.sleep(0.5)
+    try:
+        yield url, work
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
+            args=["--headless", "--no-sandbox", "--disable-gpu",
+                  "--disable-background-networking"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+# Per code cell of the notebook model: its execution count (null while queued or running).
+COUNTS = ("() => { const m = window.jupyterapp.shell.currentWidget.content.model;"
+          " const out = []; for (let i = 0; i < m.cells.length; i++) {"
+          " const c = m.cells.get(i); if (c.type === 'code') out.push(c.executionCount); }"
+          " return out; }")
+IDLE = "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+
+
+def _wait_until_done(page, timeout: float = 400) -> None:
+    """Every code cell has run, or the kernel stayed idle with cells left (an error stopped
+    "Run All"; the checks below report it)."""
+    deadline = time.monotonic() + timeout
+    idle_polls, last = 0, None
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(2000)
+        counts = page.evaluate(COUNTS)
+        if all(counts):
+            return
+        # Stopped: some cells ran, and for 20 s the kernel was idle and nothing changed.
+        quiet = any(counts) and counts == last and page.evaluate(IDLE) == "idle"
+        idle_polls = idle_polls + 1 if quiet else 0
+        last = counts
+        if idle_polls >= 10:
+            return
+    raise TimeoutError("the notebook was still running")
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
+    url, work = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        # A fresh workspace per lesson: JupyterLab would otherwise reopen the previous tabs.
+        page.goto(f"{url}/lab/workspaces/{name}/tree/{name}.ipynb?reset", timeout=120_000)
+        page.wait_for_function(
+            "name => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+            " return w && w.context && w.context.path.endsWith(name + '.ipynb')"
+            " && document.querySelector('.jp-NotebookPanel .jp-Notebook .jp-Cell'); }",
+            arg=name, timeout=120_000)
+        # Wait for the kernel, then run everything, as a learner would from the Run menu.
+        page.wait_for_function("() => { const w = window.jupyterapp.shell.currentWidget;"
+                               " return w && w.sessionContext && w.sessionContext.session"
+                               " && w.sessionContext.session.kernel"
+                               " && w.sessionContext.session.kernel.connectionStatus"
+                               " === 'connected'; }", timeout=120_000)
+        page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        _wait_until_done(page)
+        page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+        page.wait_for_timeout(1500)
+        notebook = json.loads((work / f"{name}.ipynb").read_text())
+        code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+        errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(code)
+                  for o in c.get("outputs", []) if o["output_type"] == "error"]
+        assert not errors, errors
+        counts = [c.get("execution_count") for c in code]
+        assert all(counts), f"some cells did not run: {counts}, in the page {page.evaluate(COUNTS)}"
+        widgets = sum("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                      for c in code for o in c.get("outputs", []))
+        page_text = page.inner_text(".jp-NotebookPanel")
+        assert "Error displaying widget" not in page_text
+        rendered = page.locator(".jp-OutputArea-output .jupyter-widgets").count()
+        assert rendered >= widgets, (rendered, widgets)
+        svgs = page.locator(".jp-OutputArea-output svg, .jp-RenderedSVG").count()  # drawings
+        assert svgs > 0
+        shots = os.environ.get("MINIPAGED_SCREENSHOTS")  # a folder: keep pictures of the widgets
+        if shots:
+            for k, widget in enumerate(page.locator(".jp-OutputArea-output .widget-vbox").all()):
+                widget.scroll_into_view_if_needed()
+                widget.screenshot(path=os.path.join(shots, f"{name}_widget{k}.png"))
+    finally:
+        page.close()

@@ -1,0 +1,154 @@
+"""Every SVG view keeps its text inside the drawing and never writes one label over another.
+
+Each renderer draws random states (random pools, tables, queues, series); every <text> gets a
+box from its font size and length (monospace: 0.6 em per character, 1 em high) and its anchor.
+No box may leave the viewBox, and no two boxes may overlap.
+"""
+import random
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from minipaged import kernel_emulator as emu
+from minipaged import kv_cache
+from minipaged.dry_run import RandomTraffic
+from visualizer import (butterfly_steps, render_block_tables, render_butterfly,
+                        render_line_chart, render_memory_waste, render_scheduler)
+
+NS = "{http://www.w3.org/2000/svg}"
+CHAR_W, ASCENT, DESCENT = 0.6, 0.8, 0.2
+
+
+def text_boxes(svg: str):
+    root = ET.fromstring(svg)
+    _, _, width, height = map(float, root.get("viewBox").split())
+    boxes = []
+    for node in root.iter(NS + "text"):
+        content = "".join(node.itertext())
+        if not content:
+            continue
+        size = float(node.get("font-size", 11))
+        x, y = float(node.get("x")), float(node.get("y"))
+        w = CHAR_W * size * len(content)
+        anchor = node.get("text-anchor", "start")
+        x0 = x - (w if anchor == "end" else w / 2 if anchor == "middle" else 0)
+        boxes.append((content, x0, y - ASCENT * size, x0 + w, y + DESCENT * size))
+    return boxes, width, height
+
+
+def assert_clean_layout(svg: str, what: str) -> None:
+    boxes, width, height = text_boxes(svg)
+    for content, x0, y0, x1, y1 in boxes:
+        assert x0 >= -0.5 and y0 >= -0.5 and x1 <= width + 0.5 and y1 <= height + 0.5, \
+            f"{what}: {content!r} leaves the {width}x{height} viewBox: ({x0:.0f},{y0:.0f})-({x1:.0f},{y1:.0f})"
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            overlap_x = min(a[3], b[3]) - max(a[1], b[1])
+            overlap_y = min(a[4], b[4]) - max(a[2], b[2])
+            assert overlap_x <= 0.5 or overlap_y <= 0.5, f"{what}: {a[0]!r} overlaps {b[0]!r}"
+
+
+def random_runs(seed: int, steps: int):
+    """Scheduler/block-manager states of random traffic, with pools of up to ~1500 blocks."""
+    rng = random.Random(seed)
+    traffic = RandomTraffic(rng, rng.choice([1, 4, 16]), rng.choice([6, 12, 40, 1456]),
+                            preemption_mode=rng.choice(["swap", "recompute"]))
+    for _ in range(steps):
+        traffic.arrive(rng.choice([0, 1, 2]))
+        outs = traffic.scheduler.schedule()
+        step = {"scheduled": [g.request_id for g in outs.scheduled_seq_groups],
+                "prompt_run": outs.prompt_run, "preempted": outs.preempted,
+                "blocks_to_swap_in": outs.blocks_to_swap_in,
+                "blocks_to_swap_out": outs.blocks_to_swap_out,
+                "blocks_to_copy": outs.blocks_to_copy, "finished": []}
+        yield traffic, step
+        traffic.after_model(outs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_tables_and_scheduler_views_have_clean_labels(seed):
+    for traffic, step in random_runs(seed, 12):
+        snap = traffic.bm.snapshot()
+        assert_clean_layout(render_block_tables(snap, title=f"seed {seed}"), "block tables")
+        assert_clean_layout(render_scheduler(traffic.scheduler.snapshot(), title="queues",
+                                             step=step), "scheduler")
+
+
+def test_block_tables_with_large_block_numbers_and_shared_blocks():
+    from minipaged.dry_run import DryRun
+    run = DryRun(block_size=16, num_gpu_blocks=1456)
+    run.block_manager.gpu_allocator.free_blocks.reverse()  # hand out blocks #1455, #1454, ...
+    group = run.add_request(list(range(40)), n=3)
+    run.step()
+    run.step()
+    assert_clean_layout(render_block_tables(run.block_manager.snapshot(), title="shared"),
+                        "block tables")
+
+
+def test_butterfly_title_and_lanes_stay_inside():
+    rng = __import__("numpy").random.default_rng(0)
+    trace = []
+    emu.butterfly_reduce(rng.standard_normal(32).astype("float32"), op="max", trace=trace)
+    records = butterfly_steps(trace)
+    svg = render_butterfly(records, title="max over the warp: a butterfly of __shfl_xor_sync, "
+                                          "masks 16, 8, 4, 2, 1")
+    assert_clean_layout(svg, "butterfly")
+
+
+def test_memory_waste_view_has_clean_labels():
+    trace = kv_cache.request_trace(60, seed=1)
+    svg = render_memory_waste(kv_cache.contiguous_waste(trace, 8192),
+                              kv_cache.paged_waste(trace, 8192, 16), title="waste")
+    assert_clean_layout(svg, "memory waste")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_line_chart_has_clean_labels(seed):
+    rng = random.Random(seed)
+    series = {f"series {i} " + "x" * rng.randint(0, 30): [(x, rng.uniform(0.01, 1000))
+                                                       for x in sorted(rng.sample(range(1, 300), 6))]
+              for i in range(rng.randint(1, 5))}
+    svg = render_line_chart(series, title="a chart", x_label="tokens", y_label="ms",
+                            log_y=bool(seed % 2), marks=[(150, "crossover")])
+    assert_clean_layout(svg, "line chart")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_timeline_and_flat_batch_views_have_clean_labels(seed):
+    import torch
+
+    from minipaged.model_runner import prepare_inputs
+    from visualizer.flat_batch import render_flat_batch
+    from visualizer.timeline import render_timeline
+
+    snapshots, arrivals = [], {}
+    for step, (traffic, info) in enumerate(random_runs(seed, 14), start=1):
+        sched = traffic.scheduler
+        groups = sched.running
+        batch = prepare_inputs([g for g in groups], traffic.bm, traffic.block_size,
+                               torch.device("cpu"))
+        if batch.rows:
+            assert_clean_layout(render_flat_batch(batch, traffic.block_size, title="a step"),
+                                "flat batch")
+        for rid in [g.request_id for q in (sched.waiting, sched.running, sched.swapped)
+                    for g in q]:
+            arrivals.setdefault(rid, step)
+        snapshots.append(type("Snap", (), {"step": step, "scheduled": info["scheduled"],
+                                           "prompt_run": info["prompt_run"],
+                                           "preempted": info["preempted"], "finished": []}))
+    assert_clean_layout(render_timeline(snapshots, arrivals, title="timeline"), "timeline")
+
+
+def test_show_source_keeps_listings_to_40_lines(monkeypatch):
+    from minipaged.scheduler import Scheduler
+    from visualizer import source
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", shown.append)
+    source.show_source(Scheduler.schedule, end="# 2.")
+    source.show_source(Scheduler.schedule, start="# 3.")
+    source.show_source(Scheduler.schedule)  # whole: cut at 40 lines, with a note
+    lengths = [len(code.data.splitlines()) for code in shown]
+    assert all(n <= source.MAX_LINES + 2 for n in lengths), lengths
+    assert "more lines" in shown[-1].data
+    assert "# 1." in shown[0].data and "# 2." not in shown[0].data
