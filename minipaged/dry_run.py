@@ -15,6 +15,27 @@ from minipaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
+def apply_step(outs: SchedulerOutputs,
+               next_token: Callable[[Sequence], int] | None = None) -> None:
+    """What the engine does after the model ran: the step's chunks and decodes are now cached,
+    and each sequence whose last token was computed gets its new token (by default 100 + its
+    length). A chunk that stops short of a prompt's end samples nothing."""
+    sampled: list[Sequence] = []
+    for chunk in outs.prefill_chunks:
+        for seq_id in chunk.seq_ids:
+            seq = chunk.seq_group.find(seq_id)
+            seq.num_computed_tokens = chunk.end
+            if chunk.sample:
+                sampled.append(seq)
+    for group in outs.decode_seq_groups:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            seq.num_computed_tokens = seq.get_len()
+            sampled.append(seq)
+    for seq in sampled:
+        token = next_token(seq) if next_token else 100 + seq.get_len()
+        seq.append_token_id(token, {token: 0.0})
+
+
 class DryRun:
     """A model-free engine loop.
 
@@ -58,13 +79,8 @@ class DryRun:
 
     def sampled(self, outs: SchedulerOutputs,
                 next_token: Callable[[Sequence], int] | None = None) -> None:
-        """What the engine does after the model ran: the step's tokens are now cached, and each
-        sequence gets its new token (by default 100 + its length)."""
-        for group in outs.scheduled_seq_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.num_computed_tokens = seq.get_len()
-                token = next_token(seq) if next_token else 100 + seq.get_len()
-                seq.append_token_id(token, {token: 0.0})
+        """What the engine does after the model ran (see ``apply_step``)."""
+        apply_step(outs, next_token)
 
     def fork(self, parent: Sequence) -> Sequence:
         """A new sequence continuing from ``parent`` (what beam search does when a beam is

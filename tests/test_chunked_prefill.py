@@ -6,8 +6,9 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.block_manager import BlockSpaceManager
+from minipaged.dry_run import apply_step
 from minipaged.scheduler import Scheduler, SchedulerConfig
-from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sequence import Sequence, SequenceGroup
 from tiny_models import greedy_reference, pick_prompts
 
 pytestmark = pytest.mark.lesson06
@@ -80,17 +81,7 @@ def _group(request_id, length, arrival, seq_id):
 
 
 def _advance(outs):
-    """What the engine does after the model ran: chunks and decodes are in the cache."""
-    for chunk in outs.prefill_chunks:
-        for seq_id in chunk.seq_ids:
-            seq = chunk.seq_group.find(seq_id)
-            seq.num_computed_tokens = chunk.end
-            if chunk.sample:
-                seq.append_token_id(9, {9: 0.0})
-    for group in outs.decode_seq_groups:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            seq.num_computed_tokens = seq.get_len()
-            seq.append_token_id(9, {9: 0.0})
+    apply_step(outs, lambda seq: 9)
 
 
 @pytest.mark.parametrize("chunked", [True, False])
