@@ -189,7 +189,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of: static, continuous")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     ap.add_argument("--note", default="", help="a remark recorded with the results")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoConfig, AutoModelForCausalLM
 

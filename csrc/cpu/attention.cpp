@@ -53,6 +53,12 @@ inline float to_float(c10::BFloat16 v) {
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }  // round to nearest even
 
+// Ask for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
 // Lanes of the fp32 accumulators: one 256-bit register. Loops of this many independent fp32
 // FMAs are what the compiler vectorises (AVX2: one instruction; AVX-512 and NEON: fine too).
 constexpr int LANES = 8;
@@ -111,9 +117,12 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
   }
 
   // ---- phase 2: q.k, block by block, keys read in place ---------------------------------------
+  const int64_t kv_offset = kv_head * sh.kv_head_stride;  // this kv head's part of a block
+  const int64_t block_bytes = (int64_t)head_size * BLOCK_SIZE * sizeof(T);
   for (int b = 0; b < num_blocks; ++b) {
-    const int64_t physical_block = block_table[b];
-    const T* k_block = key_cache + physical_block * sh.kv_block_stride + kv_head * sh.kv_head_stride;
+    const T* k_block = key_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    if (b + 1 < num_blocks)  // the blocks are scattered: no hardware prefetcher guesses the next
+      prefetch(key_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
     const int block_start = b * BLOCK_SIZE;
     for (int v = 0; v < num_vecs; ++v) {
       const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);  // tokens this row sees
@@ -164,9 +173,9 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
   // ---- phase 4: probabilities . V, values read in place ---------------------------------------
   std::fill(acc, acc + acc_size, 0.f);
   for (int b = 0; b < num_blocks; ++b) {
-    const int64_t physical_block = block_table[b];
-    const T* v_block =
-        value_cache + physical_block * sh.kv_block_stride + kv_head * sh.kv_head_stride;
+    const T* v_block = value_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    if (b + 1 < num_blocks)
+      prefetch(value_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
     const int block_start = b * BLOCK_SIZE;
     for (int v = 0; v < num_vecs; ++v) {
       const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);
