@@ -234,6 +234,7 @@ def main(argv=None) -> int:
     largest = traces[max(traces)]
     prompts = [p for p, _ in largest][:min(64, len(largest))]
     breakdown = decode_step_breakdown(llm, prompts)
+    print("  " + format_decode_breakdown(breakdown, peak), flush=True)
     mp_results = {n: r["minipaged"] for n, r in runs.items()}
     # Our weights go to transformers: same weights, and the KV pool is freed first.
     state = {k: v for k, v in engine.model.state_dict().items()}

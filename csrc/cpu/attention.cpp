@@ -21,9 +21,9 @@
 // query_start_loc[s+1]); they are the last q_len positions of its context_lens[s] cached tokens,
 // and the row at position p attends to positions 0..p (causal). Decode is q_len == 1.
 //
-// NaN safety: slots past a row's last position may hold anything (NaN included), and so may the
-// padding entries of a block table. Blocks past the last one are never touched; in the last,
-// partial block only the valid tokens are read (probability 0 times NaN would be NaN).
+// NaN safety: slots past the context may hold anything (NaN included), and so may the padding
+// entries of a block table. Blocks past the last one are never touched; in the sequence's last,
+// partly filled block only the valid tokens are read (probability 0 times NaN would be NaN).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -124,12 +124,15 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
     if (b + 1 < num_blocks)  // the blocks are scattered: no hardware prefetcher guesses the next
       prefetch(key_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
     const int block_start = b * BLOCK_SIZE;
+    // A block is "whole" when all its slots hold tokens of this sequence: then the vector loops
+    // may read all of it even for a row that sees only part of it (a causal cut in prefill).
+    const bool whole = context_len - block_start >= BLOCK_SIZE;
     for (int v = 0; v < num_vecs; ++v) {
       const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);  // tokens this row sees
       if (valid <= 0) continue;  // causal: a later block than this row's position
       const float* qp = q_pattern + (size_t)v * num_chunks * KW;
       float* row_logits = logits + (size_t)v * last_len + block_start;
-      if (valid == BLOCK_SIZE) {
+      if (whole) {
         // partial[t * X + i] sums q[c * X + i] * k[c][t][i] over the chunks c.
         float partial[K_RUN] = {};
         for (int c = 0; c < num_chunks; ++c) {
@@ -138,13 +141,13 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
           for (int j = 0; j < K_RUN; j += KW)
             for (int w = 0; w < KW; ++w) partial[j + w] += qc[w] * to_float(k_chunk[j + w]);
         }
-        for (int t = 0; t < BLOCK_SIZE; ++t) {
+        for (int t = 0; t < valid; ++t) {
           float dot = 0.f;
           for (int i = 0; i < X; ++i) dot += partial[t * X + i];
           row_logits[t] = dot;
         }
       } else {
-        // The last, partial block: only the valid tokens are read.
+        // The sequence's last, partly filled block: only the valid tokens are read.
         for (int t = 0; t < valid; ++t) {
           float dot = 0.f;
           for (int c = 0; c < num_chunks; ++c)
@@ -177,16 +180,18 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
     if (b + 1 < num_blocks)
       prefetch(value_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
     const int block_start = b * BLOCK_SIZE;
+    const bool whole = context_len - block_start >= BLOCK_SIZE;
     for (int v = 0; v < num_vecs; ++v) {
       const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);
       if (valid <= 0) continue;
       const float* p = logits + (size_t)v * last_len + block_start;  // this block's probabilities
       float* __restrict__ acc_v = acc + (size_t)v * head_size * VW;
-      if (valid == BLOCK_SIZE) {
+      if (whole) {
         // NOTE: the probabilities are copied into a local array first: the compiler then knows
-        // the accumulators cannot overwrite them, and keeps them in vector registers.
+        // the accumulators cannot overwrite them, and keeps them in vector registers. Tokens
+        // past a causal cut get probability 0 (their values are real, finite tokens).
         float p_block[BLOCK_SIZE];
-        for (int t = 0; t < BLOCK_SIZE; ++t) p_block[t] = p[t];
+        for (int t = 0; t < BLOCK_SIZE; ++t) p_block[t] = t < valid ? p[t] : 0.f;
         for (int d = 0; d < head_size; ++d) {
           const T* v_row = v_block + (int64_t)d * BLOCK_SIZE;  // head dimension d, all tokens
           float lanes[VW];
