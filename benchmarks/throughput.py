@@ -11,8 +11,15 @@ own output length):
     request is done; only the tokens each request asked for are counted;
   * transformers' own continuous batching (``generate_batch`` machinery, paged attention), where
     it runs on this machine.
-It prints a table (requests/s, output tokens/s, ratios) and, with ``--record``, appends it to
-benchmarks/RESULTS.md with the date and the machine.
+It prints a table per trace size (``--num-requests 16 64 256``: requests/s, output tokens/s,
+ratios), the engine's step-time breakdown, one decode step of (up to) 64 sequences taken apart
+(attention, linear layers, other model work, sampling, scheduling, Python; see step_breakdown.py)
+with its achieved fraction of the matmul peak measured in the same run, and, as its last line,
+
+    speed-up vs transformers static: X.XXx, vs generate_batch: Y.YYx
+
+for the last trace size. With ``--record`` it appends all of it to benchmarks/RESULTS.md with the
+date, the machine and its CPU capability.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ from minipaged import LLM, SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_description  # noqa: E402
+from step_breakdown import (cpu_capability_notes, decode_step_breakdown,  # noqa: E402
+                            format_decode_breakdown, matmul_peak_flops)
 
 # Model shapes for dummy weights (no model hub needed).
 DUMMY_SHAPES = {
@@ -167,7 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--trace", choices=["uniform", "sharegpt"], default="uniform")
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, nargs="+", default=[64],
+                    help="one or more trace sizes, e.g. 16 64 256; the last line is for the last")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256])
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 128])
     ap.add_argument("--max-total", type=int, default=2048)
@@ -178,7 +188,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of: static, continuous")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--note", default="", help="a remark recorded with the results")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -203,19 +217,25 @@ def main(argv=None) -> int:
               **llm_kwargs)
     engine = llm.llm_engine
     device, dtype = engine.device, engine.dtype
-    trace = make_trace(args.trace, args.num_requests, args.prompt_len, args.output_len,
-                       args.max_total, config.vocab_size, args.seed)
-    num_out = sum(o for _, o in trace)
-    print(f"model {model_name} on {machine_description(device)}, {dtype}; trace "
-          f"{args.trace}: {len(trace)} requests, prompts {min(len(p) for p, _ in trace)}-"
-          f"{max(len(p) for p, _ in trace)} tokens, outputs {min(o for _, o in trace)}-"
-          f"{max(o for _, o in trace)} ({num_out} output tokens in all)", flush=True)
+    machine = machine_description(device)
+    if device.type == "cpu":
+        machine += "; " + cpu_capability_notes(dtype)
+    peak = matmul_peak_flops(device, dtype)
+    print(f"model {model_name} on {machine}, {dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s",
+          flush=True)
 
-    results = {}
-    results["minipaged"] = run_minipaged(llm, trace)
-    print(f"  minipaged: {results['minipaged']['time']:.1f} s", flush=True)
-    mp_stats = results["minipaged"]["stats"]
-    num_gpu_blocks = results["minipaged"]["num_gpu_blocks"]
+    # Every trace size runs the three systems on the same weights, one after another.
+    traces = {n: make_trace(args.trace, n, args.prompt_len, args.output_len, args.max_total,
+                            config.vocab_size, args.seed) for n in args.num_requests}
+    runs = {n: {} for n in traces}
+    for n, trace in traces.items():
+        runs[n]["minipaged"] = run_minipaged(llm, trace)
+        print(f"  {n} requests: minipaged {runs[n]['minipaged']['time']:.1f} s", flush=True)
+    largest = traces[max(traces)]
+    prompts = [p for p, _ in largest][:min(64, len(largest))]
+    breakdown = decode_step_breakdown(llm, prompts)
+    print("  " + format_decode_breakdown(breakdown, peak), flush=True)
+    mp_results = {n: r["minipaged"] for n, r in runs.items()}
     # Our weights go to transformers: same weights, and the KV pool is freed first.
     state = {k: v for k, v in engine.model.state_dict().items()}
     del llm, engine
@@ -233,26 +253,47 @@ def main(argv=None) -> int:
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         hf.eval()
     del state
-    if "static" not in skip:
-        results["hf static"] = run_hf_static(hf, trace, args.static_batch, 0, device)
-        print(f"  transformers static batches of {args.static_batch}: "
-              f"{results['hf static']['time']:.1f} s", flush=True)
-    if "continuous" not in skip:
-        try:
-            results["hf continuous"] = run_hf_continuous(hf, trace, device)
-            print(f"  transformers continuous batching: {results['hf continuous']['time']:.1f} s",
-                  flush=True)
-        except Exception as e:  # report, don't hide: it may not support this device
-            results["hf continuous"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            print(f"  transformers continuous batching did not run: "
-                  f"{results['hf continuous']['error']}", flush=True)
+    for n, trace in traces.items():
+        if "static" not in skip:
+            runs[n]["hf static"] = run_hf_static(hf, trace, args.static_batch, 0, device)
+            print(f"  {n} requests: transformers static batches of {args.static_batch}: "
+                  f"{runs[n]['hf static']['time']:.1f} s", flush=True)
+        if "continuous" not in skip:
+            try:
+                runs[n]["hf continuous"] = run_hf_continuous(hf, trace, device)
+                print(f"  {n} requests: transformers continuous batching: "
+                      f"{runs[n]['hf continuous']['time']:.1f} s", flush=True)
+            except Exception as e:  # report, don't hide: it may not support this device
+                runs[n]["hf continuous"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                print(f"  transformers continuous batching did not run: "
+                      f"{runs[n]['hf continuous']['error']}", flush=True)
 
-    table = format_table(results, args, num_out)
-    breakdown = format_breakdown(mp_stats, num_gpu_blocks)
-    print("\n" + table + "\n\n" + breakdown)
+    tables = [f"{n} requests:\n\n" + format_table(runs[n], args.static_batch, n,
+                                                    sum(o for _, o in traces[n]))
+              for n in traces]
+    engine_breakdowns = [f"{n} requests: " + format_breakdown(mp_results[n]["stats"],
+                                                               mp_results[n]["num_gpu_blocks"])
+                         for n in traces]
+    decode = format_decode_breakdown(breakdown, peak)
+    report = "\n\n".join(tables + engine_breakdowns + [decode])
+    last = speedup_line(runs[args.num_requests[-1]])
+    print("\n" + report + "\n\n" + last)
     if args.record:
-        record(table, breakdown, args, model_name, device, dtype, trace)
+        record(report + "\n\n" + last, args, model_name, machine, device, dtype, traces)
+        print(last)  # the last line stays the speed-up line
     return 0
+
+
+def speedup_line(results: dict) -> str:
+    """The benchmark's last line: minipaged's speed-up over both transformers baselines."""
+    def ratio(name):
+        r = results.get(name)
+        if r is None or "error" in r:
+            return "n/a"
+        return f"{r['time'] / results['minipaged']['time']:.2f}x"
+
+    return (f"speed-up vs transformers static: {ratio('hf static')}, "
+            f"vs generate_batch: {ratio('hf continuous')}")
 
 
 def _hf_names(state: dict, config) -> dict:
@@ -269,7 +310,7 @@ def _hf_names(state: dict, config) -> dict:
     return out
 
 
-def format_table(results: dict, args, num_out: int) -> str:
+def format_table(results: dict, static_batch: int, num_requests: int, num_out: int) -> str:
     base = results["minipaged"]
     lines = ["| system | time (s) | requests/s | output tokens/s | minipaged speed-up |",
              "|---|---:|---:|---:|---:|"]
@@ -277,11 +318,11 @@ def format_table(results: dict, args, num_out: int) -> str:
         if "error" in r:
             lines.append(f"| {name} | did not run: {r['error']} | | | |")
             continue
-        label = f"transformers static batches of {args.static_batch}" if name == "hf static" \
+        label = f"transformers static batches of {static_batch}" if name == "hf static" \
             else ("transformers continuous batching (generate_batch)"
                   if name == "hf continuous" else "minipaged")
         speedup = r["time"] / base["time"]
-        lines.append(f"| {label} | {r['time']:.1f} | {args.num_requests / r['time']:.2f} | "
+        lines.append(f"| {label} | {r['time']:.1f} | {num_requests / r['time']:.2f} | "
                      f"{r['tokens'] / r['time']:.1f} | "
                      f"{'1.00' if name == 'minipaged' else f'{speedup:.2f}x'} |")
     return "\n".join(lines)
@@ -300,21 +341,23 @@ def format_breakdown(stats: dict, num_gpu_blocks: int) -> str:
             f"{stats['num_generation_tokens'] / steps:.1f} decode tokens per step on average.")
 
 
-def record(table, breakdown, args, model_name, device, dtype, trace) -> None:
+def record(report, args, model_name, machine, device, dtype, traces) -> None:
     import transformers
 
     path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
     today = datetime.date.today().isoformat()
-    header = (f"\n## Throughput: {model_name}, {device.type} ({today})\n\n"
-              f"- machine: {machine_description(device)}\n"
+    sizes = ", ".join(str(n) for n in traces)
+    header = (f"\n## Throughput: {model_name}, {device.type}, {dtype} ({today})\n\n"
+              f"- machine: {machine}\n"
               f"- versions: torch {torch.__version__}, transformers {transformers.__version__}\n"
-              f"- trace: {args.trace}, {len(trace)} requests, seed {args.seed}, prompt "
+              f"- trace: {args.trace}, {sizes} requests, seed {args.seed}, prompt "
               f"{args.prompt_len[0]}-{args.prompt_len[1]}, output {args.output_len[0]}-"
               f"{args.output_len[1]} tokens, greedy, ignore_eos; dtype {dtype}; block size "
               f"{args.block_size}\n"
-              f"- command: `python benchmarks/throughput.py {' '.join(sys.argv[1:])}`\n\n")
+              f"- command: `python benchmarks/throughput.py {' '.join(sys.argv[1:])}`\n"
+              + (f"- note: {args.note}\n" if args.note else "") + "\n")
     with open(path, "a") as f:
-        f.write(header + table + "\n\n" + breakdown + "\n")
+        f.write(header + report + "\n")
     print(f"recorded in {path}")
 
 

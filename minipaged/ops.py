@@ -1,9 +1,12 @@
 """The attention and cache operations, in plain torch (lessons 02, 05 and 06).
 
 These functions are the *reference*: they are written to be obviously right, and the CUDA kernels
-in ``csrc/`` and the NumPy emulator in ``kernel_emulator.py`` are checked against them. On a CUDA
-tensor each public function hands the work to our compiled kernels when they are available
-(``minipaged.cuda_ops``); everywhere else the torch code below runs.
+in ``csrc/``, the C++ CPU kernels in ``csrc/cpu/attention.cpp`` and the NumPy emulator in
+``kernel_emulator.py`` are checked against them. On a CUDA tensor each public function hands the
+work to our compiled kernels when they are available (``minipaged.cuda_ops``); on a CPU tensor the
+attention and cache writes go to the compiled C++ code (``minipaged.cpu_ops``) unless
+``MINIPAGED_CPU_KERNELS=0`` is set or it could not be built; everywhere else the torch code below
+runs.
 
 The KV cache layout (one layout everywhere, see DESIGN §4):
 
@@ -34,6 +37,17 @@ def _use_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and _cuda() is not None
 
 
+def _cpu():
+    """Our compiled C++ CPU kernels, or None (``MINIPAGED_CPU_KERNELS=0``, or no compiler)."""
+    from minipaged import cpu_ops
+
+    return cpu_ops.load()
+
+
+def _use_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and _cpu() is not None
+
+
 # ----------------------------------------------------------------------------------------------
 # Writing new keys and values into their slots
 # ----------------------------------------------------------------------------------------------
@@ -47,6 +61,8 @@ def reshape_and_cache(
     """Write each token's key and value into the cache slot ``slot_mapping[token]``."""
     if _use_cuda(key_cache):
         return _cuda().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    if _use_cpu(key_cache):
+        return _cpu().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -85,6 +101,9 @@ def paged_attention(
         return _cuda().paged_attention(
             query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
         )
+    if _use_cpu(key_cache):
+        return _cpu().paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                      scale)
     return paged_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale)
 
 
@@ -188,6 +207,9 @@ def paged_prefill_attention(
     chunk of a long prompt, and the recompute of a sequence that shares its prompt's blocks; a
     decode is the case ``q_len == 1``.
     """
+    if _use_cpu(key_cache):
+        return _cpu().paged_prefill_attention(query, key_cache, value_cache, block_tables,
+                                              query_start_loc, context_lens, scale)
     return paged_prefill_attention_ref(query, key_cache, value_cache, block_tables,
                                        query_start_loc, context_lens, scale)
 

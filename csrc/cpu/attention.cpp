@@ -1,0 +1,401 @@
+// Paged attention on the CPU, reading keys and values through the block table in place.
+//
+// The CPU cousin of csrc/paged_attention.cu (lesson 05). Same cache layout (DESIGN §4):
+//   key_cache    [num_blocks, num_kv_heads, head_size / X, block_size, X]   X = 16 / sizeof(T)
+//   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+// and the same four phases, with a CPU thread where the GPU has a CUDA block:
+//
+//   phase 1  queries -> fp32 scratch, scaled (one per query head of the kv head's group)
+//   phase 2  q.k: walk the block table; for each KV block read its keys where they lie and
+//            compute one fp32 logit per token (the CUDA kernel's thread groups become one
+//            vectorised loop over the block's 16-byte chunks)
+//   phase 3  softmax in fp32: maximum, exponentials and their sum
+//   phase 4  probabilities . V: walk the blocks again, each value row (one head dimension, all
+//            the block's tokens) is one contiguous run that a vector FMA consumes
+//
+// Work split: at::parallel_for over (sequence, kv head, tile of query rows). All query heads that
+// share a kv head (grouped-query attention) are done by the same task, so each key and value is
+// read from memory once per kv head, not once per query head.
+//
+// One routine serves decode and prefill: sequence s owns query rows [query_start_loc[s],
+// query_start_loc[s+1]); they are the last q_len positions of its context_lens[s] cached tokens,
+// and the row at position p attends to positions 0..p (causal). Decode is q_len == 1.
+//
+// NaN safety: slots past the context may hold anything (NaN included), and so may the padding
+// entries of a block table. Blocks past the last one are never touched; in the sequence's last,
+// partly filled block only the valid tokens are read (probability 0 times NaN would be NaN).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace minipaged_cpu {
+
+// ----------------------------------------------------------------------------------------------
+// Element conversions. bfloat16 -> float is the 16 bits moved to the top of a float: written out
+// so the compiler turns the loops below into vector shifts.
+// ----------------------------------------------------------------------------------------------
+inline float to_float(float v) { return v; }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }  // round to nearest even
+
+// Ask for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+// Lanes of the fp32 accumulators: one 256-bit register. Loops of this many independent fp32
+// FMAs are what the compiler vectorises (AVX2: one instruction; AVX-512 and NEON: fine too).
+constexpr int LANES = 8;
+
+// ----------------------------------------------------------------------------------------------
+// Everything one task needs to know, in elements (not bytes).
+// ----------------------------------------------------------------------------------------------
+struct Shapes {
+  int num_heads, num_kv_heads, head_size, max_blocks_per_seq;
+  int64_t q_token_stride, q_head_stride;   // query  [T, num_heads, head_size]
+  int64_t kv_block_stride, kv_head_stride; // both caches: same strides over blocks and heads
+  float scale;
+};
+
+// Query rows of one task: rows [row_begin, row_end) of one sequence, all heads of one group.
+template <typename T, int BLOCK_SIZE>
+void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cache,
+                 const int* block_table, int context_len, int q_len, int row_begin, int row_end,
+                 int64_t first_token, int kv_head, const Shapes& sh, std::vector<float>& scratch) {
+  constexpr int X = 16 / sizeof(T);               // elements per 16-byte key chunk
+  constexpr int K_RUN = BLOCK_SIZE * X;           // one chunk index of a block: BLOCK_SIZE * X
+  constexpr int KW = K_RUN < LANES ? K_RUN : LANES;      // lanes of the q.k accumulators
+  constexpr int VW = BLOCK_SIZE < LANES ? BLOCK_SIZE : LANES;  // lanes of the p.V accumulators
+  static_assert(KW % X == 0 && K_RUN % KW == 0 && BLOCK_SIZE % VW == 0, "powers of two");
+
+  const int head_size = sh.head_size;
+  const int num_chunks = head_size / X;
+  const int group = sh.num_heads / sh.num_kv_heads;  // query heads per kv head
+  const int num_rows = row_end - row_begin;
+  const int num_vecs = num_rows * group;             // query vectors of this task
+  // Row r sits at position context_len - q_len + r and sees that many tokens plus itself.
+  const int last_len = context_len - q_len + row_end;  // tokens the last row sees
+  const int num_blocks = (last_len + BLOCK_SIZE - 1) / BLOCK_SIZE;
+  auto row_len = [&](int v) { return context_len - q_len + row_begin + v / group + 1; };
+
+  // Scratch: queries as repeating lane patterns, logits, p.V accumulators.
+  const size_t q_size = (size_t)num_vecs * num_chunks * KW;
+  const size_t logit_size = (size_t)num_vecs * last_len;
+  const size_t acc_size = (size_t)num_vecs * head_size * VW;
+  scratch.resize(q_size + logit_size + acc_size + num_vecs);
+  float* q_pattern = scratch.data();       // [num_vecs][num_chunks][KW]
+  float* logits = q_pattern + q_size;      // [num_vecs][last_len]
+  float* acc = logits + logit_size;        // [num_vecs][head_size][VW]
+  float* inv_sum = acc + acc_size;         // [num_vecs]: 1 / sum of exponentials
+
+  // ---- phase 1: queries, scaled, in fp32 ------------------------------------------------------
+  // Chunk c of the query is repeated KW / X times, so that one lane pattern lines up with KW
+  // consecutive elements of a key chunk run (tokens t, t+1, ... each X elements wide).
+  for (int v = 0; v < num_vecs; ++v) {
+    const int head = kv_head * group + v % group;
+    const T* q = query + (first_token + row_begin + v / group) * sh.q_token_stride +
+                 head * sh.q_head_stride;
+    float* qp = q_pattern + (size_t)v * num_chunks * KW;
+    for (int c = 0; c < num_chunks; ++c)
+      for (int w = 0; w < KW; ++w) qp[c * KW + w] = to_float(q[c * X + w % X]) * sh.scale;
+  }
+
+  // ---- phase 2: q.k, block by block, keys read in place ---------------------------------------
+  const int64_t kv_offset = kv_head * sh.kv_head_stride;  // this kv head's part of a block
+  const int64_t block_bytes = (int64_t)head_size * BLOCK_SIZE * sizeof(T);
+  for (int b = 0; b < num_blocks; ++b) {
+    const T* k_block = key_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    if (b + 1 < num_blocks)  // the blocks are scattered: no hardware prefetcher guesses the next
+      prefetch(key_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
+    const int block_start = b * BLOCK_SIZE;
+    // A block is "whole" when all its slots hold tokens of this sequence: then the vector loops
+    // may read all of it even for a row that sees only part of it (a causal cut in prefill).
+    const bool whole = context_len - block_start >= BLOCK_SIZE;
+    for (int v = 0; v < num_vecs; ++v) {
+      const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);  // tokens this row sees
+      if (valid <= 0) continue;  // causal: a later block than this row's position
+      const float* qp = q_pattern + (size_t)v * num_chunks * KW;
+      float* row_logits = logits + (size_t)v * last_len + block_start;
+      if (whole) {
+        // partial[t * X + i] sums q[c * X + i] * k[c][t][i] over the chunks c.
+        float partial[K_RUN] = {};
+        for (int c = 0; c < num_chunks; ++c) {
+          const T* k_chunk = k_block + (int64_t)c * K_RUN;  // [BLOCK_SIZE][X]
+          const float* qc = qp + c * KW;
+          for (int j = 0; j < K_RUN; j += KW)
+            for (int w = 0; w < KW; ++w) partial[j + w] += qc[w] * to_float(k_chunk[j + w]);
+        }
+        for (int t = 0; t < valid; ++t) {
+          float dot = 0.f;
+          for (int i = 0; i < X; ++i) dot += partial[t * X + i];
+          row_logits[t] = dot;
+        }
+      } else {
+        // The sequence's last, partly filled block: only the valid tokens are read.
+        for (int t = 0; t < valid; ++t) {
+          float dot = 0.f;
+          for (int c = 0; c < num_chunks; ++c)
+            for (int i = 0; i < X; ++i)
+              dot += qp[c * KW + i] * to_float(k_block[((int64_t)c * BLOCK_SIZE + t) * X + i]);
+          row_logits[t] = dot;
+        }
+      }
+    }
+  }
+
+  // ---- phase 3: softmax in fp32 (the 1 / sum is applied at the end, to the output) ------------
+  for (int v = 0; v < num_vecs; ++v) {
+    float* row_logits = logits + (size_t)v * last_len;
+    const int n = row_len(v);
+    float max_logit = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) max_logit = std::max(max_logit, row_logits[t]);
+    float sum = 0.f;
+    for (int t = 0; t < n; ++t) {
+      row_logits[t] = std::exp(row_logits[t] - max_logit);
+      sum += row_logits[t];
+    }
+    inv_sum[v] = 1.f / sum;
+  }
+
+  // ---- phase 4: probabilities . V, values read in place ---------------------------------------
+  std::fill(acc, acc + acc_size, 0.f);
+  for (int b = 0; b < num_blocks; ++b) {
+    const T* v_block = value_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    if (b + 1 < num_blocks)
+      prefetch(value_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
+    const int block_start = b * BLOCK_SIZE;
+    const bool whole = context_len - block_start >= BLOCK_SIZE;
+    for (int v = 0; v < num_vecs; ++v) {
+      const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);
+      if (valid <= 0) continue;
+      const float* p = logits + (size_t)v * last_len + block_start;  // this block's probabilities
+      float* __restrict__ acc_v = acc + (size_t)v * head_size * VW;
+      if (whole) {
+        // NOTE: the probabilities are copied into a local array first: the compiler then knows
+        // the accumulators cannot overwrite them, and keeps them in vector registers. Tokens
+        // past a causal cut get probability 0 (their values are real, finite tokens).
+        float p_block[BLOCK_SIZE];
+        for (int t = 0; t < BLOCK_SIZE; ++t) p_block[t] = t < valid ? p[t] : 0.f;
+        for (int d = 0; d < head_size; ++d) {
+          const T* v_row = v_block + (int64_t)d * BLOCK_SIZE;  // head dimension d, all tokens
+          float lanes[VW];
+          for (int w = 0; w < VW; ++w) lanes[w] = acc_v[d * VW + w];
+          for (int j = 0; j < BLOCK_SIZE; j += VW)
+            for (int w = 0; w < VW; ++w) lanes[w] += p_block[j + w] * to_float(v_row[j + w]);
+          for (int w = 0; w < VW; ++w) acc_v[d * VW + w] = lanes[w];
+        }
+      } else {
+        for (int d = 0; d < head_size; ++d) {
+          const T* v_row = v_block + (int64_t)d * BLOCK_SIZE;
+          for (int t = 0; t < valid; ++t) acc_v[d * VW + t % VW] += p[t] * to_float(v_row[t]);
+        }
+      }
+    }
+  }
+  for (int v = 0; v < num_vecs; ++v) {
+    const int head = kv_head * group + v % group;
+    T* o = out + ((first_token + row_begin + v / group) * sh.num_heads + head) * head_size;
+    const float* acc_v = acc + (size_t)v * head_size * VW;
+    for (int d = 0; d < head_size; ++d) {
+      float sum = 0.f;
+      for (int w = 0; w < VW; ++w) sum += acc_v[d * VW + w];
+      o[d] = from_float<T>(sum * inv_sum[v]);
+    }
+  }
+}
+
+// Query rows per task in prefill: enough to reuse each KV block from cache for several rows,
+// few enough that a task's accumulators stay small, and many tasks for the threads.
+constexpr int ROWS_PER_TASK = 8;
+
+template <typename T, int BLOCK_SIZE>
+void paged_prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query,
+                                  const torch::Tensor& key_cache,
+                                  const torch::Tensor& value_cache,
+                                  const torch::Tensor& block_tables,
+                                  const torch::Tensor& query_start_loc,
+                                  const torch::Tensor& context_lens, const Shapes& sh) {
+  const int num_seqs = context_lens.size(0);
+  const int* loc = query_start_loc.data_ptr<int>();
+  const int* ctx = context_lens.data_ptr<int>();
+  // The task list: (sequence, kv head, first row). Built once, then shared out among threads.
+  struct Task { int seq, kv_head, row_begin, row_end; };
+  std::vector<Task> tasks;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = loc[s + 1] - loc[s];
+    TORCH_CHECK(q_len <= ctx[s], "sequence ", s, " has more query rows than context tokens");
+    for (int r = 0; r < q_len; r += ROWS_PER_TASK)
+      for (int h = 0; h < sh.num_kv_heads; ++h)
+        tasks.push_back({s, h, r, std::min(q_len, r + ROWS_PER_TASK)});
+  }
+  T* out_ptr = out.data_ptr<T>();
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int* tables = block_tables.data_ptr<int>();
+  at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;  // reused by all of this thread's tasks
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const int s = task.seq;
+      attend_rows<T, BLOCK_SIZE>(out_ptr, q_ptr, k_ptr, v_ptr,
+                                 tables + (int64_t)s * sh.max_blocks_per_seq, ctx[s],
+                                 loc[s + 1] - loc[s], task.row_begin, task.row_end, loc[s],
+                                 task.kv_head, sh, scratch);
+    }
+  });
+}
+
+// The block size is a compile-time constant of the inner loops, as in the CUDA kernel.
+#define MINIPAGED_DISPATCH_BLOCK_SIZE(block_size, ...)                                     \
+  [&] {                                                                                   \
+    switch (block_size) {                                                                 \
+      case 1: { constexpr int BLOCK_SIZE = 1; return __VA_ARGS__(); }                      \
+      case 2: { constexpr int BLOCK_SIZE = 2; return __VA_ARGS__(); }                      \
+      case 4: { constexpr int BLOCK_SIZE = 4; return __VA_ARGS__(); }                      \
+      case 8: { constexpr int BLOCK_SIZE = 8; return __VA_ARGS__(); }                      \
+      case 16: { constexpr int BLOCK_SIZE = 16; return __VA_ARGS__(); }                    \
+      case 32: { constexpr int BLOCK_SIZE = 32; return __VA_ARGS__(); }                    \
+      case 64: { constexpr int BLOCK_SIZE = 64; return __VA_ARGS__(); }                    \
+      case 128: { constexpr int BLOCK_SIZE = 128; return __VA_ARGS__(); }                  \
+      default: TORCH_CHECK(false, "block size must be a power of two up to 128, got ", block_size); \
+    }                                                                                     \
+  }()
+
+// float32, bfloat16 and float16: the cache dtypes the engine uses.
+#define MINIPAGED_DISPATCH_DTYPE(dtype, name, ...)                          \
+  AT_DISPATCH_SWITCH(dtype, name,                                           \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)              \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)           \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+void check_cache(const torch::Tensor& query, const torch::Tensor& key_cache,
+                 const torch::Tensor& value_cache) {
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [T, heads, head_size], "
+              "contiguous in head_size");
+  TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4, "cache ranks: key 5, value 4");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches: contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
+              value_cache.scalar_type() == query.scalar_type(), "query and caches: one dtype");
+  const int64_t x = 16 / query.element_size();
+  TORCH_CHECK(key_cache.size(4) == x, "key cache: last dim must be 16 / element size = ", x);
+  TORCH_CHECK(key_cache.size(2) * x == query.size(2) && value_cache.size(2) == query.size(2),
+              "head sizes of query and caches differ");
+  TORCH_CHECK(value_cache.size(3) == key_cache.size(3), "block sizes of the caches differ");
+  TORCH_CHECK(value_cache.stride(0) == key_cache.stride(0) &&
+              value_cache.stride(1) == key_cache.stride(1), "cache strides differ");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "heads must be a multiple of kv heads");
+}
+
+// out[T, heads, head_size] = causal attention of each sequence's newest rows over its cache.
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
+                                      torch::Tensor value_cache, torch::Tensor block_tables,
+                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                      double scale) {
+  check_cache(query, key_cache, value_cache);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+              query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+              context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "block_tables, query_start_loc, context_lens: contiguous int32");
+  TORCH_CHECK(query_start_loc.numel() == context_lens.numel() + 1, "query_start_loc: S + 1");
+  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  if (context_lens.numel() == 0) return out;
+  const Shapes sh{(int)query.size(1), (int)key_cache.size(1), (int)query.size(2),
+                  (int)block_tables.size(1), query.stride(0), query.stride(1),
+                  key_cache.stride(0), key_cache.stride(1), (float)scale};
+  MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention", [&] {
+    MINIPAGED_DISPATCH_BLOCK_SIZE(key_cache.size(3), [&] {
+      paged_prefill_attention_impl<scalar_t, BLOCK_SIZE>(out, query, key_cache, value_cache,
+                                                         block_tables, query_start_loc,
+                                                         context_lens, sh);
+    });
+  });
+  return out;
+}
+
+// Decode: one query row per sequence, i.e. query_start_loc = 0, 1, 2, ...
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
+                              torch::Tensor value_cache, torch::Tensor block_tables,
+                              torch::Tensor context_lens, double scale) {
+  auto query_start_loc = torch::arange(query.size(0) + 1, context_lens.options());
+  return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                                 context_lens, scale);
+}
+
+// ----------------------------------------------------------------------------------------------
+// reshape_and_cache: each new token's key and value into its slot (slot -1: not cached)
+// ----------------------------------------------------------------------------------------------
+template <typename T>
+void reshape_and_cache_impl(const torch::Tensor& key, const torch::Tensor& value,
+                            torch::Tensor& key_cache, torch::Tensor& value_cache,
+                            const torch::Tensor& slot_mapping) {
+  constexpr int X = 16 / sizeof(T);
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  const int64_t block_size = key_cache.size(3);
+  const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  T* kc = key_cache.data_ptr<T>();
+  T* vc = value_cache.data_ptr<T>();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slots[token];
+      if (slot < 0) continue;  // a padding token
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const T* k_src = k + token * key.stride(0) + h * key.stride(1);
+        const T* v_src = v + token * value.stride(0) + h * value.stride(1);
+        T* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
+        T* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
+        for (int64_t d = 0; d < head_size; ++d) {
+          k_dst[((d / X) * block_size + offset) * X + d % X] = k_src[d];
+          v_dst[d * block_size + offset] = v_src[d];
+        }
+      }
+    }
+  });
+}
+
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1,
+              "key, value: [T, kv_heads, head_size], contiguous in head_size");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+              value.scalar_type() == key_cache.scalar_type(), "keys and caches: one dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches: contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping: contiguous int64");
+  MINIPAGED_DISPATCH_DTYPE(key.scalar_type(), "reshape_and_cache", [&] {
+    reshape_and_cache_impl<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
+  });
+}
+
+}  // namespace minipaged_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "minipaged: paged attention and reshape_and_cache on the CPU (lesson 05)";
+  m.def("paged_attention", &minipaged_cpu::paged_attention,
+        "decode: one query per sequence over its paged KV cache");
+  m.def("paged_prefill_attention", &minipaged_cpu::paged_prefill_attention,
+        "each sequence's newest query rows, causal, over its paged KV cache");
+  m.def("reshape_and_cache", &minipaged_cpu::reshape_and_cache,
+        "write new keys and values into their cache slots");
+}
