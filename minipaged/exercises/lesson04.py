@@ -10,8 +10,8 @@ prompt_blocks)``: a new request and the blocks its prompt needs. Lists are oldes
         try again; if it is the only one left, it is preempted itself
     resume_and_admit(swapped, waiting, num_free) -> (swapped_in, admitted)
         steps 2 and 3, called only when step 1 preempted nobody: bring swapped groups back
-        oldest first while ``blocks_held + 1`` blocks are free (one spare for its next token);
-        it then uses ``blocks_held`` plus one if ``needs_block``. Admit waiting groups oldest
+        oldest first while the blocks it holds, plus one if ``needs_block`` (its next token
+        opens a new block), are free. Admit waiting groups oldest
         first while their prompt fits, but only if no group is left swapped out.
 
 Expected answers: the decisions of the real ``Scheduler`` (preemption by swap, no watermark) on
@@ -108,8 +108,9 @@ def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> st
                 hint = ("while any group is still swapped out, nothing new is admitted: the "
                         "swapped groups came first and must get their memory back first")
             elif got[0] != expected[0]:
-                hint = ("a swapped group comes back only if blocks_held + 1 blocks are free; "
-                        "stop at the first one that does not fit (first come, first served)")
+                hint = ("a swapped group comes back only if blocks_held (+ 1 if needs_block) "
+                        "blocks are free; stop at the first one that does not fit (first come, "
+                        "first served)")
             else:
                 hint = ("admit while prompt_blocks <= free blocks, oldest first, and stop at the "
                         "first that does not fit; remember what the swapped-in groups used")

@@ -71,7 +71,7 @@ def schedule_running(running, num_free):
 def resume_and_admit(swapped, waiting, num_free):
     swapped_in, admitted = [], []
     for group in swapped:
-        if num_free < group.blocks_held + 1:
+        if num_free < group.blocks_held + group.needs_block:
             break
         num_free -= group.blocks_held + group.needs_block
         swapped_in.append(group.request_id)
