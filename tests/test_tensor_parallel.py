@@ -69,6 +69,7 @@ def gpt2_6_heads(tmp_path_factory):
 
 
 def _run_both(path, model, world_size):
+    """The workload on one rank and on ``world_size`` ranks; the workers stop afterwards."""
     prompts, params = _workload(model)
     single = LLM(path, **ENGINE)
     reference = single.generate(prompt_token_ids=prompts, sampling_params=params,
@@ -76,23 +77,18 @@ def _run_both(path, model, world_size):
     parallel = LLM(path, tensor_parallel_size=world_size, **ENGINE)
     outputs = parallel.generate(prompt_token_ids=prompts, sampling_params=params,
                                 use_tqdm=False)
-    return single, reference, parallel, outputs, (prompts, params)
+    yield single, reference, parallel, outputs, (prompts, params)
+    parallel.llm_engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def llama_runs(tiny_llama):
-    path, model = tiny_llama
-    runs = _run_both(path, model, 2)
-    yield runs
-    runs[2].llm_engine.shutdown()
+    yield from _run_both(*tiny_llama, 2)
 
 
 @pytest.fixture(scope="module")
 def gpt2_runs(gpt2_6_heads):
-    path, model = gpt2_6_heads
-    runs = _run_both(path, model, 3)
-    yield runs
-    runs[2].llm_engine.shutdown()
+    yield from _run_both(*gpt2_6_heads, 3)
 
 
 # -- no processes --------------------------------------------------------------------------------
