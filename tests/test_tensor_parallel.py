@@ -16,7 +16,7 @@ import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.models.gpt2 import GPT2Attention
-from minipaged.models.parallel_layers import tensor_parallel_state
+from minipaged.models.parallel_layers import copy_shard_from, tensor_parallel_state
 from minipaged.parallel import WorkerError, shard_weight_bytes
 from tiny_models import make_config, pick_prompts, save_tiny_model
 
@@ -126,8 +126,7 @@ def test_fused_qkv_is_split_per_head_and_the_all_reduce_restores_the_layer():
     for rank in range(2):
         with tensor_parallel_state(rank, 2):
             shard = GPT2Attention(config, 0)
-        for name, p in shard.named_parameters():
-            p.data.copy_(p.load_shard(dict(full.named_parameters())[name].data))
+        copy_shard_from(shard, full)
         q, k, v = shard.c_attn(x).chunk(3, dim=-1)  # 3 x (T, hidden / 2)
         half = config.hidden_size // 2
         for i, part in enumerate((q, k, v)):

@@ -213,3 +213,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (R, hidden) -> (R, vocab)
         return self.logits(hidden)
+
+
+@torch.no_grad()
+def copy_shard_from(shard: nn.Module, whole: nn.Module) -> None:
+    """Fill a shard's parameters from the same-named ones of the whole module (lesson 09).
+
+    Split parameters cut their slice (``load_shard``); replicated ones (norms) are copied."""
+    whole_params = dict(whole.named_parameters())
+    for name, p in shard.named_parameters():
+        load_shard = getattr(p, "load_shard", None)
+        full = whole_params[name]
+        p.copy_(load_shard(full) if load_shard is not None else full)
