@@ -316,7 +316,13 @@ class TensorParallelWorkers:
         payload = pickle.dumps(request)  # plain pickle: tensors are copied, no shared memory
         for outbox in self._outboxes:
             outbox.put(payload)
-        return self._wait(self.timeout, what)
+        try:
+            return self._wait(self.timeout, what)
+        except WorkerError:
+            raise
+        except BaseException:  # Ctrl-C mid-step: the workers' next answer would be stale
+            self._stop_now(f"interrupted during {what}")
+            raise
 
     def _wait(self, timeout: float, what: str) -> list:
         """Every worker's answer, in rank order; WorkerError if one fails, dies or is late."""
@@ -354,11 +360,15 @@ class TensorParallelWorkers:
                    f"({_describe_exit(process.returncode)})")
 
     def _fail(self, message: str) -> None:
-        self._error = message
-        if self._finalizer.detach() is not None:  # stop them now, without asking
+        self._stop_now(message)
+        raise WorkerError(message)
+
+    def _stop_now(self, reason: str) -> None:
+        """Stop the workers without asking them (they may be dead, hung or mid-collective)."""
+        self._error = reason
+        if self._finalizer.detach() is not None:
             _stop_workers(self.processes, self._conns, self._outboxes, self._rendezvous_dir,
                           graceful=False)
-        raise WorkerError(message)
 
 
 def _describe_exit(exitcode: int | None) -> str:
