@@ -192,7 +192,6 @@ def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
     return model.eval()
 
 
-
 @torch.inference_mode()
 def profile_num_gpu_blocks(model, device: torch.device, num_tokens: int, max_len: int,
                            gpu_memory_utilization: float, block_bytes: int) -> int:
