@@ -22,6 +22,7 @@ from minipaged.detokenizer import detokenize_incrementally
 from minipaged.model_runner import ModelRunner, prepare_inputs
 from minipaged.models import get_model_class
 from minipaged.outputs import RequestOutput
+from minipaged.parallel import DEFAULT_TIMEOUT_S, TensorParallelWorkers
 from minipaged.sampler import Sampler, SequenceOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutputs
@@ -161,6 +162,63 @@ def _resolve_dtype(dtype, config, device: torch.device) -> torch.dtype:
     return torch.float16
 
 
+def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
+                device: torch.device) -> torch.nn.Module:
+    """Our model for ``hf_config`` on ``device``, weights from ``source`` or random ("dummy").
+
+    Under tensor parallelism (a worker, ``parallel.py``) this builds and loads the rank's shard.
+    """
+    model_class = get_model_class(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        # Random weights (for benchmarks without a model hub), initialised on the device.
+        std = getattr(hf_config, "initializer_range", 0.02)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0 if "norm" in name or "ln" in name else 0.0)
+                else:
+                    p.normal_(0.0, std)
+    elif load_format == "auto":
+        model.load_weights(model_loader.load_state_dict(source))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    return model.eval()
+
+
+@torch.inference_mode()
+def profile_num_gpu_blocks(model, device: torch.device, num_tokens: int, max_len: int,
+                           gpu_memory_utilization: float, block_bytes: int) -> int:
+    """Run the largest step the scheduler allows, without a cache, and see what is left.
+
+    Under tensor parallelism each worker profiles its own GPU with its shard."""
+    from minipaged.input_metadata import InputMetadata
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    prompt_lens = [max_len] * (num_tokens // max_len)
+    if num_tokens % max_len:
+        prompt_lens.append(num_tokens % max_len)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in prompt_lens])
+    meta = InputMetadata(prompt_lens, torch.full((num_tokens,), -1, device=device),
+                         torch.zeros(0, 0, dtype=torch.int32, device=device),
+                         torch.zeros(0, dtype=torch.int32, device=device), 0)
+    hidden = model(ids, positions, None, meta)
+    model.compute_logits(hidden[-min(num_tokens, 256):])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.empty_cache()
+    return max(int((total * gpu_memory_utilization - peak) // block_bytes), 0)
+
+
 class LLMEngine:
     """Owns the model, the KV cache, the scheduler and the sampler.
 
@@ -184,6 +242,9 @@ class LLMEngine:
             decodes first; prompts fill what is left, split over several steps when needed.
             False: a prompt runs whole in one step, so it must fit the budget.
         load_format: "auto" (read the checkpoint) or "dummy" (random weights from the config).
+        tensor_parallel_size: N > 1 splits the model over N worker processes (lesson 09,
+            ``parallel.py``); the pool sizes and budgets are then per rank.
+        worker_timeout: seconds a tensor-parallel step may take before the engine gives up.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
@@ -194,7 +255,8 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str | None = None, watermark: float = 0.01,
                  enable_chunked_prefill: bool = True,
-                 load_format: str = "auto", hf_config=None) -> None:
+                 load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
+                 worker_timeout: float = DEFAULT_TIMEOUT_S) -> None:
         _check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, swap_space=swap_space,
                         num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
@@ -213,7 +275,16 @@ class LLMEngine:
         source = model_loader.resolve(model) if hf_config is None else model
         self.hf_config = hf_config or model_loader.load_config(source)
         self.dtype = _resolve_dtype(dtype, self.hf_config, self.device)
-        self.model = self._build_model(source, load_format)
+        self.workers: TensorParallelWorkers | None = None
+        if tensor_parallel_size != 1:
+            # The driver holds no model: N workers hold a shard each (parallel.py). Its own
+            # tensors (inputs, logits, sampling) stay on the CPU.
+            self.workers = TensorParallelWorkers(tensor_parallel_size, self.hf_config, source,
+                                                 load_format, self.dtype, self.device,
+                                                 worker_timeout)
+            self.model, self.device = None, torch.device("cpu")
+        else:
+            self.model = self._build_model(source, load_format)
         self.tokenizer = (model_loader.load_tokenizer(source, tokenizer)
                           if source is not None else None)
         cfg = self.hf_config
@@ -227,14 +298,19 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
 
         # -- the KV cache ------------------------------------------------------------------------
-        self.block_bytes = cache_block_bytes(block_size, self.num_layers, self.num_kv_heads,
-                                             self.head_size, self.dtype)
+        self.block_bytes = cache_block_bytes(  # per rank: each holds its own kv heads
+            block_size, self.num_layers, self.num_kv_heads // tensor_parallel_size,
+            self.head_size, self.dtype)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens or max(4096, self.max_model_len),
             self.max_model_len, preemption_mode, enable_chunked_prefill)
         blocks_cap = max_num_seqs * math.ceil(self.max_model_len / block_size)
         if num_gpu_blocks is None:
-            if self.device.type == "cuda":
+            if self.workers is not None and self.workers.device.type == "cuda":
+                num_gpu_blocks = self.workers.profile_num_gpu_blocks(
+                    self.scheduler_config.max_num_batched_tokens, self.max_model_len,
+                    gpu_memory_utilization, self.block_bytes)
+            elif self.device.type == "cuda":
                 num_gpu_blocks = self._profile_num_gpu_blocks(gpu_memory_utilization)
             else:
                 budget = kv_cache_bytes if kv_cache_bytes is not None else GiB
@@ -247,13 +323,18 @@ class LLMEngine:
         self._check_one_request_fits(num_gpu_blocks, watermark,
                                      explicit=max_model_len is not None,
                                      explicit_budget=max_num_batched_tokens is not None)
-        self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_size,
-                                        block_size, num_gpu_blocks, num_cpu_blocks, self.dtype,
-                                        self.device)
+        if self.workers is not None:  # the workers stand in for the cache and the runner
+            self.workers.init_cache(self.num_layers, self.num_kv_heads, self.head_size,
+                                    block_size, num_gpu_blocks, num_cpu_blocks)
+            self.cache_engine = self.model_runner = self.workers
+        else:
+            self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_size,
+                                            block_size, num_gpu_blocks, num_cpu_blocks,
+                                            self.dtype, self.device)
+            self.model_runner = ModelRunner(self.model, block_size, self.device)
         self.block_manager = BlockSpaceManager(block_size, num_gpu_blocks, num_cpu_blocks,
                                                watermark)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.model_runner = ModelRunner(self.model, block_size, self.device)
         self.sampler = Sampler()
 
         self.stats = EngineStats()
@@ -306,28 +387,7 @@ class LLMEngine:
             else f"what the KV pool of {num_gpu_blocks} blocks and the step budget hold")
 
     def _build_model(self, source, load_format: str) -> torch.nn.Module:
-        model_class = get_model_class(self.hf_config)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = model_class(self.hf_config)
-        finally:
-            torch.set_default_dtype(previous)
-        if load_format == "dummy":
-            # Random weights (for benchmarks without a model hub), initialised on the device.
-            std = getattr(self.hf_config, "initializer_range", 0.02)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if p.dim() == 1:
-                        p.fill_(1.0 if "norm" in name or "ln" in name else 0.0)
-                    else:
-                        p.normal_(0.0, std)
-        elif load_format == "auto":
-            model.load_weights(model_loader.load_state_dict(source))
-        else:
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-        return model.eval()
+        return build_model(self.hf_config, source, load_format, self.dtype, self.device)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -339,30 +399,11 @@ class LLMEngine:
                 ids.update(v for v in value if isinstance(v, int))
         return ids
 
-    @torch.inference_mode()
     def _profile_num_gpu_blocks(self, gpu_memory_utilization: float) -> int:
-        """Run the largest step the scheduler allows, without a cache, and see what is left."""
-        from minipaged.input_metadata import InputMetadata
-
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        num_tokens = self.scheduler_config.max_num_batched_tokens
-        max_len = self.max_model_len
-        prompt_lens = [max_len] * (num_tokens // max_len)
-        if num_tokens % max_len:
-            prompt_lens.append(num_tokens % max_len)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in prompt_lens])
-        meta = InputMetadata(prompt_lens, torch.full((num_tokens,), -1, device=self.device),
-                             torch.zeros(0, 0, dtype=torch.int32, device=self.device),
-                             torch.zeros(0, dtype=torch.int32, device=self.device), 0)
-        hidden = self.model(ids, positions, None, meta)
-        self.model.compute_logits(hidden[-min(num_tokens, 256):])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        total = torch.cuda.mem_get_info()[1]
-        torch.cuda.empty_cache()
-        return max(int((total * gpu_memory_utilization - peak) // self.block_bytes), 0)
+        return profile_num_gpu_blocks(self.model, self.device,
+                                      self.scheduler_config.max_num_batched_tokens,
+                                      self.max_model_len, gpu_memory_utilization,
+                                      self.block_bytes)
 
     # -- requests --------------------------------------------------------------------------------
     def max_blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
@@ -496,6 +537,11 @@ class LLMEngine:
 
     def remove_observer(self, fn: Callable[[StepSnapshot], None]) -> None:
         self._observers.remove(fn)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at ``del`` and at exit)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -12,7 +12,8 @@ class LLM:
     """A model with a paged KV cache and a continuous-batching engine.
 
     ``LLM()`` loads the embedded SmolLM2-135M-Instruct. Every keyword of ``LLMEngine`` is
-    accepted (``num_gpu_blocks``, ``kv_cache_bytes``, ``gpu_memory_utilization``, ...).
+    accepted (``num_gpu_blocks``, ``kv_cache_bytes``, ``gpu_memory_utilization``,
+    ``tensor_parallel_size`` for N worker processes (lesson 09), ...).
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,

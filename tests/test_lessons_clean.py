@@ -13,6 +13,7 @@ def test_lessons_are_numbered_once_each_from_01():
     numbers = [p.name[:3] for p in LESSONS]
     assert numbers[:6] == ["01_", "02_", "03_", "04_", "05_", "06_"]
     assert "08_" in numbers and len(set(numbers)) == len(numbers)
+    assert "09_" in numbers  # tensor parallelism
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)

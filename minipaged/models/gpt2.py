@@ -3,45 +3,42 @@
 Same weights and arithmetic as transformers' GPT2LMHeadModel: learned position embeddings,
 pre-LayerNorm blocks, fused q/k/v projection (``Conv1D`` weights stored as (in, out)), GELU MLP and
 an output layer tied to the token embedding.
+
+Tensor parallel (lesson 09): each rank holds ``n_head / N`` heads. The fused ``c_attn`` is
+[q | k | v] along its output columns, so each of the three is split per head on its own.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from minipaged.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
+from minipaged.models.parallel_layers import (ColumnParallelLinear, RowParallelLinear,
+                                              VocabParallelEmbedding, divide,
+                                              get_tensor_parallel_state)
 from minipaged.models.weights import load_checkpoint_weights
-
-
-class Conv1D(nn.Module):
-    """A linear layer whose weight is stored (in, out), as in the GPT-2 checkpoints."""
-
-    def __init__(self, n_in: int, n_out: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x, self.weight)  # (T, out)
 
 
 class GPT2Attention(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_size = hidden // self.num_heads
+        world_size = get_tensor_parallel_state().world_size
+        self.num_heads = divide(config.num_attention_heads, world_size, "the attention heads")
+        self.head_size = hidden // config.num_attention_heads
         scale = self.head_size ** -0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
-        self.c_attn = Conv1D(hidden, 3 * hidden)
-        self.c_proj = Conv1D(hidden, hidden)
+        # Conv1D layout: weights stored (in, out). This rank's heads of q, k and v; then its
+        # heads' rows of the output projection, summed over ranks by an all-reduce.
+        self.c_attn = ColumnParallelLinear(hidden, 3 * hidden, fused=[hidden] * 3,
+                                           transposed=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, transposed=True)
         self.attn = PagedAttention(self.num_heads, self.head_size, scale)
 
     def forward(self, hidden, kv_cache, meta: InputMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)  # 3 x (T, hidden)
+        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)  # 3 x (T, hidden / N)
         return self.c_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -49,8 +46,10 @@ class GPT2MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = Conv1D(config.hidden_size, inner)
-        self.c_proj = Conv1D(inner, config.hidden_size)
+        self.c_fc = ColumnParallelLinear(config.hidden_size, inner, transposed=True)
+        self.c_proj = RowParallelLinear(inner, config.hidden_size, transposed=True)
+        from transformers.activations import ACT2FN  # here: a slow import LLaMA does not need
+
         self.act = ACT2FN[config.activation_function]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +74,7 @@ class GPT2LMHeadModel(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
@@ -87,7 +86,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(hidden)  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.wte.weight.t()  # (N, vocab): the output layer is tied to wte
+        return self.wte.logits(hidden)  # (R, vocab): the output layer is tied to wte
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy weights from a transformers GPT2LMHeadModel state dict."""

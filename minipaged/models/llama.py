@@ -3,6 +3,10 @@
 Same weights and arithmetic as transformers' LlamaForCausalLM: RMSNorm, grouped-query attention
 with RoPE, a SwiGLU MLP, optionally tied input and output embeddings. The model works on a flat
 batch of tokens (no batch dimension): see ``InputMetadata``.
+
+Tensor parallel (lesson 09): each rank holds ``num_heads / N`` query heads and the
+``num_kv_heads / N`` kv heads they read, so grouped-query attention stays inside the rank.
+NOTE: N must divide the kv heads; we refuse otherwise rather than replicate kv heads.
 """
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ from torch import nn
 
 from minipaged.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
+from minipaged.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead,
+                                              RowParallelLinear, VocabParallelEmbedding, divide,
+                                              get_tensor_parallel_state)
 from minipaged.models.rotary import RotaryEmbedding
 from minipaged.models.weights import load_checkpoint_weights
 
@@ -32,16 +39,19 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        world_size = get_tensor_parallel_state().world_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_size = (getattr(config, "head_dim", None)
                           or config.hidden_size // config.num_attention_heads)
+        self.num_heads = divide(num_heads, world_size, "the attention heads")  # this rank's
+        self.num_kv_heads = divide(num_kv_heads, world_size, "the key/value heads")
         bias = getattr(config, "attention_bias", False)
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_size, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_size, hidden, bias=bias)
+        hidden, D = config.hidden_size, self.head_size
+        self.q_proj = ColumnParallelLinear(hidden, num_heads * D, bias=bias)
+        self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
+        self.v_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * D, hidden, bias=bias)
         self.rotary = RotaryEmbedding(config, self.head_size, config.max_position_embeddings)
         self.attn = PagedAttention(self.num_heads, self.head_size, self.head_size ** -0.5,
                                    self.num_kv_heads)
@@ -50,7 +60,7 @@ class LlamaAttention(nn.Module):
         T = hidden.shape[0]
         q = self.q_proj(hidden).view(T, self.num_heads, self.head_size)  # (T, H, D)
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_size)  # (T, KVH, D)
-        v = self.v_proj(hidden)  # (T, KVH * D)
+        v = self.v_proj(hidden)  # (T, KVH * D)   (H, KVH: this rank's heads)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, meta)  # (T, H * D)
         return self.o_proj(out)
@@ -60,9 +70,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = ColumnParallelLinear(hidden, inner, bias=bias)
+        self.up_proj = ColumnParallelLinear(hidden, inner, bias=bias)
+        self.down_proj = RowParallelLinear(inner, hidden, bias=bias)
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (LLaMA uses silu)")
 
@@ -87,13 +98,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids, positions, kv_caches, meta: InputMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
@@ -102,8 +113,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)  # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return hidden @ weight.t()  # (N, vocab)
+        head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return head.logits(hidden)  # (R, vocab)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy weights from a transformers LlamaForCausalLM state dict."""

@@ -1,0 +1,227 @@
+"""Megatron-style tensor-parallel layers (lesson 09).
+
+With N ranks, every rank holds 1/N of each big weight and the ranks talk only twice per layer:
+
+    column-parallel  y_r = x @ W_r        W split by OUTPUT features: each rank gets some heads
+                                          (q, k, v) or some MLP columns (up, gate); no talk
+    row-parallel     y = sum_r x_r @ W_r  W split by INPUT features: the rank's heads or MLP
+                                          columns in, a partial sum out; an all-reduce adds them
+    vocab-parallel   the embedding rows and the LM head columns split by token id; an all-reduce
+                     (embedding) or an all-gather (logits) puts the whole vocabulary together
+
+The rank and the number of ranks are read from the process's tensor-parallel state when a layer
+is built (``tensor_parallel_state``); with one rank (the default) every layer is an ordinary one
+and no communication happens. Each parameter knows how to cut its shard out of the full
+checkpoint tensor (``param.load_shard``), which ``load_checkpoint_weights`` calls.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TensorParallelState:
+    rank: int = 0
+    world_size: int = 1
+
+
+_STATE = TensorParallelState()
+
+
+def get_tensor_parallel_state() -> TensorParallelState:
+    return _STATE
+
+
+def set_tensor_parallel_state(rank: int, world_size: int) -> None:
+    """Called once in each worker, after ``torch.distributed`` is initialised."""
+    _STATE.rank, _STATE.world_size = rank, world_size
+
+
+@contextlib.contextmanager
+def tensor_parallel_state(rank: int, world_size: int):
+    """Build layers as rank ``rank`` of ``world_size`` would (lesson 09 counts shard sizes)."""
+    saved = (_STATE.rank, _STATE.world_size)
+    set_tensor_parallel_state(rank, world_size)
+    try:
+        yield _STATE
+    finally:
+        set_tensor_parallel_state(*saved)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place (a no-op with one rank)."""
+    if _STATE.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension (rank order)."""
+    if _STATE.world_size == 1:
+        return x
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(_STATE.world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def divide(total: int, world_size: int, what: str) -> int:
+    """``total / world_size``, or a ValueError saying what does not split."""
+    if total % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} does not divide {what} ({total}); "
+                         f"choose a tensor_parallel_size that divides it")
+    return total // world_size
+
+
+def _shard(full: torch.Tensor, dim: int, parts: list[int], rank: int, world_size: int):
+    """This rank's slice of each of the fused ``parts`` of ``full`` along ``dim``, concatenated.
+
+    A fused q/k/v weight is [q | k | v] along its output dimension; rank r must get
+    [q_r | k_r | v_r], not the r-th third of the whole.
+    """
+    pieces, start = [], 0
+    for size in parts:
+        per_rank = size // world_size
+        pieces.append(full.narrow(dim, start + rank * per_rank, per_rank))
+        start += size
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+
+def _set_loader(param: nn.Parameter, dim: int | None, parts: list[int]) -> None:
+    rank, world_size = _STATE.rank, _STATE.world_size
+    if dim is None:  # replicated
+        param.load_shard = lambda full: full
+    else:
+        param.load_shard = lambda full: _shard(full, dim, parts, rank, world_size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_r = x @ W_r + b_r``: this rank's share of the output features, no communication.
+
+    Args:
+        in_features, out_features: of the whole (unsplit) layer.
+        bias: whether the layer has a bias.
+        fused: sizes of the parts fused along the output (GPT-2's ``c_attn`` is [q | k | v]:
+            ``[hidden] * 3``); each part is split on its own. Default: one part.
+        transposed: weights stored (in, out) as GPT-2's ``Conv1D``, instead of (out, in).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 fused: list[int] | None = None, transposed: bool = False) -> None:
+        super().__init__()
+        fused = fused or [out_features]
+        assert sum(fused) == out_features
+        world_size = _STATE.world_size
+        for size in fused:
+            divide(size, world_size, "the output features of a column-parallel layer")
+        self.out_per_rank = out_features // world_size
+        self.transposed = transposed
+        shape = (in_features, self.out_per_rank) if transposed else (self.out_per_rank,
+                                                                     in_features)
+        self.weight = nn.Parameter(torch.empty(shape))
+        _set_loader(self.weight, 1 if transposed else 0, fused)
+        self.bias = nn.Parameter(torch.zeros(self.out_per_rank)) if bias else None
+        if bias:
+            _set_loader(self.bias, 0, fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out / N)
+        if self.transposed:
+            return x @ self.weight if self.bias is None else torch.addmm(self.bias, x,
+                                                                         self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_r x_r @ W_r + b``: this rank's input features in, all-reduced output out.
+
+    The bias is added once, after the all-reduce (each rank holds the whole bias).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 transposed: bool = False) -> None:
+        super().__init__()
+        self.in_per_rank = divide(in_features, _STATE.world_size,
+                                  "the input features of a row-parallel layer")
+        self.transposed = transposed
+        shape = (self.in_per_rank, out_features) if transposed else (out_features,
+                                                                     self.in_per_rank)
+        self.weight = nn.Parameter(torch.empty(shape))
+        _set_loader(self.weight, 0 if transposed else 1, [in_features])
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if bias:
+            _set_loader(self.bias, None, [])
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # (T, in / N) -> (T, out)
+        """This rank's term of the sum, before the all-reduce."""
+        return x @ self.weight if self.transposed else F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in / N) -> (T, out)
+        out = all_reduce(self.partial(x))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (token ids) are split across ranks; also the LM head.
+
+    The vocabulary is padded up to a multiple of N, so every rank holds the same number of
+    rows; padded rows are zero and their logits are cut off after the gather.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        world_size, rank = _STATE.world_size, _STATE.rank
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // world_size)  # ceil
+        self.start = rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+        start, rows = self.start, self.rows_per_rank
+
+        def load_shard(full: torch.Tensor) -> torch.Tensor:
+            shard = full[start:start + rows]
+            if shard.shape[0] < rows:  # the last rank's padding rows
+                pad = shard.new_zeros(rows - shard.shape[0], *shard.shape[1:])
+                shard = torch.cat([shard, pad])
+            return shard
+
+        self.weight.load_shard = load_shard
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        if _STATE.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start  # (T,)
+        mine = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)  # (T, hidden)
+        out = out * mine.unsqueeze(-1).to(out.dtype)  # other ranks' tokens contribute 0
+        return all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (R, hidden) -> (R, vocab)
+        """The LM head with these rows as its weight: local columns, then an all-gather."""
+        local = hidden @ self.weight.t()  # (R, vocab / N)
+        return all_gather_last_dim(local)[:, :self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head (LLaMA's ``lm_head``): vocab-parallel columns and an all-gather."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (R, hidden) -> (R, vocab)
+        return self.logits(hidden)
+
+
+@torch.no_grad()
+def copy_shard_from(shard: nn.Module, whole: nn.Module) -> None:
+    """Fill a shard's parameters from the same-named ones of the whole module (lesson 09).
+
+    Split parameters cut their slice (``load_shard``); replicated ones (norms) are copied."""
+    whole_params = dict(whole.named_parameters())
+    for name, p in shard.named_parameters():
+        load_shard = getattr(p, "load_shard", None)
+        full = whole_params[name]
+        p.copy_(load_shard(full) if load_shard is not None else full)
