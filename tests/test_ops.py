@@ -22,6 +22,25 @@ def naive_attention(q, keys, values, scale):
     return out
 
 
+def write_random_sequences(lens, key_cache, value_cache):
+    """N(0,1) keys and values of sequences of these lengths, written through random block
+    tables. Returns (tables, [(keys, values)] per sequence)."""
+    num_blocks, kv_heads, block_size = key_cache.shape[0], key_cache.shape[1], key_cache.shape[3]
+    head_size, dtype = value_cache.shape[2], key_cache.dtype
+    perm = torch.randperm(num_blocks).tolist()
+    tables, dense = [], []
+    for n in lens:
+        table = [perm.pop() for _ in range(math.ceil(n / block_size))]
+        k = torch.randn(n, kv_heads, head_size).to(dtype)
+        v = torch.randn(n, kv_heads, head_size).to(dtype)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(n)])
+        ops.reshape_and_cache(k, v, key_cache, value_cache, slots)
+        tables.append(table)
+        dense.append((k, v))
+    return tables, dense
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size, heads, kv_heads", [(16, 8, 2), (8, 4, 4), (32, 6, 1)])
 def test_paged_attention_equals_dense_attention_over_the_block_table(dtype, block_size, heads,
@@ -33,17 +52,7 @@ def test_paged_attention_equals_dense_attention_over_the_block_table(dtype, bloc
     key_cache = torch.zeros(num_blocks, kv_heads, D // x, block_size, x, dtype=dtype)
     value_cache = torch.zeros(num_blocks, kv_heads, D, block_size, dtype=dtype)
     lens = [1, block_size, block_size + 1, 5 * block_size - 3]
-    perm = torch.randperm(num_blocks).tolist()
-    tables, dense = [], []
-    for n in lens:
-        table = [perm.pop() for _ in range(math.ceil(n / block_size))]
-        k = torch.randn(n, kv_heads, D).to(dtype)
-        v = torch.randn(n, kv_heads, D).to(dtype)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
-                              for p in range(n)])
-        ops.reshape_and_cache(k, v, key_cache, value_cache, slots)
-        tables.append(table)
-        dense.append((k, v))
+    tables, dense = write_random_sequences(lens, key_cache, value_cache)
     # Garbage (NaN) everywhere nobody wrote must not leak into the result.
     written = torch.zeros(num_blocks, dtype=torch.bool)
     written[[b for t in tables for b in t]] = True
@@ -118,19 +127,8 @@ def test_paged_prefill_attention_equals_causal_attention_over_the_whole_sequence
     value_cache = torch.full((num_blocks, kv_heads, D, block_size), float("nan"), dtype=dtype)
     # (context already cached, new tokens): a decode, a chunk after a prefix, a whole prompt
     cases = [(9, 1), (2 * block_size, block_size + 3), (0, 2 * block_size - 1), (5, 1)]
-    perm = torch.randperm(num_blocks).tolist()
-    tables, qs, dense = [], [], []
-    for cached, new in cases:
-        n = cached + new
-        table = [perm.pop() for _ in range(math.ceil(n / block_size))]
-        k = torch.randn(n, kv_heads, D).to(dtype)
-        v = torch.randn(n, kv_heads, D).to(dtype)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
-                              for p in range(n)])
-        ops.reshape_and_cache(k, v, key_cache, value_cache, slots)
-        tables.append(table)
-        qs.append(torch.randn(new, heads, D).to(dtype))
-        dense.append((k, v))
+    tables, dense = write_random_sequences([c + n for c, n in cases], key_cache, value_cache)
+    qs = [torch.randn(new, heads, D).to(dtype) for _, new in cases]
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables],
                                 dtype=torch.int32)
