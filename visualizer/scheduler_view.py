@@ -68,6 +68,9 @@ def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None
             detail = f"{badge['num_tokens']} tokens"
             if mode:
                 detail += f" · preempted ({mode})"
+            elif badge.get("prefill_progress"):  # a prompt split over several steps
+                done, total = badge["prefill_progress"]
+                detail += f" · prefilled {done}/{total}"
             elif rid in prefill:
                 detail += " · prefill this step"
             text(b, x + 6, y + 29, detail, size=10, fill=HIGHLIGHT if mode else INK)

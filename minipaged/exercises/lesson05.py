@@ -1,4 +1,4 @@
-"""Lesson 05 exercises (prepared; the notebook gets them in a later round).
+"""Lesson 05 exercises: a butterfly reduction and the address of a key element.
 
     warp_reduce(values, op) -> (32,) array
         reduce 32 lane values with XOR shuffles (``kernel_emulator.shfl_xor``), so that every
