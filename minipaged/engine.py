@@ -88,6 +88,7 @@ def _check_settings(**settings) -> None:
                           "None or an integer >= 2"),
         "watermark": (lambda v: number(v) and 0 <= v < 1, "a number in [0, 1)"),
         "seed": (lambda v: integer(v), "an integer"),
+        "enable_prefix_caching": (lambda v: isinstance(v, bool), "True or False"),
     }
     for name, value in settings.items():
         check, allowed = rules[name]
@@ -109,6 +110,10 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_aborted_by_engine: int = 0
     peak_gpu_blocks_used: int = 0
+    # Prefix caching (lesson 07): prompt tokens whose KV came from the cache and were not
+    # computed (num_prompt_tokens counts the computed ones), and cached blocks evicted.
+    num_cached_prompt_tokens: int = 0
+    num_evicted_blocks: int = 0
     # Where a step's time goes, in seconds, summed over all steps.
     time_schedule: float = 0.0
     time_prepare: float = 0.0
@@ -181,6 +186,9 @@ class LLMEngine:
         preemption_mode: None (recompute single sequences, swap groups), "recompute" or "swap".
         watermark: fraction of the GPU pool kept free when admitting prompts.
         load_format: "auto" (read the checkpoint) or "dummy" (random weights from the config).
+        enable_prefix_caching: keep computed full blocks named by their hash chain, so a prompt
+            that starts like an earlier one takes its blocks instead of computing them
+            (lesson 07). Outputs are the same either way.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
@@ -190,12 +198,14 @@ class LLMEngine:
                  num_cpu_blocks: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  preemption_mode: str | None = None, watermark: float = 0.01,
-                 load_format: str = "auto", hf_config=None) -> None:
+                 load_format: str = "auto", hf_config=None,
+                 enable_prefix_caching: bool = True) -> None:
         _check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, swap_space=swap_space,
                         num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len, watermark=watermark, seed=seed)
+                        max_model_len=max_model_len, watermark=watermark, seed=seed,
+                        enable_prefix_caching=enable_prefix_caching)
         if preemption_mode is not None:
             PreemptionMode(preemption_mode)  # raises ValueError on anything else
         self.device = _resolve_device(device)
@@ -244,7 +254,7 @@ class LLMEngine:
                                         block_size, num_gpu_blocks, num_cpu_blocks, self.dtype,
                                         self.device)
         self.block_manager = BlockSpaceManager(block_size, num_gpu_blocks, num_cpu_blocks,
-                                               watermark)
+                                               watermark, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.model_runner = ModelRunner(self.model, block_size, self.device)
         self.sampler = Sampler()
@@ -514,8 +524,12 @@ class LLMEngine:
         self.stats.num_blocks_swapped_out += len(outs.blocks_to_swap_out)
         self.stats.num_blocks_swapped_in += len(outs.blocks_to_swap_in)
         self.stats.num_blocks_copied += sum(len(d) for d in outs.blocks_to_copy.values())
-        used = self.block_manager.num_total_gpu_blocks - self.block_manager.get_num_free_gpu_blocks()
+        bm = self.block_manager
+        used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_gpu_blocks_used = max(self.stats.peak_gpu_blocks_used, used)
+        self.stats.num_cached_prompt_tokens = bm.num_cached_tokens
+        if bm.prefix_cache is not None:
+            self.stats.num_evicted_blocks = bm.prefix_cache.num_evictions
 
         inputs = prepare_inputs(outs, self.block_manager, self.block_size, self.device)
         t2 = time.perf_counter()
