@@ -3,7 +3,9 @@
 A sequence's tokens are cut into *logical* blocks of ``block_size`` tokens. Each logical block is
 stored in a *physical* block of the KV cache; the sequence's block table says which. Physical
 blocks are handed out by a ``BlockAllocator`` from a free list, and carry a reference count so that
-several sequences can share one (lesson 03, copy-on-write).
+several sequences can share one (lesson 03, copy-on-write). A full physical block may also carry
+the name of its contents, a hash, so that later prompts starting with the same tokens can find it
+(lesson 07, ``prefix_cache.py``).
 """
 from __future__ import annotations
 
@@ -60,6 +62,22 @@ class PhysicalTokenBlock:
         self.block_number = block_number  # index into the cache tensors' first dimension
         self.block_size = block_size
         self.ref_count = 0
+        # Prefix caching (lesson 07): what this full block holds, once it is full and computed.
+        self.block_hash: int | None = None  # hash of (parent's hash, token ids): its name
+        self.token_ids: tuple[int, ...] | None = None  # its tokens, to confirm a hash hit
+        self.content_id: int | None = None  # the KV it holds: equal ids, equal prefixes
+        self.parent_id: int | None = None  # content_id of the block before it in the sequence
+        self.cached: bool = False  # is it the block the prefix cache hands out for its hash?
+
+    def forget_contents(self) -> None:
+        """The block is reused for other tokens: it no longer holds any prefix."""
+        self.block_hash = self.token_ids = self.content_id = self.parent_id = None
+        self.cached = False
+
+    def copy_contents_from(self, other: PhysicalTokenBlock) -> None:
+        """This block now holds a copy of ``other``'s KV (copy-on-write, swapping)."""
+        self.block_hash, self.token_ids = other.block_hash, other.token_ids
+        self.content_id, self.parent_id = other.content_id, other.parent_id
 
     def __repr__(self) -> str:
         return f"PhysicalTokenBlock({self.device.value}#{self.block_number}, ref={self.ref_count})"
@@ -97,6 +115,7 @@ class BlockAllocator:
             raise ValueError(f"double free of {block}")
         block.ref_count -= 1
         if block.ref_count == 0:
+            block.forget_contents()
             self.free_blocks.append(block)
 
     def get_num_free_blocks(self) -> int:

@@ -1,4 +1,5 @@
-"""The BlockSpaceManager: block tables, sharing, copy-on-write and swapping (lessons 02, 03, 04).
+"""The BlockSpaceManager: block tables, sharing, copy-on-write and swapping (lessons 02, 03, 04),
+and prefix caching (lesson 07: prompts take the cached blocks their tokens start with).
 
 It maps every sequence's logical blocks to physical blocks of the GPU pool (or of the CPU pool
 while the sequence is swapped out). It only does bookkeeping: it returns which blocks must be
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from minipaged.block import BlockAllocator, Device, PhysicalTokenBlock
+from minipaged.prefix_cache import PrefixCache
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]
@@ -23,16 +25,23 @@ class BlockSpaceManager:
         num_cpu_blocks: size of the CPU pool (swap space).
         watermark: fraction of GPU blocks kept free when admitting new prompts, so that running
             sequences can still grow for a while without being preempted at once.
+        enable_caching: keep full computed blocks named by their hash chain, so that a prompt
+            starting with the same tokens takes them instead of computing them (lesson 07).
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, enable_caching: bool = False) -> None:
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark = watermark
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks)
+        self.prefix_cache: PrefixCache | None = None
+        if enable_caching:
+            # Same interface as the plain allocator; frees keep cached blocks as evictable.
+            self.prefix_cache = self.gpu_allocator = PrefixCache(self.gpu_allocator)
+        self.num_cached_tokens = 0  # prompt tokens taken from the cache instead of computed
         self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}  # seq_id -> its physical blocks
         self.seqs: dict[int, Sequence] = {}  # seq_id -> sequence, for snapshots
@@ -86,20 +95,44 @@ class BlockSpaceManager:
         common = min(common, min(len(t) for t in token_lists) - 1)
         return seqs, common // self.block_size * self.block_size, False
 
+    def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
+        """For each waiting sequence, the cached blocks its tokens start with (lesson 07)."""
+        seqs, _, identical = self.prompt_layout(seq_group)
+        if self.prefix_cache is None:
+            return {s.seq_id: [] for s in seqs}
+        # NOTE: the block holding a sequence's last token is never taken from the cache: that
+        # token is always computed (a fresh prompt samples from its logits; a recomputed group
+        # computes it in its first decode), and its K/V must not be written into a shared block.
+        found = {}
+        for seq in seqs if not identical else seqs[:1]:
+            found[seq.seq_id] = self.prefix_cache.longest_cached_prefix(
+                seq.get_token_ids(), (seq.get_len() - 1) // self.block_size, self.block_size)
+        return {s.seq_id: found[seqs[0].seq_id] if identical else found[s.seq_id] for s in seqs}
+
     def num_blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
+        """How many free GPU blocks admitting the group uses up (an evictable cached block
+        taken back counts: it was free)."""
         seqs, shared_len, identical = self.prompt_layout(seq_group)
+        cached = self.cached_prefix(seq_group)
+        taken_back = len({id(b) for hits in cached.values() for b in hits if b.ref_count == 0})
         if identical:
-            return len(seqs[0].logical_token_blocks)
+            return len(seqs[0].logical_token_blocks) - len(cached[seqs[0].seq_id]) + taken_back
         num_shared = shared_len // self.block_size
-        return num_shared + sum(len(s.logical_token_blocks) - num_shared for s in seqs)
+        shared_hits = min(len(cached[seqs[0].seq_id]), num_shared)
+        return (num_shared - shared_hits + taken_back
+                + sum(len(s.logical_token_blocks) - max(num_shared, len(cached[s.seq_id]))
+                      for s in seqs))
 
     def can_allocate(self, seq_group: SequenceGroup) -> bool:
         """Enough free GPU blocks for the group's prompt, keeping the watermark free."""
         num_required = self.num_blocks_to_allocate(seq_group)
         return self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks
 
-    def allocate(self, seq_group: SequenceGroup) -> None:
+    def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Give the group's waiting sequences their blocks.
+
+        Returns, per sequence id, how many of its first tokens are already in the cache (the
+        cached blocks it took, lesson 07): its computation starts there.
 
         NOTE: the shared blocks (a fresh group's whole prompt, or a recomputed group's common
         prefix) get one reference per sequence, so copy-on-write protects them as after a fork.
@@ -107,16 +140,52 @@ class BlockSpaceManager:
         seqs, shared_len, identical = self.prompt_layout(seq_group)
         num_shared = (len(seqs[0].logical_token_blocks) if identical
                       else shared_len // self.block_size)
-        shared = [self.gpu_allocator.allocate() for _ in range(num_shared)]
-        for block in shared:
+        cached = self.cached_prefix(seq_group)
+        shared_hits = cached[seqs[0].seq_id][:num_shared]
+        own_hits = {s.seq_id: cached[s.seq_id][num_shared:] for s in seqs}
+        # Cached blocks are taken first: a new allocation may evict an evictable block.
+        for block in shared_hits:
+            for _ in seqs:
+                self.prefix_cache.acquire(block)
+        for hits in own_hits.values():
+            for block in hits:
+                self.prefix_cache.acquire(block)
+        shared = shared_hits + [self.gpu_allocator.allocate()
+                                for _ in range(num_shared - len(shared_hits))]
+        for block in shared[len(shared_hits):]:
             block.ref_count = len(seqs)
         for seq in seqs:
-            own = [self.gpu_allocator.allocate()
-                   for _ in seq.logical_token_blocks[num_shared:]]
+            own = own_hits[seq.seq_id] + [
+                self.gpu_allocator.allocate()
+                for _ in seq.logical_token_blocks[num_shared + len(own_hits[seq.seq_id]):]]
             self._register(seq, seq_group, shared + own)
+        num_hit_blocks = len(shared_hits) + sum(len(h) for h in own_hits.values())
+        self.num_cached_tokens += num_hit_blocks * self.block_size
         self._emit("allocate", request_id=seq_group.request_id,
                    seq_ids=[s.seq_id for s in seqs],
-                   blocks=[b.block_number for b in self.block_tables[seqs[0].seq_id]])
+                   blocks=[b.block_number for b in self.block_tables[seqs[0].seq_id]],
+                   cached=[b.block_number for b in shared_hits])
+        return {s.seq_id: len(cached[s.seq_id]) * self.block_size for s in seqs}
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """The K/V of the sequence's first ``num_tokens`` tokens will be in the cache once this
+        step has run: name its full blocks among them, so later prompts can find them.
+
+        The scheduler calls it for every prefill chunk it schedules; ``append_slot`` for the
+        decode that fills a block. NOTE: a block is named in the step that computes it, never
+        earlier, so a block found by hash is always computed before (or, in the same step, in
+        the same layer as) anyone reads it: every layer writes all K/V before attending.
+        """
+        if self.prefix_cache is None:
+            return
+        table = self.block_tables[seq.seq_id]
+        num_full = num_tokens // self.block_size
+        first = num_full  # blocks before it already have a name
+        while first > 0 and table[first - 1].content_id is None:
+            first -= 1
+        for i in range(first, num_full):
+            self.prefix_cache.name_block(table[i], table[i - 1] if i else None,
+                                         tuple(seq.logical_token_blocks[i].token_ids))
 
     def _register(self, seq: Sequence, seq_group: SequenceGroup, table: BlockTable) -> None:
         self.block_tables[seq.seq_id] = table
@@ -175,6 +244,8 @@ class BlockSpaceManager:
         assert last.device is Device.GPU
         if last.ref_count == 1:
             self._emit("append", seq_id=seq.seq_id, block=last.block_number, new_block=False)
+            if seq.get_len() % self.block_size == 0:  # this token fills the block
+                self.cache_blocks(seq, seq.get_len())
             return None
         # The last block is shared: writing into it would change the other sequences' cache.
         new_block = self.gpu_allocator.allocate()
@@ -182,6 +253,8 @@ class BlockSpaceManager:
         self.gpu_allocator.free(last)
         self._emit("copy_on_write", seq_id=seq.seq_id, src=last.block_number,
                    dst=new_block.block_number)
+        if seq.get_len() % self.block_size == 0:  # this token fills the block
+            self.cache_blocks(seq, seq.get_len())
         return last.block_number, new_block.block_number
 
     def unshare(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -195,6 +268,7 @@ class BlockSpaceManager:
             if block.ref_count > 1:
                 assert block.device is Device.GPU
                 table[i] = self.gpu_allocator.allocate()
+                table[i].copy_contents_from(block)  # a private copy of the same KV
                 self.gpu_allocator.free(block)
                 pairs.append((block.block_number, table[i].block_number))
         if pairs:
@@ -235,7 +309,10 @@ class BlockSpaceManager:
         return len(blocks) <= self.cpu_allocator.get_num_free_blocks()
 
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
-        """Move the group's CPU blocks back to the GPU. Returns {cpu block: gpu block}."""
+        """Move the group's CPU blocks back to the GPU. Returns {cpu block: gpu block}.
+
+        With prefix caching, a block whose KV is still cached on the GPU (found by its name) is
+        taken from there and left out of the returned moves."""
         return self._move(seq_group, SequenceStatus.SWAPPED, self.cpu_allocator,
                           self.gpu_allocator, "swap_in")
 
@@ -253,6 +330,7 @@ class BlockSpaceManager:
     def _move(self, seq_group, status, src_alloc: BlockAllocator, dst_alloc: BlockAllocator,
               op: str) -> dict[int, int]:
         mapping: dict[int, PhysicalTokenBlock] = {}  # src block number -> dst block
+        numbers: dict[int, int] = {}  # the blocks whose data must move
         for seq in seq_group.get_seqs(status):
             new_table = []
             for src in self.block_tables[seq.seq_id]:
@@ -260,14 +338,28 @@ class BlockSpaceManager:
                     dst = mapping[src.block_number]
                     dst.ref_count += 1  # a block shared inside the group stays shared
                 else:
-                    dst = dst_alloc.allocate()
+                    dst = self._cached_copy(src, dst_alloc)
+                    if dst is None:
+                        dst = dst_alloc.allocate()
+                        dst.copy_contents_from(src)
+                        numbers[src.block_number] = dst.block_number
+                        if dst_alloc is self.prefix_cache:
+                            self.prefix_cache.adopt(dst)
                     mapping[src.block_number] = dst
                 new_table.append(dst)
                 src_alloc.free(src)
             self.block_tables[seq.seq_id] = new_table
-        numbers = {s: d.block_number for s, d in mapping.items()}
         self._emit(op, request_id=seq_group.request_id, mapping=numbers)
         return numbers
+
+    def _cached_copy(self, src: PhysicalTokenBlock, dst_alloc) -> PhysicalTokenBlock | None:
+        """Swapping in: the GPU block that still holds ``src``'s KV (taken), or None."""
+        if self.prefix_cache is None or dst_alloc is not self.prefix_cache:
+            return None
+        block = self.prefix_cache.find_equal(src)
+        if block is not None:
+            self.prefix_cache.acquire(block)
+        return block
 
     # -- freeing ---------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
@@ -275,7 +367,9 @@ class BlockSpaceManager:
         table = self.block_tables.pop(seq.seq_id, None)
         if table is None:
             return  # never allocated, or already freed
-        for block in table:
+        # NOTE: freed last block first, so that with prefix caching the tail of a sequence is
+        # the least recently used and is evicted before the prefix other prompts share.
+        for block in reversed(table):
             allocator = self.gpu_allocator if block.device is Device.GPU else self.cpu_allocator
             allocator.free(block)
         self.seqs.pop(seq.seq_id, None)
@@ -317,9 +411,11 @@ class BlockSpaceManager:
             for block in table:
                 owners[block.device].setdefault(block.block_number, []).append(seq_id)
 
-        def pool(allocator: BlockAllocator) -> list[dict]:
+        def pool(allocator) -> list[dict]:
             return [{"block_number": b.block_number, "ref_count": b.ref_count,
-                     "owners": owners[allocator.device].get(b.block_number, [])}
+                     "owners": owners[allocator.device].get(b.block_number, []),
+                     "block_hash": b.block_hash, "cached": b.cached,
+                     "evictable": b.cached and b.ref_count == 0}
                     for b in allocator.blocks]
 
         return {
@@ -330,4 +426,9 @@ class BlockSpaceManager:
             "cpu_blocks": pool(self.cpu_allocator),
             "free_gpu_blocks": self.gpu_allocator.free_block_numbers(),
             "free_cpu_blocks": self.cpu_allocator.free_block_numbers(),
+            # Cached blocks nobody holds, next to be evicted first (they are in the free list
+            # too, after the truly free blocks).
+            "evictable_gpu_blocks": (list(self.prefix_cache.evictable)
+                                     if self.prefix_cache is not None else []),
+            "prefix_caching": self.prefix_cache is not None,
         }

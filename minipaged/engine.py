@@ -89,6 +89,7 @@ def _check_settings(**settings) -> None:
                           "None or an integer >= 2"),
         "watermark": (lambda v: number(v) and 0 <= v < 1, "a number in [0, 1)"),
         "seed": (lambda v: integer(v), "an integer"),
+        "enable_prefix_caching": (lambda v: isinstance(v, bool), "True or False"),
     }
     for name, value in settings.items():
         check, allowed = rules[name]
@@ -110,6 +111,10 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_aborted_by_engine: int = 0
     peak_gpu_blocks_used: int = 0
+    # Prefix caching (lesson 07): prompt tokens whose KV came from the cache and were not
+    # computed (num_prompt_tokens counts the computed ones), and cached blocks evicted.
+    num_cached_prompt_tokens: int = 0
+    num_evicted_blocks: int = 0
     # Where a step's time goes, in seconds, summed over all steps.
     time_schedule: float = 0.0
     time_prepare: float = 0.0
@@ -245,6 +250,9 @@ class LLMEngine:
         tensor_parallel_size: N > 1 splits the model over N worker processes (lesson 09,
             ``parallel.py``); the pool sizes and budgets are then per rank.
         worker_timeout: seconds a tensor-parallel step may take before the engine gives up.
+        enable_prefix_caching: keep computed full blocks named by their hash chain, so a prompt
+            that starts like an earlier one takes its blocks instead of computing them
+            (lesson 07). Outputs are the same either way.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,
@@ -256,12 +264,14 @@ class LLMEngine:
                  preemption_mode: str | None = None, watermark: float = 0.01,
                  enable_chunked_prefill: bool = True,
                  load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
-                 worker_timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 worker_timeout: float = DEFAULT_TIMEOUT_S,
+                 enable_prefix_caching: bool = True) -> None:
         _check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, swap_space=swap_space,
                         num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len, watermark=watermark, seed=seed)
+                        max_model_len=max_model_len, watermark=watermark, seed=seed,
+                        enable_prefix_caching=enable_prefix_caching)
         if preemption_mode is not None:
             PreemptionMode(preemption_mode)  # raises ValueError on anything else
         if not isinstance(enable_chunked_prefill, bool):
@@ -333,7 +343,7 @@ class LLMEngine:
                                             self.dtype, self.device)
             self.model_runner = ModelRunner(self.model, block_size, self.device)
         self.block_manager = BlockSpaceManager(block_size, num_gpu_blocks, num_cpu_blocks,
-                                               watermark)
+                                               watermark, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler()
 
@@ -568,8 +578,12 @@ class LLMEngine:
         self.stats.num_blocks_swapped_out += len(outs.blocks_to_swap_out)
         self.stats.num_blocks_swapped_in += len(outs.blocks_to_swap_in)
         self.stats.num_blocks_copied += sum(len(d) for d in outs.blocks_to_copy.values())
-        used = self.block_manager.num_total_gpu_blocks - self.block_manager.get_num_free_gpu_blocks()
+        bm = self.block_manager
+        used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_gpu_blocks_used = max(self.stats.peak_gpu_blocks_used, used)
+        self.stats.num_cached_prompt_tokens = bm.num_cached_tokens
+        if bm.prefix_cache is not None:
+            self.stats.num_evicted_blocks = bm.prefix_cache.num_evictions
 
         inputs = prepare_inputs(outs, self.block_manager, self.block_size, self.device)
         t2 = time.perf_counter()

@@ -14,6 +14,8 @@ class LLM:
     ``LLM()`` loads the embedded SmolLM2-135M-Instruct. Every keyword of ``LLMEngine`` is
     accepted (``num_gpu_blocks``, ``kv_cache_bytes``, ``gpu_memory_utilization``,
     ``tensor_parallel_size`` for N worker processes (lesson 09), ...).
+    Prefix caching is on by default: prompts that start like earlier ones reuse their cached KV
+    blocks (lesson 07); ``enable_prefix_caching=False`` turns it off.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,

@@ -89,8 +89,12 @@ def _prefill_progress(seq_group: SequenceGroup) -> list[int] | None:
     return [chunk.start, chunk.seq.get_len()]
 
 
-def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool) -> list[PrefillChunk]:
+def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool,
+                 cached: dict[int, int] | None = None) -> list[PrefillChunk]:
     """The chunks that compute a group just given its blocks (see ``prompt_layout``).
+
+    ``cached`` (from ``BlockSpaceManager.allocate``) says how many first tokens of each sequence
+    came from the prefix cache (lesson 07): they are not computed, a chunk starts after them.
 
     A fresh group is one chunk: its prompt, computed once for all its sequences, sampled. A group
     recomputed after preemption holds sequences that differ: the first computes the shared
@@ -99,18 +103,23 @@ def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool) -> 
     step (beam search needs its beams in step; seeds then draw in the same order).
     """
     seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+    cached = cached or {}
     if identical:
-        return [PrefillChunk(seq_group, seqs[0], 0, seqs[0].get_len(),
+        start = cached.get(seqs[0].seq_id, 0)
+        for seq in seqs:
+            seq.num_computed_tokens = start
+        return [PrefillChunk(seq_group, seqs[0], start, seqs[0].get_len(),
                              [s.seq_id for s in seqs])]
     # The shortest sequence computes the prefix: the first chunk is the cheapest to admit.
     leader = min(seqs, key=lambda s: s.get_len())
-    chunks = [PrefillChunk(seq_group, leader, 0, leader.get_len() - 1, [leader.seq_id])]
-    for seq in seqs:
-        if seq is not leader:
-            seq.num_computed_tokens = shared_len  # the leader's chunk fills the shared blocks
-            if seq.get_len() - 1 > shared_len:
-                chunks.append(PrefillChunk(seq_group, seq, shared_len, seq.get_len() - 1,
-                                           [seq.seq_id]))
+    chunks = []
+    for seq in [leader] + [s for s in seqs if s is not leader]:
+        # The leader's chunk fills the shared blocks the cache did not have.
+        start = cached.get(seq.seq_id, 0) if seq is leader else max(
+            shared_len, cached.get(seq.seq_id, 0))
+        seq.num_computed_tokens = start
+        if seq.get_len() - 1 > start:
+            chunks.append(PrefillChunk(seq_group, seq, start, seq.get_len() - 1, [seq.seq_id]))
     return chunks
 
 
@@ -250,6 +259,9 @@ class Scheduler:
                 _, shared_len, identical = self.block_manager.prompt_layout(seq_group)
                 first_chunk = (seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len()
                                if identical else self._shortest_waiting_len(seq_group) - 1)
+                if first_chunk > budget:
+                    # Tokens found in the prefix cache are not computed (lesson 07).
+                    first_chunk -= self._num_cached_first_chunk(seq_group, identical)
                 if budget < (1 if self.config.enable_chunked_prefill else first_chunk):
                     break
                 num_new = seq_group.get_max_num_running_seqs()
@@ -258,10 +270,10 @@ class Scheduler:
                 if not self.block_manager.can_allocate(seq_group):
                     break
                 self.waiting.pop(0)
-                self.block_manager.allocate(seq_group)
+                cached = self.block_manager.allocate(seq_group)
                 for seq in seq_group.get_seqs(SequenceStatus.WAITING):
                     seq.status = SequenceStatus.RUNNING
-                seq_group.pending_chunks = plan_prefill(seq_group, shared_len, identical)
+                seq_group.pending_chunks = plan_prefill(seq_group, shared_len, identical, cached)
                 self.running.append(seq_group)
                 budget = self._take_chunks(seq_group, budget, chunks)
                 if seq_group.pending_chunks:
@@ -290,20 +302,34 @@ class Scheduler:
         while seq_group.pending_chunks and budget > 0:
             chunk = seq_group.pending_chunks[0]
             if chunk.num_tokens <= budget:
-                chunks.append(seq_group.pending_chunks.pop(0))
-                budget -= chunk.num_tokens
+                budget -= self._take_chunk(seq_group, chunks)
             elif self.config.enable_chunked_prefill:
                 split = chunk.start + budget
-                chunks.append(PrefillChunk(seq_group, chunk.seq, chunk.start, split,
-                                           chunk.seq_ids))
+                seq_group.pending_chunks.insert(0, PrefillChunk(seq_group, chunk.seq, chunk.start,
+                                                                split, chunk.seq_ids))
                 chunk.start = split
-                budget = 0
+                budget -= self._take_chunk(seq_group, chunks)
             else:
                 break
         return budget
 
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
+
+    def _take_chunk(self, seq_group: SequenceGroup, chunks: list[PrefillChunk]) -> int:
+        """Schedule the group's next prefill chunk in this step; returns its number of tokens."""
+        chunk = seq_group.pending_chunks.pop(0)
+        chunks.append(chunk)
+        self.block_manager.cache_blocks(chunk.seq, chunk.end)  # computed in this step
+        return chunk.num_tokens
+
+    def _num_cached_first_chunk(self, seq_group: SequenceGroup, identical: bool) -> int:
+        """How many tokens of the group's first chunk the prefix cache already holds."""
+        cached = self.block_manager.cached_prefix(seq_group)
+        if identical:
+            return len(next(iter(cached.values()))) * self.block_manager.block_size
+        leader = min(seq_group.get_seqs(SequenceStatus.WAITING), key=lambda s: s.get_len())
+        return len(cached[leader.seq_id]) * self.block_manager.block_size
 
     @staticmethod
     def _shortest_waiting_len(seq_group: SequenceGroup) -> int:

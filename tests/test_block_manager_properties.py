@@ -11,13 +11,17 @@ moves K/V, and every new token is written through the sequence's block table. So
 bookkeeping invariants (ref counts, free lists) we check what really matters: reading a sequence
 through its own block table gives back exactly its own tokens, whatever was shared, copied or
 swapped before.
+
+With prefix caching (lesson 07) the same machine runs with prompts that share prefixes: a prompt
+takes cached blocks and writes only the rest, so reading its own tokens back proves that a hash
+hit served the right KV, even with a hash function that collides on purpose.
 """
 from __future__ import annotations
 
 import math
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -26,6 +30,7 @@ from minipaged.block_manager import BlockSpaceManager
 from minipaged.sampling_params import SamplingParams
 from minipaged.scheduler import Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from prefix_cache_invariants import check_prefix_cache
 
 pytestmark = [pytest.mark.lesson03, pytest.mark.lesson04]
 
@@ -33,6 +38,7 @@ BLOCK_SIZE = 4
 NUM_GPU_BLOCKS = 24
 NUM_CPU_BLOCKS = 16
 VOCAB = 50
+SYSTEM_PROMPT = [(3 * i + 1) % VOCAB for i in range(3 * BLOCK_SIZE)]  # prompts may start with it
 
 # What happens to one running sequence after a step: it goes on, finishes, or forks a child.
 ACTIONS = st.lists(st.tuples(st.sampled_from(["go", "go", "go", "finish", "fork"]),
@@ -41,11 +47,16 @@ ACTIONS = st.lists(st.tuples(st.sampled_from(["go", "go", "go", "finish", "fork"
 
 class BlockManagerMachine(RuleBasedStateMachine):
     share_blocks = True
+    enable_caching = False
+    hash_fn = None  # a colliding hash function, for the collision test
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockSpaceManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark=0.05)
+        self.bm = BlockSpaceManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark=0.05,
+                                    enable_caching=self.enable_caching)
         self.bm.share_blocks = self.share_blocks
+        if self.hash_fn is not None:
+            self.bm.prefix_cache.hash_fn = type(self).hash_fn
         # The scheduler's _append_slots is the code that turns appends into blocks_to_copy.
         self.scheduler = Scheduler(SchedulerConfig(), self.bm)
         self.groups: list[SequenceGroup] = []  # every group not yet aborted
@@ -106,9 +117,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------------
     @rule(prompt_len=st.integers(1, 3 * BLOCK_SIZE + 1), num_seqs=st.integers(1, 3),
-          first=st.integers(0, VOCAB - 1))
-    def add_request(self, prompt_len, num_seqs, first):
+          first=st.integers(0, VOCAB - 1), num_system=st.integers(0, 3 * BLOCK_SIZE))
+    def add_request(self, prompt_len, num_seqs, first, num_system):
         prompt = [(first + 7 * i) % VOCAB for i in range(prompt_len)]
+        prompt[:num_system] = SYSTEM_PROMPT[:min(num_system, prompt_len)]
         params = SamplingParams(n=num_seqs, temperature=1.0)
         group = SequenceGroup(str(self.next_request), [self._new_seq(prompt)
                                                        for _ in range(num_seqs)],
@@ -127,13 +139,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         free_before = self.bm.get_num_free_gpu_blocks()
         expected = self.bm.num_blocks_to_allocate(group)
-        self.bm.allocate(group)
+        cached = self.bm.allocate(group)
         assert free_before - self.bm.get_num_free_gpu_blocks() == expected
         for seq in group.get_seqs(SequenceStatus.WAITING):
             seq.status = SequenceStatus.RUNNING
-            for pos in range(seq.get_len()):
+            # Tokens taken from the prefix cache are not written: they must already be there.
+            assert cached[seq.seq_id] < seq.get_len()
+            if cached[seq.seq_id]:
+                event("a prompt took cached blocks")
+            for pos in range(cached[seq.seq_id], seq.get_len()):
                 self._write(seq, pos)
             seq.num_computed_tokens = seq.get_len()
+            self.bm.cache_blocks(seq, seq.get_len())
         self._sample_next_tokens(group, actions)
 
     @precondition(lambda self: self._groups(SequenceStatus.RUNNING))
@@ -197,9 +214,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.swap_out(group)
             assert self.bm.get_num_free_gpu_blocks() == free_gpu  # nothing moved
             return
+        holders: dict[int, int] = {}  # block -> references from this group
+        for s in group.get_seqs(SequenceStatus.RUNNING):
+            for b in self.bm.block_tables[s.seq_id]:
+                holders[id(b)] = holders.get(id(b), 0) + 1
+        only_ours = sum(b.ref_count == holders[id(b)] for b in self.bm.gpu_allocator.blocks
+                        if id(b) in holders)  # cached blocks may be held by other requests
         mapping = self.bm.swap_out(group)
         assert len(mapping) == len(distinct)  # a shared block is moved once
-        assert self.bm.get_num_free_gpu_blocks() == free_gpu + len(distinct)
+        assert self.bm.get_num_free_gpu_blocks() == free_gpu + only_ours
         self._move(Device.GPU, Device.CPU, mapping)
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             seq.status = SequenceStatus.SWAPPED
@@ -211,8 +234,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_swap_in(group):
             return
         free_cpu = self.bm.get_num_free_cpu_blocks()
+        distinct = len(self.bm._physical_blocks(group, SequenceStatus.SWAPPED))
         mapping = self.bm.swap_in(group)
-        assert self.bm.get_num_free_cpu_blocks() == free_cpu + len(mapping)
+        assert self.bm.get_num_free_cpu_blocks() == free_cpu + distinct
+        # Blocks the prefix cache still holds on the GPU are taken back, not copied.
+        assert len(mapping) <= distinct if self.enable_caching else len(mapping) == distinct
         self._move(Device.CPU, Device.GPU, mapping)
         for seq in group.get_seqs(SequenceStatus.SWAPPED):
             seq.status = SequenceStatus.RUNNING
@@ -246,13 +272,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for block in table:
                 holders[id(block)] = holders.get(id(block), 0) + 1
         for allocator in (self.bm.gpu_allocator, self.bm.cpu_allocator):
-            free_ids = [id(b) for b in allocator.free_blocks]
-            assert len(free_ids) == len(set(free_ids)), "a block is on the free list twice"
-            free = set(free_ids)
+            # (with prefix caching, the free list ends with the evictable cached blocks)
+            free_numbers = allocator.free_block_numbers()
+            assert len(free_numbers) == len(set(free_numbers)), "a block is free twice"
+            free = set(free_numbers)
             for block in allocator.blocks:
                 assert block.ref_count == holders.get(id(block), 0), block
                 # No block is both free and referenced; every unreferenced block is free.
-                assert (id(block) in free) == (block.ref_count == 0), block
+                assert (block.block_number in free) == (block.ref_count == 0), block
             used = sum(b.ref_count > 0 for b in allocator.blocks)
             assert allocator.get_num_free_blocks() + used == allocator.num_blocks
 
@@ -281,6 +308,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 key, offset = self._slot(seq, pos)
                 assert self.cache[key][offset] == tokens[pos], (seq, pos)
 
+    @invariant()
+    def prefix_cache_is_consistent(self):
+        if self.enable_caching:
+            check_prefix_cache(self.bm)
+
     def teardown(self):
         for group in self.groups:
             for seq in group.seqs:
@@ -298,9 +330,29 @@ class NoSharingMachine(BlockManagerMachine):
     share_blocks = False
 
 
+class PrefixCachingMachine(BlockManagerMachine):
+    """Prompts that share prefixes take cached blocks; freed blocks stay cached until evicted."""
+
+    enable_caching = True
+
+
+def _colliding_hash(parent_hash, token_ids) -> int:
+    return (sum(token_ids) + (parent_hash or 0)) % 3  # three names for every block there is
+
+
+class CollidingPrefixCachingMachine(PrefixCachingMachine):
+    """The test hook: a hash that collides all the time must never serve another prefix."""
+
+    hash_fn = _colliding_hash
+
+
 SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerWithSharing = BlockManagerMachine.TestCase
 TestBlockManagerWithSharing.settings = SETTINGS
 TestBlockManagerWithoutSharing = NoSharingMachine.TestCase
 TestBlockManagerWithoutSharing.settings = SETTINGS
+TestBlockManagerWithPrefixCaching = PrefixCachingMachine.TestCase
+TestBlockManagerWithPrefixCaching.settings = SETTINGS
+TestBlockManagerWithCollidingHashes = CollidingPrefixCachingMachine.TestCase
+TestBlockManagerWithCollidingHashes.settings = SETTINGS

@@ -1,15 +1,17 @@
 """Whole workloads drawn at random: every accepted request finishes, with the tokens it gets alone.
 
 Hypothesis draws an engine (model, block size, pool from just big enough to roomy, watermark,
-swap space, preemption mode, step budget, max_num_seqs) and a workload (prompt lengths up to
-near max_model_len, max_tokens, greedy / seeded sampling with n and best_of / beam search, EOS
-on or off, requests arriving at different steps, aborts at random steps). Invariants:
+swap space, preemption mode, step budget, max_num_seqs, prefix caching on or off) and a workload
+(prompt lengths up to near max_model_len, often starting with a shared system prompt, max_tokens,
+greedy / seeded sampling with n and best_of / beam search, EOS on or off, requests arriving at
+different steps, aborts at random steps). Invariants:
 
 - a request is refused up front (ValueError) only if it could never fit the pool alone;
 - every accepted request finishes: length or stop, or abort where the test aborted it; the
   engine never aborts one itself (its stall breaker is a last resort that must not fire);
 - greedy, beam and seeded outputs equal the same request run alone on a large pool;
-- afterwards every GPU and CPU block is free, with all ref counts zero;
+- afterwards every GPU and CPU block is free, with all ref counts zero (with prefix caching:
+  free or cached-evictable, and after every step the cache's own invariants hold);
 - the number of steps is bounded.
 
 The examples are derandomized: CI draws the same workloads every run.
@@ -25,6 +27,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minipaged import LLMEngine, SamplingParams
+from prefix_cache_invariants import check_prefix_cache
 from tiny_models import VOCAB
 
 pytestmark = pytest.mark.lesson04
@@ -79,13 +82,16 @@ def engines(draw):
             dict(enable_chunked_prefill=True, max_num_batched_tokens=max_model_len // 2),
         ])),
         max_num_seqs=draw(st.sampled_from([3, 8, 256])),
+        enable_prefix_caching=draw(st.sampled_from([True, True, False])),
     )
 
 
 @st.composite
-def requests(draw, max_model_len: int):
+def requests(draw, max_model_len: int, system: list[int]):
     prompt_len = draw(st.integers(1, max_model_len - 1))
     prompt = draw(st.lists(st.integers(2, VOCAB - 1), min_size=prompt_len, max_size=prompt_len))
+    num_system = draw(st.sampled_from([0, len(system) // 2, len(system), len(system)]))
+    prompt[:num_system] = system[:min(num_system, prompt_len)]  # a shared prefix, often
     style = draw(st.sampled_from(["greedy", "greedy", "seeded", "seeded", "beam"]))
     common = dict(max_tokens=draw(st.integers(1, 24)), ignore_eos=draw(st.booleans()))
     if style == "greedy":
@@ -107,7 +113,9 @@ def requests(draw, max_model_len: int):
 @st.composite
 def workloads(draw):
     engine = draw(engines())
-    reqs = draw(st.lists(requests(engine["max_model_len"]), min_size=2, max_size=8))
+    system = draw(st.lists(st.integers(2, VOCAB - 1), min_size=engine["max_model_len"] - 8,
+                           max_size=engine["max_model_len"] - 8))
+    reqs = draw(st.lists(requests(engine["max_model_len"], system), min_size=2, max_size=8))
     return engine, reqs
 
 
@@ -123,7 +131,8 @@ def run_alone(models, kind, max_model_len, prompt, params):
         if engine_key not in _alone_engines:
             _alone_engines[engine_key] = LLMEngine(models[kind], block_size=16,
                                                    num_gpu_blocks=256,
-                                                   max_model_len=max_model_len)
+                                                   max_model_len=max_model_len,
+                                                   enable_prefix_caching=False)
         engine = _alone_engines[engine_key]
         probe = SamplingParams(**{**_fields(params), "logprobs": 2})
         engine.add_request("alone", None, probe, prompt)
@@ -214,6 +223,8 @@ def test_every_accepted_request_finishes_with_the_tokens_it_gets_alone(models, w
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
+        if bm.prefix_cache is not None:
+            check_prefix_cache(bm)
         step += 1
         assert step <= bound, "the engine made no progress"
 
@@ -225,6 +236,10 @@ def test_every_accepted_request_finishes_with_the_tokens_it_gets_alone(models, w
     multi = [r for r in accepted.values() if r["params"].best_of > 1]
     if multi and stats.num_preemptions_recompute:
         event("a group of several sequences in an engine that recomputed")
+    if stats.num_cached_prompt_tokens:
+        event("prompt tokens taken from the prefix cache")
+    if stats.num_evicted_blocks:
+        event("cached blocks evicted")
     assert set(finals) == set(accepted)
     for request_id, req in accepted.items():
         out = finals[request_id]

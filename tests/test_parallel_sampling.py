@@ -51,10 +51,12 @@ def test_seeded_parallel_sampling_is_reproducible_in_any_batch(llm):
 
 def test_the_n_samples_differ_and_share_one_prompt_computation(llm):
     engine = llm.llm_engine
-    before = engine.stats.num_prompt_tokens
+    stats = engine.stats
+    before = stats.num_prompt_tokens + stats.num_cached_prompt_tokens
     out = _generate(llm, [PROMPT], SamplingParams(n=4, temperature=1.0, seed=7,
                                                    max_tokens=MAX_TOKENS, ignore_eos=True))[0]
-    assert engine.stats.num_prompt_tokens - before == len(PROMPT)  # computed once, not 4 times
+    # Computed (or, with prefix caching, taken from the cache) once, not 4 times.
+    assert stats.num_prompt_tokens + stats.num_cached_prompt_tokens - before == len(PROMPT)
     samples = [tuple(o.token_ids) for o in out.outputs]
     assert len(samples) == 4 and len(set(samples)) == 4
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]

@@ -11,6 +11,10 @@ Elements carry ``class`` and ``data-*`` attributes so tests can read the drawing
 ``data-owners``, ``data-filled``), ``free-block``, ``shared-block``, ``logical-block``
 (``data-seq``, ``data-index``, ``data-filled``), ``table-entry`` (``data-seq``, ``data-index``,
 ``data-block``), ``free-list-entry`` (``data-block``, ``data-position``) and ``newest-token``.
+
+With prefix caching (lesson 07) a block the cache can hand out by hash is ``cached-block``
+(``data-hash``), outlined in green and marked "cached"; one that nobody holds any more is also
+``evictable-block``, marked "evictable": it counts as free but keeps its KV until evicted.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ ROW_H = 18  # one logical block per row
 BLOCK_W, BLOCK_H, BLOCK_GAP = 70, 38, 6  # wide enough for '#1455' and 'ref 12' side by side  # one physical block of the pool
 BLOCKS_PER_ROW = 8
 X_LOGICAL, X_TABLE, X_POOL = 10, 226, 390
+CACHED = "#2a9d4a"  # prefix-cached blocks (lesson 07)
 
 
 def _slot_width(block_size: int) -> float:
@@ -190,6 +195,9 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
         classes = ["physical-block", "free-block" if ref == 0 else "used-block"]
         if shared:
             classes.append("shared-block")
+        cached = b.get("cached", False)
+        if cached:
+            classes += ["cached-block"] + (["evictable-block"] if ref == 0 else [])
         n_filled = filled.get((device, number), 0) if ref else 0
         g = el(pool, "g", class_=" ".join(classes), data_block=number, data_device=device,
                data_ref=ref, data_shared=shared, data_owners=",".join(map(str, owners)),
@@ -211,6 +219,12 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
              fill=HIGHLIGHT if shared else (INK if ref else MUTED), class_="ref-count")
         if shared:
             text(g, x + 3, y + 23, "shared", size=8, fill=HIGHLIGHT, class_="shared-mark")
+        if cached:  # lesson 07: findable by hash; when ref 0 it is evictable (counts as free)
+            g.set("data-hash", str(b["block_hash"]))
+            el(g, "rect", x=x - 1, y=y - 1, width=BLOCK_W + 2, height=BLOCK_H + 2, fill="none",
+               stroke=CACHED, stroke_width=1.5, class_="cached-outline")
+            text(g, x + BLOCK_W - 3, y + 23, "evictable" if ref == 0 else "cached", size=8,
+                 anchor="end", fill=CACHED, class_="cached-mark")
         # The slot strip: filled slots dark, the newest token of a sequence outlined in red.
         sw = (BLOCK_W - 6) / block_size
         fill_colour = colour(owners[0]) if len(owners) == 1 else INK
