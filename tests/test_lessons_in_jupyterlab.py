@@ -20,7 +20,7 @@ import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "06_engine"]
+LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "05_kernel", "06_engine"]
 
 pytestmark = pytest.mark.slow
 
