@@ -8,7 +8,7 @@ their ``block_tables`` and context lengths.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ class PreparedInputs:
     rows: list[Row]
     sample_indices: torch.Tensor  # (R,) which of the T tokens produce a next-token distribution
     computed: list[tuple[Sequence, int]]  # after the step: (sequence, its num_computed_tokens)
+    chunks: list[PrefillChunk] = field(default_factory=list)  # the prefill part, in batch order
 
 
 def _work_of_groups(seq_groups: list[SequenceGroup], block_manager: BlockSpaceManager):
@@ -144,7 +145,8 @@ def prepare_inputs(scheduled: SchedulerOutputs | list[SequenceGroup],
     )
     return PreparedInputs(to_device(torch.tensor(input_ids, dtype=torch.long)),
                           to_device(torch.cat(positions).long()), meta, rows,
-                          to_device(torch.tensor(sample_indices, dtype=torch.long)), computed)
+                          to_device(torch.tensor(sample_indices, dtype=torch.long)), computed,
+                          chunks)
 
 
 class ModelRunner:

@@ -6,7 +6,7 @@ A column per token of the step: which sequence it belongs to, prefill or decode,
 its position, and its slot (``slot_mapping``) as physical block and offset. Under the table, the
 physical blocks the step writes, with the slots written this step filled in the sequence's
 colour. Everything comes from the ``PreparedInputs`` fields ``input_ids``, ``positions``,
-``meta.slot_mapping``, ``meta.prompt_lens`` and ``rows``.
+``meta.slot_mapping``, ``chunks`` and ``rows``.
 
 Elements for tests: ``batch-token`` (``data-index``, ``data-seq``, ``data-kind``,
 ``data-position``, ``data-slot``) and ``written-block`` (``data-block``, ``data-slots``).
@@ -17,20 +17,26 @@ from visualizer.svg import FREE_FILL, INK, MUTED, colour, el, svg_root, text, to
 
 COL_W, ROW_H, HEAD_W = 34, 17, 92
 ROWS = ("sequence", "kind", "token id", "position", "slot", "block.offset")
+KIND_LABELS = {"prefill": "pre", "chunk": "chunk", "decode": "dec"}
 
 
 def flat_batch_tokens(prepared, block_size: int) -> list[dict]:
-    """One dict per token of the batch: seq id, kind, token id, position, slot, block, offset."""
+    """One dict per token of the batch: seq id, kind, token id, position, slot, block, offset.
+
+    ``kind`` is "prefill" for a prompt's tokens, "chunk" for a piece of a prompt that continues
+    in a later step (chunked prefill: nothing is sampled from it), "decode" for a decode token.
+    """
     ids = prepared.input_ids.tolist()
     positions = prepared.positions.tolist()
     slots = prepared.meta.slot_mapping.tolist()
-    prompt_lens = list(prepared.meta.prompt_lens)
+    spans = [(c.seq_ids[0], "prefill" if c.sample else "chunk", c.num_tokens)
+             for c in prepared.chunks]
+    spans += [(row.seq_ids[0], "decode", 1) for row in prepared.rows if not row.is_prompt]
     tokens, i = [], 0
-    for row in prepared.rows:
-        length = prompt_lens.pop(0) if row.is_prompt else 1
+    for seq_id, kind, length in spans:
         for _ in range(length):
-            tokens.append({"seq": row.seq_ids[0], "kind": "prefill" if row.is_prompt else "decode",
-                           "token": ids[i], "position": positions[i], "slot": slots[i],
+            tokens.append({"seq": seq_id, "kind": kind, "token": ids[i],
+                           "position": positions[i], "slot": slots[i],
                            "block": slots[i] // block_size, "offset": slots[i] % block_size})
             i += 1
     return tokens
@@ -61,8 +67,8 @@ def render_flat_batch(prepared, block_size: int, title: str | None = None,
         g = el(root, "g", class_="batch-token", data_index=i, data_seq=t["seq"],
                data_kind=t["kind"], data_position=t["position"], data_slot=t["slot"])
         el(g, "rect", x=x, y=top, width=COL_W - 2, height=ROW_H * len(ROWS), fill=c,
-           opacity=0.35 if t["kind"] == "prefill" else 0.15)
-        values = (names.get(t["seq"], f"s{t['seq']}"), "pre" if t["kind"] == "prefill" else "dec",
+           opacity=0.15 if t["kind"] == "decode" else 0.35)
+        values = (names.get(t["seq"], f"s{t['seq']}"), KIND_LABELS[t["kind"]],
                   t["token"], t["position"], t["slot"], f"{t['block']}.{t['offset']}")
         for r, value in enumerate(values):
             text(g, x + (COL_W - 2) / 2, top + r * ROW_H + 12, value, size=8, anchor="middle")
