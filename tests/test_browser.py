@@ -121,9 +121,14 @@ def test_player_in_chromium_draws_and_follows_the_slider(voila_page):
             handle = page.locator(".widget-slider .noUi-handle").first
             handle.focus()
             handle.press("ArrowRight")
+            # The caption and the drawing are two widget updates that may arrive apart:
+            # wait for both.
             page.wait_for_function(
                 "() => document.querySelector('.minipaged-player-caption')"
                 ".innerText.startsWith('step 1:')", timeout=30_000)
+            page.wait_for_function(
+                "() => document.querySelector('.minipaged-player-view svg.block-tables')"
+                ".outerHTML.includes('data-num-seqs=\"2\"')", timeout=30_000)
             second = _drawing(page)
             assert second != first
             assert 'data-num-seqs="2"' in second  # the request was admitted: two sequences
@@ -133,6 +138,10 @@ def test_player_in_chromium_draws_and_follows_the_slider(voila_page):
             page.wait_for_function(
                 "() => document.querySelector('.minipaged-player-caption')"
                 ".innerText.startsWith('step 7:')", timeout=30_000)
+            page.wait_for_function(
+                "(seen) => !seen.includes(document.querySelector("
+                "'.minipaged-player-view svg.block-tables').outerHTML)",
+                arg=[first, second], timeout=30_000)
             assert _drawing(page) not in (first, second)
         finally:
             browser.close()
