@@ -5,7 +5,8 @@ Used by benchmarks/throughput.py (issue 13). ``decode_step_breakdown`` fills the
 attention operations and linear layers instrumented:
 
     attention   minipaged.ops calls made by the attention layers (cache writes included)
-    linear      every nn.Linear (the weight matmuls; lm_head on the sampled rows only)
+    linear      every linear layer (nn.Linear and the tensor-parallel ones: the weight matmuls)
+                and the LM head, on the sampled rows only
     other model norms, rotary embedding, activations, embedding lookup, glue
     sample, schedule, prepare, update      the engine's own timers (EngineStats)
     python      the rest of the step (step wall time minus all of the above)
@@ -21,6 +22,9 @@ import time
 import torch
 
 from minipaged import SamplingParams, ops
+from minipaged.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+LINEAR_LAYERS = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 ATTENTION_OPS = ("reshape_and_cache", "paged_attention", "prefill_attention",
                  "paged_prefill_attention")
@@ -75,9 +79,13 @@ class _Instruments:
         for name in ATTENTION_OPS:
             setattr(ops, name, self._timed(name, self._originals[name]))
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, LINEAR_LAYERS):
                 self._hooks.append(module.register_forward_pre_hook(self._linear_start))
                 self._hooks.append(module.register_forward_hook(self._linear_end))
+        # The LM head (on the sampled rows only) counts as a linear layer too.
+        self._model = model
+        self._compute_logits = model.compute_logits
+        model.compute_logits = self._timed_logits
 
     def _timed(self, name, fn):
         def wrapper(*args, **kwargs):
@@ -100,14 +108,25 @@ class _Instruments:
     def _linear_end(self, module, inputs, output):
         _sync(self.device)
         self.time["linear"] += time.perf_counter() - self._started.pop(id(module))
-        rows = inputs[0].numel() // module.in_features
-        self.flops["linear"] += 2.0 * rows * module.in_features * module.out_features
+        weight = module.weight  # (out, in) or, transposed, (in, out): in * out either way
+        rows = output.numel() // output.shape[-1]
+        self.flops["linear"] += 2.0 * rows * weight.numel()
+
+    def _timed_logits(self, hidden):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        logits = self._compute_logits(hidden)  # (R, vocab)
+        _sync(self.device)
+        self.time["linear"] += time.perf_counter() - t0
+        self.flops["linear"] += 2.0 * hidden.shape[0] * hidden.shape[1] * logits.shape[-1]
+        return logits
 
     def remove(self):
         for name, fn in self._originals.items():
             setattr(ops, name, fn)
         for hook in self._hooks:
             hook.remove()
+        del self._model.compute_logits  # back to the class's method
 
 
 def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4) -> dict:
