@@ -394,5 +394,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto c = cuda_on_cpu::counters();
     return std::vector<int64_t>{c.launches, c.blocks, c.block_barriers, c.warp_exchanges};
   }, "[launches, CUDA blocks, __syncthreads calls, warp exchanges] so far");
+  m.def("trace_warp", [](int64_t x, int64_t y, int64_t z, int64_t warp) {
+    cuda_on_cpu::trace_warp(dim3((unsigned)x, (unsigned)y, (unsigned)z), (int)warp);
+  }, "trace_warp(block_x, block_y, block_z, warp): record that warp's shuffles (warp < 0: stop)");
+  m.def("take_warp_trace", [] {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& r : cuda_on_cpu::take_warp_trace()) {
+      out.push_back({r.lane, r.src_lane, (int64_t)r.sent, (int64_t)r.received});
+    }
+    return out;
+  }, "the recorded shuffles: [lane, source lane, sent bits, received bits] in lane order");
 #endif
 }

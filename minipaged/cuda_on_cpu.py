@@ -126,6 +126,69 @@ def _build():
 
 
 # ----------------------------------------------------------------------------------------------
+# One warp's shuffles, recorded while the real kernel runs (lesson 05)
+# ----------------------------------------------------------------------------------------------
+def trace_shuffles(kernels, run, block=(0, 0, 0), warp: int = 0):
+    """Run ``run()`` (a call of ``kernels``) with the shuffles of one warp recorded.
+
+    ``block`` is the CUDA block's ``blockIdx`` (x, y, z): for ``paged_attention``, (head,
+    sequence, partition). Returns ``(run(), steps)``: one dict per shuffle the warp's 32 lanes
+    made together, in program order, with ``src_lanes`` (the lane each lane read), ``sent`` and
+    ``received`` (the 32 lanes' float32 values) and ``mask`` (the XOR mask when lane l read lane
+    l ^ mask, None for a broadcast such as ``__shfl_sync(v, 0)``).
+    """
+    import numpy as np
+
+    module = kernels.module
+    module.trace_warp(*block, warp)
+    try:
+        result = run()
+    finally:
+        records = module.take_warp_trace()
+        module.trace_warp(0, 0, 0, -1)
+    per_lane: dict[int, list] = {}
+    for lane, src, sent, received in records:
+        per_lane.setdefault(lane, []).append((src, sent, received))
+
+    def floats(bits) -> np.ndarray:
+        return np.array(bits, dtype=np.int64).astype(np.uint32).view(np.float32)
+
+    steps = []
+    for i in range(min((len(v) for v in per_lane.values()), default=0)):
+        src = [per_lane[lane][i][0] for lane in sorted(per_lane)]
+        xor = {lane ^ s for lane, s in enumerate(src)}
+        steps.append({"src_lanes": src, "mask": xor.pop() if len(xor) == 1 else None,
+                      "sent": floats([per_lane[lane][i][1] for lane in sorted(per_lane)]),
+                      "received": floats([per_lane[lane][i][2] for lane in sorted(per_lane)])})
+    return result, steps
+
+
+def butterfly_runs(steps: list[dict], op: str, first_mask: int) -> list[list[dict]]:
+    """The butterflies among ``steps`` (from ``trace_shuffles``) that start at ``first_mask``
+    and halve it each step, as records ``visualizer.render_butterfly`` draws (the combined value
+    after each step is ``op``, "max" or "sum", of the value sent and the value received)."""
+    import numpy as np
+
+    combine = np.maximum if op == "max" else np.add
+    runs, i = [], 0
+    while i < len(steps):
+        if steps[i]["mask"] != first_mask:
+            i += 1
+            continue
+        run, mask = [], first_mask
+        while i < len(steps) and mask >= 1 and steps[i]["mask"] == mask:
+            step = steps[i]
+            run.append({"phase": op, "step": len(run), "mask": mask,
+                        "pairs": [[lane, src] for lane, src in enumerate(step["src_lanes"])],
+                        "values_before": [float(v) for v in step["sent"]],
+                        "values_after": [float(v) for v in
+                                         combine(step["sent"], step["received"])]})
+            i, mask = i + 1, mask // 2
+        runs.append(run)
+    return runs
+
+
+# ----------------------------------------------------------------------------------------------
 # Sanitizer programs: the kernels plus csrc/cpu/sanitize_main.cpp, no Python, no torch
 # ----------------------------------------------------------------------------------------------
 SANITIZERS = {"thread": ["-fsanitize=thread"], "address": ["-fsanitize=address",

@@ -20,13 +20,15 @@ from minipaged.block_manager import BlockSpaceManager
 from minipaged.cache_engine import CacheEngine, cache_block_bytes
 from minipaged.detokenizer import detokenize_incrementally
 from minipaged.model_runner import ModelRunner, prepare_inputs
-from minipaged.models import get_model_class
+from minipaged.model_setup import (build_model, profile_num_gpu_blocks, resolve_device,
+                                   resolve_dtype)
 from minipaged.outputs import RequestOutput
 from minipaged.parallel import DEFAULT_TIMEOUT_S, TensorParallelWorkers
 from minipaged.sampler import Sampler, SequenceOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.validation import as_token_ids, check_settings
 
 GiB = 1 << 30
 logger = logging.getLogger("minipaged")
@@ -36,65 +38,6 @@ def _derive_seed(request_seed: int | str, index: int) -> int:
     """A 64-bit seed for sequence ``index`` of a request, the same in every process."""
     digest = hashlib.sha256(f"{request_seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
-
-
-def as_token_ids(token_ids) -> list[int]:
-    """A list of Python ints from a list, tuple, 1-D numpy array or 1-D torch tensor of ints."""
-    if isinstance(token_ids, (str, bytes)):
-        raise ValueError(f"prompt_token_ids must be a sequence of integers, got {token_ids!r}")
-    if hasattr(token_ids, "dtype") and hasattr(token_ids, "tolist"):  # numpy or torch
-        kind = str(token_ids.dtype)
-        if "int" not in kind or "bool" in kind:
-            raise ValueError(f"prompt_token_ids must hold integers, got an array of {kind}")
-        if token_ids.ndim != 1:
-            raise ValueError(f"prompt_token_ids of one prompt must be 1-D, got shape "
-                             f"{tuple(token_ids.shape)}")
-        return [int(t) for t in token_ids.tolist()]
-    try:
-        ids = list(token_ids)
-    except TypeError:
-        raise ValueError(f"prompt_token_ids must be a sequence of integers, got "
-                         f"{type(token_ids).__name__}") from None
-    # numpy / torch integer scalars become Python ints; anything else is left for validation.
-    return [int(t) if type(t).__name__ in _INT_SCALARS else t for t in ids]
-
-
-_INT_SCALARS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
-
-
-def _check_settings(**settings) -> None:
-    """Engine settings: numbers of the right kind and range, or a ValueError naming them."""
-    def number(v) -> bool:
-        return (isinstance(v, (int, float)) and not isinstance(v, bool)
-                and math.isfinite(v))
-
-    def integer(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    rules = {  # name: (check, allowed)
-        "block_size": (lambda v: v in (1, 2, 4, 8, 16, 32, 64, 128) and integer(v),
-                       "a power of two from 1 to 128"),
-        "gpu_memory_utilization": (lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        "kv_cache_bytes": (lambda v: v is None or (number(v) and v > 0),
-                           "None or a number of bytes > 0"),
-        "swap_space": (lambda v: number(v) and v >= 0, "a number of GiB >= 0"),
-        "num_gpu_blocks": (lambda v: v is None or (integer(v) and v >= 1),
-                           "None or an integer >= 1"),
-        "num_cpu_blocks": (lambda v: v is None or (integer(v) and v >= 0),
-                           "None or an integer >= 0"),
-        "max_num_seqs": (lambda v: integer(v) and v >= 1, "an integer >= 1"),
-        "max_num_batched_tokens": (lambda v: v is None or (integer(v) and v >= 1),
-                                   "None or an integer >= 1"),
-        "max_model_len": (lambda v: v is None or (integer(v) and v >= 2),
-                          "None or an integer >= 2"),
-        "watermark": (lambda v: number(v) and 0 <= v < 1, "a number in [0, 1)"),
-        "seed": (lambda v: integer(v), "an integer"),
-        "enable_prefix_caching": (lambda v: isinstance(v, bool), "True or False"),
-    }
-    for name, value in settings.items():
-        check, allowed = rules[name]
-        if not check(value):
-            raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass
@@ -144,86 +87,6 @@ class StepSnapshot:
     num_batched_tokens: int = 0  # tokens the model computed in this step
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype, config, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16}
-    if dtype in names:
-        return names[dtype]
-    if dtype != "auto":
-        raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {dtype!r}")
-    if device.type != "cuda":
-        return torch.float32  # half precision matmuls are slow or missing on CPUs
-    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if config_dtype in (torch.bfloat16, "bfloat16"):
-        return torch.bfloat16
-    return torch.float16
-
-
-def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
-                device: torch.device) -> torch.nn.Module:
-    """Our model for ``hf_config`` on ``device``, weights from ``source`` or random ("dummy").
-
-    Under tensor parallelism (a worker, ``parallel.py``) this builds and loads the rank's shard.
-    """
-    model_class = get_model_class(hf_config)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = model_class(hf_config)
-    finally:
-        torch.set_default_dtype(previous)
-    if load_format == "dummy":
-        # Random weights (for benchmarks without a model hub), initialised on the device.
-        std = getattr(hf_config, "initializer_range", 0.02)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 1:
-                    p.fill_(1.0 if "norm" in name or "ln" in name else 0.0)
-                else:
-                    p.normal_(0.0, std)
-    elif load_format == "auto":
-        model.load_weights(model_loader.load_state_dict(source))
-    else:
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    return model.eval()
-
-
-@torch.inference_mode()
-def profile_num_gpu_blocks(model, device: torch.device, num_tokens: int, max_len: int,
-                           gpu_memory_utilization: float, block_bytes: int) -> int:
-    """Run the largest step the scheduler allows, without a cache, and see what is left.
-
-    Under tensor parallelism each worker profiles its own GPU with its shard."""
-    from minipaged.input_metadata import InputMetadata
-
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    prompt_lens = [max_len] * (num_tokens // max_len)
-    if num_tokens % max_len:
-        prompt_lens.append(num_tokens % max_len)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in prompt_lens])
-    meta = InputMetadata(prompt_lens, torch.full((num_tokens,), -1, device=device),
-                         torch.zeros(0, 0, dtype=torch.int32, device=device),
-                         torch.zeros(0, dtype=torch.int32, device=device), 0)
-    hidden = model(ids, positions, None, meta)
-    model.compute_logits(hidden[-min(num_tokens, 256):])
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    total = torch.cuda.mem_get_info()[1]
-    torch.cuda.empty_cache()
-    return max(int((total * gpu_memory_utilization - peak) // block_bytes), 0)
-
-
 class LLMEngine:
     """Owns the model, the KV cache, the scheduler and the sampler.
 
@@ -266,25 +129,23 @@ class LLMEngine:
                  load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
                  worker_timeout: float = DEFAULT_TIMEOUT_S,
                  enable_prefix_caching: bool = True) -> None:
-        _check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+        check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                         kv_cache_bytes=kv_cache_bytes, swap_space=swap_space,
                         num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, watermark=watermark, seed=seed,
-                        enable_prefix_caching=enable_prefix_caching)
+                        enable_prefix_caching=enable_prefix_caching,
+                        enable_chunked_prefill=enable_chunked_prefill)
         if preemption_mode is not None:
             PreemptionMode(preemption_mode)  # raises ValueError on anything else
-        if not isinstance(enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill must be True or False, got "
-                             f"{enable_chunked_prefill!r}")
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.block_size = block_size
         self.seed = seed
 
         # -- the model ---------------------------------------------------------------------------
         source = model_loader.resolve(model) if hf_config is None else model
         self.hf_config = hf_config or model_loader.load_config(source)
-        self.dtype = _resolve_dtype(dtype, self.hf_config, self.device)
+        self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
         self.workers: TensorParallelWorkers | None = None
         if tensor_parallel_size != 1:
             # The driver holds no model: N workers hold a shard each (parallel.py). Its own

@@ -127,7 +127,7 @@ def _serve(rank, world_size, conn, init_method, spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
     from minipaged.cache_engine import CacheEngine
-    from minipaged.engine import build_model, profile_num_gpu_blocks
+    from minipaged.model_setup import build_model, profile_num_gpu_blocks
     from minipaged.model_runner import ModelRunner, PreparedInputs
     from minipaged.models.parallel_layers import set_tensor_parallel_state
 
@@ -220,7 +220,7 @@ class TensorParallelWorkers:
 
     Args:
         world_size: N, the number of worker processes.
-        hf_config, source, load_format: the model to build (see ``engine.build_model``).
+        hf_config, source, load_format: the model to build (see ``model_setup.build_model``).
         dtype, device: "cpu" (gloo) or "cuda" (NCCL, worker r on ``cuda:r``).
         timeout: seconds to wait for the workers' answer to one request.
     """

@@ -89,6 +89,12 @@ def _prefill_progress(seq_group: SequenceGroup) -> list[int] | None:
     return [chunk.start, chunk.seq.get_len()]
 
 
+def prefix_leader(seqs: list[Sequence]) -> Sequence:
+    """The sequence of a recomputed group that computes the shared prefix: the shortest, so
+    that the group's first chunk is the cheapest to admit."""
+    return min(seqs, key=lambda s: s.get_len())
+
+
 def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool,
                  cached: dict[int, int] | None = None) -> list[PrefillChunk]:
     """The chunks that compute a group just given its blocks (see ``prompt_layout``).
@@ -110,8 +116,7 @@ def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool,
             seq.num_computed_tokens = start
         return [PrefillChunk(seq_group, seqs[0], start, seqs[0].get_len(),
                              [s.seq_id for s in seqs])]
-    # The shortest sequence computes the prefix: the first chunk is the cheapest to admit.
-    leader = min(seqs, key=lambda s: s.get_len())
+    leader = prefix_leader(seqs)
     chunks = []
     for seq in [leader] + [s for s in seqs if s is not leader]:
         # The leader's chunk fills the shared blocks the cache did not have.
@@ -328,7 +333,7 @@ class Scheduler:
         cached = self.block_manager.cached_prefix(seq_group)
         if identical:
             return len(next(iter(cached.values()))) * self.block_manager.block_size
-        leader = min(seq_group.get_seqs(SequenceStatus.WAITING), key=lambda s: s.get_len())
+        leader = prefix_leader(seq_group.get_seqs(SequenceStatus.WAITING))
         return len(cached[leader.seq_id]) * self.block_manager.block_size
 
     @staticmethod

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
 import sys
 import time
 
 import httpx
 
+from process_helpers import free_port, running_process
 from tiny_models import save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,12 +31,6 @@ def save_tiny_model_with_tokenizer(path, kind: str = "llama"):
     return model, tokenizer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(model: str | None, *flags: str, name: str = "test-model", log_path=None,
                    timeout: float = 240.0):
@@ -46,39 +39,10 @@ def running_server(model: str | None, *flags: str, name: str = "test-model", log
     cmd = [sys.executable, "-m", "minipaged", "serve"] + ([model] if model else []) + [
         "--port", str(port), "--served-model-name", name, "--log-level", "warning", *flags]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log = open(log_path or os.devnull, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: "
-                                   f"{_tail(log_path)}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start in {timeout} s: {_tail(log_path)}")
-            time.sleep(0.25)
+    with running_process(cmd, url + "/health", log_path=log_path, timeout=timeout, cwd=ROOT,
+                         env=env):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def _tail(path) -> str:
-    if not path:
-        return ""
-    with open(path) as f:
-        return f.read()[-3000:]
 
 
 def read_metrics(url: str) -> dict[str, float]:

@@ -6,17 +6,12 @@ JavaScript from its own package, and playwright drives the system browser.
 """
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
 import textwrap
-import time
-import urllib.request
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+from process_helpers import chromium_path, free_port, launch_chromium, running_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.lesson02]
 
@@ -41,12 +36,6 @@ NOTEBOOK_CODE = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write_notebook(path) -> None:
     notebook = {
         "cells": [{"cell_type": "code", "execution_count": None, "id": "player", "metadata": {},
@@ -58,41 +47,18 @@ def _write_notebook(path) -> None:
     path.write_text(json.dumps(notebook))
 
 
-def _wait_for_http(url: str, proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"voila exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"voila did not answer on {url} within {timeout} s")
-
-
 @pytest.fixture
 def voila_page(tmp_path):
     pytest.importorskip("voila", reason="voila is not installed (pip install -e '.[test]')")
     notebook = tmp_path / "player.ipynb"
     _write_notebook(notebook)
-    port = _free_port()
-    log = open(tmp_path / "voila.log", "w")
-    env = dict(os.environ, JUPYTER_PLATFORM_DIRS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}",
-         "--Voila.ip=127.0.0.1", "--show_tracebacks=True"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
-    try:
-        _wait_for_http(f"http://127.0.0.1:{port}/", proc, timeout=120)
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    cmd = [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}",
+           "--Voila.ip=127.0.0.1", "--show_tracebacks=True"]
+    with running_process(cmd, url, log_path=tmp_path / "voila.log", cwd=tmp_path,
+                         env=dict(os.environ, JUPYTER_PLATFORM_DIRS="1")):
+        yield url
 
 
 def _drawing(page) -> str:
@@ -100,14 +66,11 @@ def _drawing(page) -> str:
 
 
 def test_player_in_chromium_draws_and_follows_the_slider(voila_page):
-    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+    if chromium_path() is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
-            args=["--headless", "--no-sandbox", "--disable-gpu",
-                  "--disable-background-networking"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page()
             page.goto(voila_page, timeout=120_000)

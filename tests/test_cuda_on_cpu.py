@@ -318,3 +318,41 @@ def test_report_worst_error_per_dtype():
     """Not a check: prints the worst per-sequence error seen per dtype (pytest -s shows it)."""
     for dtype, err in sorted(WORST.items(), key=lambda kv: str(kv[0])):
         print(f"worst per-sequence relative error {dtype_id(dtype)}: {err:.2e}")
+
+
+def test_recorded_shuffles_of_one_warp_match_the_emulator(kernels):
+    """The real kernel's warp 0 (head 0, sequence 1) exchanges, lane by lane, the values the
+    emulator's butterflies say it does: the same masks, the same values within fp32 rounding."""
+    import numpy as np
+
+    from minipaged import kernel_emulator as emu
+    from visualizer import butterfly_steps
+
+    gen = torch.Generator().manual_seed(0)
+    head_size, block_size, x = 64, 16, 4
+    key_cache = torch.randn(16, 2, head_size // x, block_size, x, generator=gen)
+    value_cache = torch.randn(16, 2, head_size, block_size, generator=gen)
+    query = torch.randn(2, 4, head_size, generator=gen)
+    pool = torch.randperm(16, generator=gen)
+    tables = torch.stack([pool[:10], pool[6:16]]).int()  # scattered, partly shared
+    lens = torch.tensor([37, 150], dtype=torch.int32)
+    inputs = (query, key_cache, value_cache, tables, lens, head_size ** -0.5)
+    trace = []
+    emu.paged_attention(*inputs, trace=trace, trace_filter=(1, 0))
+    out, steps = cuda_on_cpu.trace_shuffles(kernels, lambda: kernels.paged_attention(*inputs),
+                                            block=(0, 1, 0), warp=0)
+    assert torch.allclose(out, paged_attention_ref(*inputs), rtol=1e-4, atol=1e-5)
+    assert steps and all(len(s["src_lanes"]) == 32 for s in steps)
+    for phase, index in (("max", 0), ("sum", 1)):
+        real = cuda_on_cpu.butterfly_runs(steps, phase, first_mask=16)[index]
+        emulated = butterfly_steps(trace, phase=phase, stage="warp", warp=0)
+        assert [r["mask"] for r in real] == [r["mask"] for r in emulated]
+        for r, e in zip(real, emulated):
+            assert r["pairs"] == e["pairs"]
+            np.testing.assert_allclose(r["values_before"], e["values_before"], rtol=1e-5,
+                                       atol=1e-6)
+            np.testing.assert_allclose(r["values_after"], e["values_after"], rtol=1e-5,
+                                       atol=1e-6)
+    # Disarmed afterwards: another launch records nothing.
+    _, again = cuda_on_cpu.trace_shuffles(kernels, lambda: None, block=(0, 1, 0), warp=0)
+    assert again == []

@@ -8,7 +8,8 @@ with a hint. Unanswered exercises raise ``NotDone`` unless MINIPAGED_SOLUTIONS=1
 import pytest
 
 from minipaged.exercises import ExerciseFailed, NotDone, not_done, solutions as S
-from minipaged.exercises import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06
+from minipaged.exercises import (lesson01, lesson02, lesson03, lesson04, lesson05, lesson06,
+                                 lesson07)
 
 
 # ---- plausible wrong answers -------------------------------------------------------------------
@@ -92,6 +93,32 @@ def naive_key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size
     return ((block * num_kv_heads + head) * head_size + dim) * block_size + slot
 
 
+def hash_ignoring_parent(parent_hash, token_ids):
+    return hash(tuple(token_ids))  # the same tokens after another prefix get the same name
+
+
+def hash_of_the_sum(parent_hash, token_ids):
+    return hash((parent_hash, sum(token_ids)))  # the order of the tokens is lost
+
+
+def cached_tokens_with_the_last_block(prompt, cached_names, block_size):
+    from minipaged.prefix_cache import block_hash
+    parent, count = None, 0
+    for i in range(len(prompt) // block_size):  # takes the block of the last token too
+        name = block_hash(parent, tuple(prompt[i * block_size:(i + 1) * block_size]))
+        if name not in cached_names:
+            break
+        parent, count = name, count + block_size
+    return count
+
+
+def cached_tokens_unchained(prompt, cached_names, block_size):
+    from minipaged.prefix_cache import block_hash
+    blocks = range((len(prompt) - 1) // block_size)  # each block named on its own
+    return block_size * sum(block_hash(None, tuple(prompt[i * block_size:(i + 1) * block_size]))
+                            in cached_names for i in blocks)
+
+
 CHECKS = [
     (lesson01.check_bytes_per_token, S.bytes_per_token, [bytes_without_v]),
     (lesson01.check_reservation_slots, S.reservation_slots, [reservation_no_internal]),
@@ -106,6 +133,9 @@ CHECKS = [
     (lesson05.check_key_offset, S.key_offset, [naive_key_offset]),
     (lesson06.check_flat_batch, S.flat_batch, [decode_position_off_by_one]),
     (lesson06.check_slot_mapping, S.slot_mapping, [batch_in_schedule_order]),
+    (lesson07.check_block_hash, S.block_hash, [hash_ignoring_parent, hash_of_the_sum]),
+    (lesson07.check_cached_tokens, S.cached_tokens,
+     [cached_tokens_with_the_last_block, cached_tokens_unchained]),
 ]
 # Each case carries its lesson's marker: `pytest -m lesson03` runs lesson 03's checkers.
 CHECKS = [pytest.param(*case, id=case[0].__name__,

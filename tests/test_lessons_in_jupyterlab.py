@@ -10,36 +10,29 @@ import json
 import os
 import pathlib
 import shutil
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+from process_helpers import chromium_path, free_port, launch_chromium, running_process
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "05_kernel", "06_engine"]
+LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "05_kernel", "06_engine",
+           "07_prefix_caching"]
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
-    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+    if chromium_path() is None:
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     work = tmp_path_factory.mktemp("lab")
     for name in LESSONS:
         shutil.copy(ROOT / "lessons" / f"{name}.ipynb", work)
-    port = _free_port()
+    port = free_port()
     # Render every cell (no windowing), so that the page holds every output to check.
     settings = work / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
@@ -47,44 +40,20 @@ def lab(tmp_path_factory):
     env = dict(os.environ, MINIPAGED_SOLUTIONS="1", JUPYTER_PLATFORM_DIRS="1",
                JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    log = open(work / "lab.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
-         "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
-         "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
-         f"--ServerApp.root_dir={work}", "--allow-root"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env)
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+           "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
+           "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
+           f"--ServerApp.root_dir={work}", "--allow-root"]
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"jupyter lab exited: {(work / 'lab.log').read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/api", timeout=2):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError("jupyter lab did not answer")
-            time.sleep(0.5)
-    try:
+    with running_process(cmd, url + "/api", log_path=work / "lab.log", cwd=work, env=env):
         yield url, work
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="module")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(
-            executable_path=CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
-            args=["--headless", "--no-sandbox", "--disable-gpu",
-                  "--disable-background-networking"])
+        b = launch_chromium(p)
         try:
             yield b
         finally:
@@ -155,10 +124,12 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
         assert rendered >= widgets, (rendered, widgets)
         svgs = page.locator(".jp-OutputArea-output svg, .jp-RenderedSVG").count()  # drawings
         assert svgs > 0
-        shots = os.environ.get("MINIPAGED_SCREENSHOTS")  # a folder: keep pictures of the widgets
+        shots = os.environ.get("MINIPAGED_SCREENSHOTS")  # a folder: keep pictures of the views
         if shots:
-            for k, widget in enumerate(page.locator(".jp-OutputArea-output .widget-vbox").all()):
-                widget.scroll_into_view_if_needed()
-                widget.screenshot(path=os.path.join(shots, f"{name}_widget{k}.png"))
+            for kind, selector in (("widget", ".jp-OutputArea-output .widget-vbox"),
+                                   ("svg", ".jp-OutputArea-output .jp-RenderedSVG")):
+                for k, view in enumerate(page.locator(selector).all()):
+                    view.scroll_into_view_if_needed()
+                    view.screenshot(path=os.path.join(shots, f"{name}_{kind}{k}.png"))
     finally:
         page.close()

@@ -59,6 +59,12 @@ void set_error(cudaError_t error, std::string detail) {
 
 std::atomic<long long> g_launches{0}, g_blocks{0}, g_block_barriers{0}, g_warp_exchanges{0};
 
+// The shuffle recorder (trace_warp): which block and warp, and what they exchanged.
+std::atomic<int> g_trace_warp{-1};
+std::atomic<unsigned> g_trace_block[3] = {};
+std::mutex g_trace_mutex;
+std::vector<ShuffleRecord> g_trace;
+
 // ---- static __shared__ census ---------------------------------------------------------------
 // A kernel's __shared__ variables are function-local statics (see cuda_on_cpu.h). The host
 // compiler names them after the kernel: _ZZ<kernel's mangled name without _Z>E<variable>. The
@@ -411,6 +417,20 @@ Counters counters() {
 }
 const char* last_error_detail() { return tl_error_detail.c_str(); }
 
+void trace_warp(dim3 block, int warp) {
+  std::lock_guard<std::mutex> lock(g_trace_mutex);
+  g_trace.clear();
+  g_trace_block[0].store(block.x);
+  g_trace_block[1].store(block.y);
+  g_trace_block[2].store(block.z);
+  g_trace_warp.store(warp);
+}
+
+std::vector<ShuffleRecord> take_warp_trace() {
+  std::lock_guard<std::mutex> lock(g_trace_mutex);
+  return std::move(g_trace);
+}
+
 namespace detail {
 
 int lane_id() { return tl_thread % 32; }
@@ -424,7 +444,7 @@ void syncthreads() {
   arrive_and_wait(b, b.barrier);
 }
 
-std::uint64_t warp_exchange(unsigned mask, std::uint64_t bits, int src_lane) {
+std::uint64_t warp_exchange(unsigned mask, std::uint64_t bits, int src_lane, bool record) {
   BlockState& b = *tl_block;
   if (b.failed.load(std::memory_order_acquire)) throw KernelAbort();
   g_warp_exchanges.fetch_add(1, std::memory_order_relaxed);
@@ -440,7 +460,15 @@ std::uint64_t warp_exchange(unsigned mask, std::uint64_t bits, int src_lane) {
   tl_parity ^= 1;
   warp.slots[parity][tl_thread % 32] = bits;
   arrive_and_wait(b, warp.sync, warp.lanes);
-  return warp.slots[parity][src_lane];
+  const std::uint64_t received = warp.slots[parity][src_lane];
+  if (record && tl_thread / 32 == g_trace_warp.load(std::memory_order_relaxed) &&
+      blockIdx.x == g_trace_block[0].load(std::memory_order_relaxed) &&
+      blockIdx.y == g_trace_block[1].load(std::memory_order_relaxed) &&
+      blockIdx.z == g_trace_block[2].load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    g_trace.push_back({tl_thread % 32, src_lane, bits, received});
+  }
+  return received;
 }
 
 cudaError_t func_attributes(cudaFuncAttributes* attributes, const void* kernel) {

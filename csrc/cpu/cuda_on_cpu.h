@@ -34,6 +34,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // ---- keywords --------------------------------------------------------------------------------
 #define __global__
@@ -232,6 +233,16 @@ struct Counters {
   long long launches, blocks, block_barriers, warp_exchanges;
 };
 Counters counters();
+// The shuffles of one warp of one CUDA block, recorded for lesson 05: `trace_warp` arms the
+// recorder for block `block`, warp `warp` (a negative warp disarms it) and clears it; each
+// __shfl*_sync of a lane of that warp then appends what the lane sent, from which lane it read,
+// and what it received, in the lane's program order. (`__syncwarp` is not recorded.)
+struct ShuffleRecord {
+  int lane, src_lane;
+  std::uint64_t sent, received;  // the value's bytes (a float in the low 4 bytes)
+};
+void trace_warp(dim3 block, int warp);
+std::vector<ShuffleRecord> take_warp_trace();
 // Why the last failed launch of this host thread failed, in words ("" if it did not).
 const char* last_error_detail();
 
@@ -240,7 +251,8 @@ cudaError_t func_attributes(cudaFuncAttributes* attributes, const void* kernel);
 cudaError_t func_set_attribute(const void* kernel, cudaFuncAttribute attribute, int value);
 void* dynamic_shared_base();
 void syncthreads();
-std::uint64_t warp_exchange(unsigned mask, std::uint64_t bits, int src_lane);
+std::uint64_t warp_exchange(unsigned mask, std::uint64_t bits, int src_lane,
+                            bool record = true);
 
 // Runs body() once per CUDA thread of every block of the grid; sets the last error on failure.
 struct KernelBody {
@@ -323,7 +335,7 @@ cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attribute, int val
 // ---- block and warp synchronisation ------------------------------------------------------------
 inline void __syncthreads() { cuda_on_cpu::detail::syncthreads(); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
-  cuda_on_cpu::detail::warp_exchange(mask, 0, 0);
+  cuda_on_cpu::detail::warp_exchange(mask, 0, 0, /*record=*/false);
 }
 
 // Only whole-warp shuffles are supported: mask must name all 32 lanes (the launch fails

@@ -124,3 +124,22 @@ def key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x):
     chunk, lane_element = divmod(dim, x)
     return ((((block * num_kv_heads + head) * (head_size // x) + chunk) * block_size + slot) * x
             + lane_element)
+
+
+# ---- lesson 07 -------------------------------------------------------------------------------
+
+
+def block_hash(parent_hash, token_ids):
+    return hash((parent_hash, tuple(token_ids)))
+
+
+def cached_tokens(prompt, cached_names, block_size):
+    from minipaged.prefix_cache import block_hash as name_of
+
+    parent, count = None, 0
+    for i in range((len(prompt) - 1) // block_size):  # never the block of the last token
+        name = name_of(parent, tuple(prompt[i * block_size:(i + 1) * block_size]))
+        if name not in cached_names:
+            break
+        parent, count = name, count + block_size
+    return count

@@ -84,3 +84,20 @@ def test_engine_on_cuda_with_a_tiny_pool_preempts_and_matches(case, kernel_calls
     stats = llm.llm_engine.stats
     assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
     assert kernel_calls
+
+
+def test_engine_on_cuda_with_chunks_and_cached_prefixes_matches(case, kernel_calls):
+    """Chunked prefill with a 16-token budget (longer prompts take several steps, each chunk
+    attending to the KV already in the paged cache) and prefix caching (the same prompts again:
+    their full blocks come from the cache) on CUDA: the same tokens as transformers."""
+    from minipaged import SamplingParams
+
+    path, prompts, refs = case
+    llm, tokens = generate(path, prompts, max_num_batched_tokens=16,
+                           enable_chunked_prefill=True, enable_prefix_caching=True)
+    assert tokens == refs
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    again = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == refs
+    assert llm.llm_engine.stats.num_cached_prompt_tokens > 0
+    assert kernel_calls

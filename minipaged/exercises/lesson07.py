@@ -1,0 +1,112 @@
+"""Lesson 07 exercises: the name of a full block, and how much of a prompt the cache serves.
+
+    block_hash(parent_hash, token_ids) -> int
+        the name of a full block: the same for the same (parent, tokens), whether the tokens
+        come as a list or a tuple; different when a token, the order of the tokens or the parent
+        changes (the parent's name stands for every token before the block)
+    cached_tokens(prompt, cached_names, block_size) -> int
+        how many of the prompt's first tokens a new request takes from the cache, where
+        ``cached_names`` is the set of block names (``prefix_cache.block_hash``) the cache holds:
+        the longest run of full blocks from the start whose names are cached. The block holding
+        the prompt's last token is never taken (that token is computed, to sample from it).
+
+Expected answers: properties any good name must have (many names are right) for the first; a
+real ``PrefixCache`` filled with random earlier prompts for the second.
+"""
+from __future__ import annotations
+
+from minipaged.block import BlockAllocator, Device
+from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.prefix_cache import PrefixCache
+
+
+def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+    learner = Learner("block_hash", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        size = rng.choice([1, 2, 4, 16])
+        tokens = [rng.randrange(50_000) for _ in range(size)]
+        parent = None if case % 3 == 0 else learner(None, [rng.randrange(50_000)] * 4)
+        inputs = f"parent_hash={parent!r}, token_ids={tokens}"
+        name = learner(parent, tuple(tokens))
+        if not isinstance(name, int) or isinstance(name, bool):
+            fail(learner.name, case, inputs, name, "an int",
+                 "return an int, e.g. Python's hash() of a tuple of everything that names the "
+                 "block (a list cannot be hashed: turn token_ids into a tuple)")
+        if learner(parent, list(tokens)) != name:
+            fail(learner.name, case, inputs + " (as a list)", learner(parent, list(tokens)), name,
+                 "the same tokens must get the same name whether they come as a list or a tuple")
+        changed = list(tokens)
+        changed[rng.randrange(size)] += 1
+        if learner(parent, tuple(changed)) == name:
+            fail(learner.name, case, f"parent_hash={parent!r}, token_ids={changed}", name,
+                 "a different name", "changing one token must change the name")
+        if size > 1 and len(set(tokens)) > 1:
+            swapped = tokens[1:] + tokens[:1]
+            if learner(parent, tuple(swapped)) == name:
+                fail(learner.name, case, f"parent_hash={parent!r}, token_ids={swapped}", name,
+                     "a different name", "the order of the tokens matters: the same tokens in "
+                     "another order give other keys and values (positions differ)")
+        other_parent = learner(None, [50_001 + case] * 4)
+        if learner(other_parent, tuple(tokens)) == name:
+            fail(learner.name, case, f"parent_hash={other_parent!r}, token_ids={tokens}", name,
+                 "a different name", "the parent's name must be part of the block's name: the "
+                 "same tokens after a different prefix have different K/V")
+    return passed(learner, num_cases)
+
+
+def _cache_with_prompts(rng, prompts: list[list[int]], block_size: int) -> PrefixCache:
+    """A real prefix cache whose blocks hold the full blocks of ``prompts``."""
+    cache = PrefixCache(BlockAllocator(Device.GPU, block_size, 512))
+    for prompt in prompts:
+        parent = None
+        for i in range(len(prompt) // block_size):
+            block = cache.allocate()
+            cache.name_block(block, parent, tuple(prompt[i * block_size:(i + 1) * block_size]))
+            parent = block
+    return cache
+
+
+def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
+    learner = Learner("cached_tokens", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        block_size = rng.choice([1, 2, 4, 8])
+        system = [rng.randrange(100) for _ in range(rng.randint(0, 4 * block_size))]
+        earlier = [system + [rng.randrange(100) for _ in range(rng.randint(0, 3 * block_size))]
+                   for _ in range(rng.randint(0, 3))]
+        prompt = (rng.choice(earlier) if earlier and case % 4 == 0 else
+                  system + [rng.randrange(100) for _ in range(rng.randint(1, 3 * block_size))])
+        if case % 5 == 0 and len(prompt) > block_size:  # a hole: a middle block not cached
+            earlier.append(prompt[:block_size] + [100 + case] * block_size
+                           + prompt[2 * block_size:])
+        cache = _cache_with_prompts(rng, earlier, block_size)
+        expected = block_size * len(cache.longest_cached_prefix(
+            prompt, (len(prompt) - 1) // block_size, block_size))
+        names = set(cache.by_hash)
+        got = learner(list(prompt), set(names), block_size)
+        if got != expected:
+            hint = ("walk the prompt's full blocks from the first, naming each with "
+                    "block_hash(name of the block before, its tokens), and stop at the first "
+                    "name not in the cache")
+            if got == block_size * len(cache.longest_cached_prefix(
+                    prompt, len(prompt) // block_size, block_size)):
+                hint = ("the block holding the prompt's last token is never taken from the "
+                        "cache: that token must be computed to have logits to sample from")
+            elif got > expected:
+                hint = ("stop at the first block whose name is not cached: a later block's name "
+                        "only counts after every block before it")
+            elif got < expected:
+                hint = ("each block's name is block_hash(the name of the block before it, its "
+                        "tokens); the first block's parent is None")
+            fail(learner.name, case, f"prompt={prompt}, cached_names=<{len(names)} names>, "
+                 f"block_size={block_size}", got, expected, hint)
+    return passed(learner, num_cases)
+
+
+def usable(fn) -> Learner:
+    """The learner's ``block_hash`` as the engine can call it (the solution while not done)."""
+    return Learner("block_hash", fn)
+
+
+__all__ = ["check_block_hash", "check_cached_tokens", "usable"]

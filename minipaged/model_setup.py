@@ -1,0 +1,91 @@
+"""Building the engine's model: the device, the dtype, the weights, and the KV pool's size.
+
+Shared by the engine (one process) and the tensor-parallel workers (``parallel.py``: each builds
+its own shard with the same functions).
+"""
+from __future__ import annotations
+
+import torch
+
+from minipaged import model_loader
+from minipaged.models import get_model_class
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype, config, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+             "half": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype in names:
+        return names[dtype]
+    if dtype != "auto":
+        raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    if device.type != "cuda":
+        return torch.float32  # half precision matmuls are slow or missing on CPUs
+    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if config_dtype in (torch.bfloat16, "bfloat16"):
+        return torch.bfloat16
+    return torch.float16
+
+
+def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
+                device: torch.device) -> torch.nn.Module:
+    """Our model for ``hf_config`` on ``device``, weights from ``source`` or random ("dummy").
+
+    Under tensor parallelism (a worker, ``parallel.py``) this builds and loads the rank's shard.
+    """
+    model_class = get_model_class(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        # Random weights (for benchmarks without a model hub), initialised on the device.
+        std = getattr(hf_config, "initializer_range", 0.02)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0 if "norm" in name or "ln" in name else 0.0)
+                else:
+                    p.normal_(0.0, std)
+    elif load_format == "auto":
+        model.load_weights(model_loader.load_state_dict(source))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    return model.eval()
+
+
+@torch.inference_mode()
+def profile_num_gpu_blocks(model, device: torch.device, num_tokens: int, max_len: int,
+                           gpu_memory_utilization: float, block_bytes: int) -> int:
+    """Run the largest step the scheduler allows, without a cache, and see what is left.
+
+    Under tensor parallelism each worker profiles its own GPU with its shard."""
+    from minipaged.input_metadata import InputMetadata
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    prompt_lens = [max_len] * (num_tokens // max_len)
+    if num_tokens % max_len:
+        prompt_lens.append(num_tokens % max_len)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in prompt_lens])
+    meta = InputMetadata(prompt_lens, torch.full((num_tokens,), -1, device=device),
+                         torch.zeros(0, 0, dtype=torch.int32, device=device),
+                         torch.zeros(0, dtype=torch.int32, device=device), 0)
+    hidden = model(ids, positions, None, meta)
+    model.compute_logits(hidden[-min(num_tokens, 256):])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.empty_cache()
+    return max(int((total * gpu_memory_utilization - peak) // block_bytes), 0)
