@@ -127,7 +127,7 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
         shots = os.environ.get("MINIPAGED_SCREENSHOTS")  # a folder: keep pictures of the views
         if shots:
             for kind, selector in (("widget", ".jp-OutputArea-output .widget-vbox"),
-                                   ("svg", ".jp-OutputArea-output .jp-RenderedSVG")):
+                                   ("svg", ".jp-RenderedSVG")):
                 for k, view in enumerate(page.locator(selector).all()):
                     view.scroll_into_view_if_needed()
                     view.screenshot(path=os.path.join(shots, f"{name}_{kind}{k}.png"))
