@@ -16,8 +16,10 @@ Before timing, each kernel's output is checked against minipaged.ops.paged_atten
 first sequences of the batch (the script stops on a mismatch: a fast wrong kernel is no result).
 
 Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
-physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up; the inputs
-rotate through several copies so that small cases are not served from L2.
+physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up. Every case
+rotates through enough copies of its inputs that one pass over them touches more than twice the
+GPU's L2 cache (its size as torch reports it, else the 50 MB of an H100), so that no case, however
+small, is served from L2; a case whose copies would not fit in memory is capped, with a warning.
 
     PYTHONPATH=. python3 benchmarks/kernel.py [--quick]
 """
@@ -40,7 +42,9 @@ BLOCK_SIZE = 16
 DTYPE = torch.float16
 BATCHES = [1, 8, 32, 64, 128, 256]
 CONTEXTS = [128, 512, 1024, 2048, 4096, 16384]
-ROTATE_BYTES = 256 * 2**20  # rotate inputs until this much memory is touched (L2 is ~50 MB)
+DEFAULT_L2_BYTES = 50 * 10**6  # an H100's L2, assumed where torch does not report the size
+L2_FACTOR = 2  # one pass over a case's input copies touches more than this many L2s
+MAX_ROTATION_BYTES = 8 * 2**30  # at most this much K/V in one case's copies (then: a warning)
 BASELINE_LIMIT = 4 * 2**30  # skip the gather baseline above this many K/V bytes (it copies them)
 
 
@@ -61,6 +65,33 @@ def time_ms(fn, num_inputs: int, rounds: int = 15, calls_per_round: int = 10) ->
         end.synchronize()
         times.append(start.elapsed_time(end) / calls_per_round)
     return statistics.median(times)
+
+
+def l2_cache_bytes(device: int = 0) -> tuple[int, str]:
+    """The GPU's L2 cache size in bytes, and where the number comes from."""
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    if size > 0:
+        return int(size), "reported by the device"
+    return DEFAULT_L2_BYTES, "assumed: torch does not report it"
+
+
+def rotation_copies(bytes_per_copy: int, l2_bytes: int, factor: int = L2_FACTOR,
+                    max_bytes: int = MAX_ROTATION_BYTES) -> tuple[int, str | None]:
+    """How many copies of a case's inputs to rotate through, and a warning or None.
+
+    A timed call reads one copy (``bytes_per_copy``); the next call reads the next copy, so one
+    pass over ``copies`` copies touches ``copies * bytes_per_copy`` bytes, which must exceed
+    ``factor * l2_bytes`` for every read to come from memory, not from L2. The copies are capped
+    at ``max_bytes`` of memory: then the warning says that this case may be partly served by L2.
+    """
+    wanted = factor * l2_bytes // bytes_per_copy + 1  # the fewest copies past factor x L2
+    cap = max(1, max_bytes // bytes_per_copy)
+    if wanted <= cap:
+        return wanted, None
+    return cap, (f"warning: {cap} copies of {bytes_per_copy / 1e6:.1f} MB (the memory cap, "
+                 f"{max_bytes / 2**30:.0f} GiB) touch {cap * bytes_per_copy / 1e6:.0f} MB per "
+                 f"pass, under {factor} x the {l2_bytes / 1e6:.0f} MB L2: this case may be "
+                 "partly served from L2")
 
 
 def copy_bandwidth() -> float:
@@ -150,9 +181,12 @@ def kv_bytes(batch: int, context: int) -> int:
     return 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * DTYPE.itemsize
 
 
-def bench_one(kernels, batch: int, context: int) -> dict:
-    copies = max(1, min(16, -(-ROTATE_BYTES // kv_bytes(batch, context))))
-    row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(batch, context)}
+def bench_one(kernels, batch: int, context: int, l2_bytes: int) -> dict:
+    copies, warning = rotation_copies(kv_bytes(batch, context), l2_bytes)
+    if warning:
+        print(f"batch {batch}, context {context}: {warning}", flush=True)
+    row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(batch, context),
+           "copies": copies}
     row.update(time_paged(kernels, batch, context, copies))
     torch.cuda.empty_cache()  # each helper's tensors are gone once it returns
     row.update(time_contiguous(batch, context, copies))
@@ -177,18 +211,20 @@ def main() -> int:
     batches = [1, 64, 256] if args.quick else BATCHES
     contexts = [128, 1024, 4096] if args.quick else CONTEXTS
     copy_bw = copy_bandwidth()
+    l2_bytes, l2_source = l2_cache_bytes()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_bw / 1e12:.2f} TB/s "
-          f"(read + write)")
+          f"(read + write); L2 {l2_bytes / 1e6:.0f} MB ({l2_source}): each case rotates through "
+          f"enough input copies to touch more than {L2_FACTOR} x L2 per pass")
     print(f"decode attention, fp16, head size {HEAD_SIZE}, {NUM_HEADS} heads / {NUM_KV_HEADS} "
           f"kv heads, block size {BLOCK_SIZE}; times in microseconds (median)")
-    header = (f"{'batch':>5} {'context':>7} {'K/V MB':>8} {'v1':>9} {'v2':>9} {'auto':>4} "
-              f"{'gather':>9} {'sdpa':>9} {'auto TB/s':>10} {'of copy':>8}")
+    header = (f"{'batch':>5} {'context':>7} {'K/V MB':>8} {'copies':>6} {'v1':>9} {'v2':>9} "
+              f"{'auto':>4} {'gather':>9} {'sdpa':>9} {'auto TB/s':>10} {'of copy':>8}")
     print(header)
     print("-" * len(header))
     goal = []
     for batch in batches:
         for context in contexts:
-            row = bench_one(kernels, batch, context)
+            row = bench_one(kernels, batch, context, l2_bytes)
             bw = row["kv_bytes"] / (row["paged_ms"] * 1e-3)
             fraction = bw / copy_bw
 
@@ -196,7 +232,8 @@ def main() -> int:
                   for k in ("v1_ms", "v2_ms")]
             base = [f"{row[k] * 1e3:9.1f}" if k in row else f"{'-':>9}"
                     for k in ("gather_ms", "sdpa_ms")]
-            print(f"{batch:5d} {context:7d} {row['kv_bytes'] / 1e6:8.1f} {' '.join(us)} "
+            print(f"{batch:5d} {context:7d} {row['kv_bytes'] / 1e6:8.1f} {row['copies']:6d} "
+                  f"{' '.join(us)} "
                   f"{'V' + str(row['chosen']):>4} {' '.join(base)} {bw / 1e12:10.2f} "
                   f"{fraction:8.0%}", flush=True)
             if batch >= 64 and context >= 1024:

@@ -79,6 +79,13 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ key_cache_ptrs,
   }
 }
 
+constexpr int MAX_GRID_Y = 65535;  // CUDA's limit on gridDim.y (and z)
+
+// The launch error of *this* launch: an error left pending by an earlier call is cleared before
+// launching (it was that call's to report), and each launch is checked right after.
+inline void clear_stale_error() { (void)cudaGetLastError(); }
+inline int launch_error() { return (int)cudaGetLastError(); }
+
 }  // namespace minipaged
 
 // All launchers return 0 on success, a cudaError_t (> 0) on a CUDA error, or -1 for an element
@@ -89,10 +96,11 @@ extern "C" int minipaged_reshape_and_cache(
     const int64_t* slot_mapping, int num_tokens, int num_kv_heads, int head_size, int block_size,
     int x, int64_t key_token_stride, int64_t value_token_stride, int element_size,
     cudaStream_t stream) {
-  if (num_tokens == 0) return 0;
   const int per_token = num_kv_heads * head_size;
+  if (num_tokens == 0 || per_token == 0) return 0;
   const int threads = per_token < 512 ? per_token : 512;
-  const dim3 grid(num_tokens);
+  const dim3 grid(num_tokens);  // gridDim.x: up to 2^31 - 1 tokens
+  minipaged::clear_stale_error();
   if (element_size == 2) {
     minipaged::reshape_and_cache_kernel<uint16_t><<<grid, threads, 0, stream>>>(
         static_cast<const uint16_t*>(key), static_cast<const uint16_t*>(value),
@@ -106,34 +114,50 @@ extern "C" int minipaged_reshape_and_cache(
   } else {
     return -1;
   }
-  return (int)cudaGetLastError();
+  return minipaged::launch_error();
 }
 
 // key_cache_ptrs, value_cache_ptrs ([num_layers]) and block_pairs ([2 * num_pairs]) are device
 // arrays. Every layer's caches must be at least 16-byte aligned (torch allocations are).
+// The pairs sit on gridDim.y, which CUDA caps at 65535: more pairs are copied by several
+// launches of at most 65535 pairs each (a fork of a long prompt into many beams can get there).
 extern "C" int minipaged_copy_blocks(const int64_t* key_cache_ptrs,
                                      const int64_t* value_cache_ptrs,
                                      const int64_t* block_pairs, int num_layers, int num_pairs,
                                      int64_t key_block_bytes, int64_t value_block_bytes,
                                      cudaStream_t stream) {
-  if (num_layers == 0 || num_pairs == 0) return 0;
-  const dim3 grid(num_layers, num_pairs);
-  constexpr int threads = 256;
-  if (key_block_bytes % 16 == 0 && value_block_bytes % 16 == 0) {
-    minipaged::copy_blocks_kernel<uint4><<<grid, threads, 0, stream>>>(
-        key_cache_ptrs, value_cache_ptrs, block_pairs, key_block_bytes / 16,
-        value_block_bytes / 16);
-  } else {
-    minipaged::copy_blocks_kernel<unsigned char><<<grid, threads, 0, stream>>>(
-        key_cache_ptrs, value_cache_ptrs, block_pairs, key_block_bytes, value_block_bytes);
+  if (num_layers <= 0 || num_pairs <= 0) return 0;
+  const bool vectors = key_block_bytes % 16 == 0 && value_block_bytes % 16 == 0;
+  // One thread per word of the larger block, in whole warps, at most 256 (a real cache block of
+  // one layer is kilobytes: 256 threads; a toy one needs no more than a warp).
+  const int64_t largest = key_block_bytes > value_block_bytes ? key_block_bytes
+                                                              : value_block_bytes;
+  const int64_t words = vectors ? largest / 16 : largest;
+  const int threads = words >= 256 ? 256 : words <= 32 ? 32 : (int)((words + 31) / 32 * 32);
+  minipaged::clear_stale_error();
+  for (int first = 0; first < num_pairs; first += minipaged::MAX_GRID_Y) {
+    const int count = num_pairs - first < minipaged::MAX_GRID_Y ? num_pairs - first
+                                                                : minipaged::MAX_GRID_Y;
+    const dim3 grid(num_layers, count);
+    const int64_t* pairs = block_pairs + 2 * (int64_t)first;
+    if (vectors) {
+      minipaged::copy_blocks_kernel<uint4><<<grid, threads, 0, stream>>>(
+          key_cache_ptrs, value_cache_ptrs, pairs, key_block_bytes / 16, value_block_bytes / 16);
+    } else {
+      minipaged::copy_blocks_kernel<unsigned char><<<grid, threads, 0, stream>>>(
+          key_cache_ptrs, value_cache_ptrs, pairs, key_block_bytes, value_block_bytes);
+    }
+    const int err = minipaged::launch_error();
+    if (err) return err;
   }
-  return (int)cudaGetLastError();
+  return 0;
 }
 
 // block_pairs ([2 * num_pairs], host memory): dst block pairs[2i+1] <- src block pairs[2i].
 // kind is a cudaMemcpyKind (host-to-device, device-to-host or device-to-device). The copies are
 // queued on `stream`; with pinned CPU memory they do not block the host, so the caller must
-// synchronise the stream before it reads the CPU side.
+// synchronise the stream before it reads the CPU side. (No kernel launch: each copy returns its
+// own error, so a stale error of an earlier call cannot be mistaken for one of these.)
 extern "C" int minipaged_swap_blocks(void* dst, const void* src, int64_t block_bytes,
                                      const int64_t* block_pairs, int num_pairs, int kind,
                                      cudaStream_t stream) {

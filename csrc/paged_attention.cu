@@ -344,13 +344,20 @@ __device__ __forceinline__ void write_output(OutT* out_row, const float* out_sme
   }
 }
 
-// NaN in every element of an output row: the loud answer for a context the kernel cannot
-// handle (empty, or longer than the caller promised). Uniform over the CUDA block.
+// One value in every element of an output row, for the contexts `attend` does not take
+// (uniform over the CUDA block):
+//   - an empty context (context_len 0): zeros, not 0 / 0 = NaN. Attention over no tokens adds
+//     up no values; vLLM's kernel gives zeros too (it pads batches with empty sequences).
+//     Reading the lengths to refuse it would cost the host a synchronisation, so only the checks
+//     that see host data refuse it (the binding and Python wrapper given CPU lengths, the CPU
+//     build, the C++ CPU op).
+//   - a negative context, or one longer than the caller's max_context_len: NaN, loudly, instead
+//     of overrunning shared memory. The caller broke its promise; nothing sensible exists.
 template <typename OutT, int HEAD_SIZE, int NUM_THREADS>
-__device__ __forceinline__ void write_nan(OutT* out_row) {
-  const float nan = __int_as_float(0x7fc00000);
-  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) out_row[d] = from_float<OutT>(nan);
+__device__ __forceinline__ void fill_row(OutT* out_row, float value) {
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) out_row[d] = from_float<OutT>(value);
 }
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
 // Arguments shared by the kernels.
 struct KernelArgs {
@@ -386,9 +393,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
   __shared__ float out_smem[NUM_WARPS * HEAD_SIZE];  // each warp's partial output
 
   if (context_len <= 0 || context_len > logits_capacity) {
-    // An empty context, or the caller's max_context_len was too small: fail loudly (NaN)
-    // instead of dividing by zero or overrunning shared memory.
-    write_nan<T, HEAD_SIZE, NUM_THREADS>(out_row);
+    // Empty: zeros, not 0 / 0. Negative, or longer than max_context_len promised: NaN, loudly,
+    // instead of overrunning shared memory. (See fill_row.)
+    fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row, context_len == 0 ? 0.f : quiet_nan());
     return;
   }
   attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(
@@ -424,8 +431,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
   const int kv_head = head / (num_heads / a.num_kv_heads);
   const int context_len = a.context_lens[seq];
   const int start = partition * PARTITION_SIZE;
-  // This sequence has fewer partitions than the longest one (or an empty context, which the
-  // reduce kernel reports): nothing to do. Uniform over the CUDA block.
+  // This sequence has fewer partitions than the longest one (or an empty context, for which the
+  // reduce kernel writes zeros): nothing to do. Uniform over the CUDA block.
   if (start >= context_len) return;
   const int end = context_len - start < PARTITION_SIZE ? context_len : start + PARTITION_SIZE;
 
@@ -468,7 +475,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
   __shared__ float red_smem[2 * NUM_WARPS];
 
   if (context_len <= 0 || num_partitions > max_partitions) {
-    write_nan<T, HEAD_SIZE, NUM_THREADS>(out_row);
+    // No partition ran for an empty context: zeros. Negative or too long: NaN (see fill_row).
+    fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row, context_len == 0 ? 0.f : quiet_nan());
     return;
   }
   const int64_t first = ((int64_t)seq * num_heads + head) * max_partitions;

@@ -25,6 +25,11 @@ std::string error_detail() {
   const std::string detail = cuda_on_cpu::last_error_detail();
   return detail.empty() ? "" : " (" + detail + ")";
 }
+// set_host_checks(false) skips the checks that read context_lens, block_tables and slot_mapping,
+// as they are skipped on a GPU (there they would cost a synchronisation): so that tests can see
+// what the kernels themselves do with such input.
+bool g_host_checks = true;
+bool check_host_data(const torch::Tensor& t) { return g_host_checks && t.device().is_cpu(); }
 }  // namespace
 #else
 #include <c10/cuda/CUDAGuard.h>
@@ -36,6 +41,7 @@ constexpr bool kPinnedHostMemory = true;
 using DeviceGuard = c10::cuda::CUDAGuard;
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 std::string error_detail() { return ""; }
+bool check_host_data(const torch::Tensor& t) { return t.device().is_cpu(); }
 }  // namespace
 #endif
 
@@ -169,9 +175,10 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
   TORCH_CHECK(block_tables.size(1) >= blocks_needed, "block_tables has ", block_tables.size(1),
               " columns but max_context_len = ", max_context_len, " needs ", blocks_needed,
               " blocks of ", block_size, " tokens");
-  if (context_lens.device().is_cpu()) {
-    // Host data: check every sequence (on a GPU this would cost a synchronisation; there the
-    // kernel writes NaN for a sequence whose context is empty or longer than max_context_len).
+  if (check_host_data(context_lens)) {
+    // Host data: check every sequence. On a GPU this would cost a synchronisation; there the
+    // kernel writes zeros for an empty context and NaN for a context that is negative or longer
+    // than max_context_len (paged_attention.cu, fill_row).
     const int* lens = context_lens.data_ptr<int>();
     const int* tables = block_tables.data_ptr<int>();
     const int64_t width = block_tables.size(1), num_blocks = key_cache.size(0);
@@ -264,10 +271,15 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
               slot_mapping.is_contiguous() && slot_mapping.size(0) == num_tokens,
               "slot_mapping must be contiguous int64 [num_tokens]");
-  if (slot_mapping.device().is_cpu() && num_tokens > 0) {
+  if (check_host_data(slot_mapping)) {
+    // Host data: every slot in [0, slots), or -1 (not cached). On a GPU the kernel skips every
+    // negative slot and trusts the others (a check would cost a synchronisation).
     const int64_t slots = key_cache.size(0) * key_cache.size(3);
-    TORCH_CHECK(slot_mapping.max().item<int64_t>() < slots, "slot_mapping holds a slot past the"
-                " cache's ", slots, " slots");
+    const int64_t* s = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      TORCH_CHECK(s[t] >= -1 && s[t] < slots, "slot_mapping[", t, "] = ", s[t], " is outside the "
+                  "cache's slots [0, ", slots, "); -1 marks a token that is not cached");
+    }
   }
 
   const DeviceGuard guard(device);
@@ -390,6 +402,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef MINIPAGED_CUDA_ON_CPU
   m.def("set_device", [](int device) { check_code((int)cudaSetDevice(device), "set_device"); },
         "the emulated GPU whose limits apply: 0 = H100 (sm_90), 1 = A100 (sm_80)");
+  m.def("set_host_checks", [](bool enabled) { g_host_checks = enabled; },
+        "set_host_checks(enabled): False skips the checks of context_lens, block_tables and "
+        "slot_mapping contents, as on a GPU, to see what the kernels do with such input");
   m.def("counters", [] {
     const auto c = cuda_on_cpu::counters();
     return std::vector<int64_t>{c.launches, c.blocks, c.block_barriers, c.warp_exchanges};

@@ -284,7 +284,7 @@ class AsyncLLMEngine:
             "cpu_blocks_used": bm.num_total_cpu_blocks - bm.get_num_free_cpu_blocks(),
             "num_steps": stats.num_steps,
             "prompt_tokens": stats.num_prompt_tokens,
-            "generation_tokens": stats.num_generation_tokens,
+            "generation_tokens": stats.num_sampled_tokens,
             "preemptions_recompute": stats.num_preemptions_recompute,
             "preemptions_swap": stats.num_preemptions_swap,
             "requests_finished": dict(self.num_requests_finished),

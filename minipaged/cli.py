@@ -1,8 +1,11 @@
 """The command line.
 
-    minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream]
-    minipaged serve [MODEL] [--host 127.0.0.1] [--port 8000] [--num-gpu-blocks ...]
+    minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream] [engine options]
+    minipaged serve [MODEL] [--host 127.0.0.1] [--port 8000] [engine options]
     minipaged demo
+
+Every LLMEngine option is a flag of both `generate` and `serve` (ENGINE_OPTIONS), for example
+--num-gpu-blocks 64, --tensor-parallel-size 3, --no-enable-prefix-caching.
 """
 from __future__ import annotations
 
@@ -10,39 +13,99 @@ import argparse
 import sys
 
 
+# Every LLMEngine option, as a flag of both `generate` and `serve` (the keyword with dashes):
+# (keyword, type, help). A bool becomes --flag / --no-flag. Defaults are LLMEngine's own; a flag
+# left out is not passed, so the engine's default applies.
+ENGINE_OPTIONS = [
+    ("tokenizer", str, "where to load the tokenizer from, if not from the model"),
+    ("dtype", str, "weights and KV cache type: auto (float32 on CPU, the checkpoint's half type "
+                   "on CUDA), float32, float16 or bfloat16"),
+    ("device", str, "auto, cpu or cuda"),
+    ("seed", int, "seeds every request that brings no seed of its own"),
+    ("block_size", int, "tokens per KV cache block"),
+    ("num_gpu_blocks", int, "blocks in the KV pool (GPU, or the CPU when it runs the model); "
+                            "overrides the memory budgets"),
+    ("num_cpu_blocks", int, "blocks in the CPU swap pool; overrides --swap-space"),
+    ("kv_cache_bytes", int, "without CUDA: bytes for the KV pool (1 GiB when not given)"),
+    ("gpu_memory_utilization", float, "on CUDA: fraction of GPU memory for weights, "
+                                      "activations and the KV pool"),
+    ("swap_space", float, "GiB of CPU memory for swapped-out KV blocks"),
+    ("max_num_seqs", int, "most sequences in one step's batch"),
+    ("max_num_batched_tokens", int, "most tokens in one step: prompt chunks plus one per "
+                                    "decode"),
+    ("max_model_len", int, "longest sequence, prompt plus output (when not given: the "
+                           "model's)"),
+    ("preemption_mode", str, "recompute or swap (when not given: recompute single sequences, "
+                             "swap groups)"),
+    ("watermark", float, "fraction of the KV pool kept free when admitting prompts"),
+    ("enable_chunked_prefill", bool, "split long prompts over several steps, decodes first"),
+    ("enable_prefix_caching", bool, "reuse the cached KV blocks a prompt starts with "
+                                    "(lesson 07)"),
+    ("load_format", str, "auto (read the checkpoint) or dummy (random weights)"),
+    ("tensor_parallel_size", int, "split the model over N worker processes (lesson 09)"),
+    ("worker_timeout", float, "seconds a tensor-parallel step may take before the engine "
+                              "gives up"),
+]
+_CHOICES = {"preemption_mode": ["recompute", "swap"], "load_format": ["auto", "dummy"]}
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The ENGINE_OPTIONS flags, in their own group, with LLMEngine's defaults in the help."""
+    import inspect
+
+    from minipaged.engine import LLMEngine
+
+    defaults = {name: p.default for name, p in
+                inspect.signature(LLMEngine.__init__).parameters.items()}
+    group = parser.add_argument_group("engine options (as LLM(...) keywords)")
+    for name, kind, help_text in ENGINE_OPTIONS:
+        default = defaults[name]
+        if default is not None:
+            help_text += f" (default: {default})"
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(name),
+                               help=help_text)
+
+
+def engine_kwargs(args) -> dict:
+    """The engine options given on the command line, as LLMEngine keywords."""
+    return {name: getattr(args, name) for name, _, _ in ENGINE_OPTIONS
+            if getattr(args, name) is not None}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minipaged", description=__doc__)
+    parser = argparse.ArgumentParser(prog="minipaged", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text (one or more)")
     gen.add_argument("--model", default=None,
                      help="HF id or local directory (default: embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens (-1: all)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="format each prompt as a user message with the chat template "
                           "(default: on for the embedded instruct model)")
     gen.add_argument("--stream", action="store_true",
                      help="print tokens as they are generated (all prompts run together)")
+    add_engine_options(gen)
     sub.add_parser("demo", help="answer a few prompts with the embedded model and show stats")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
                                        "/v1/chat/completions, /metrics)")
     srv.add_argument("model", nargs="?", default=None,
                      help="HF id or local directory (default: embedded SmolLM2-135M-Instruct)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--served-model-name", default=None,
                      help="the name clients pass as 'model' (default: the model argument)")
-    srv.add_argument("--log-level", default="info")
-    srv.add_argument("--device", default="auto")
-    srv.add_argument("--seed", type=int, default=0)
-    for flag, kind in ENGINE_FLAGS.items():
-        srv.add_argument(flag, type=kind, default=None)
+    srv.add_argument("--log-level", default="info", help="uvicorn's log level")
+    add_engine_options(srv)
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -57,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        llm = LLM(args.model, device=args.device, block_size=args.block_size)
+                                top_p=args.top_p, top_k=args.top_k)
+        llm = LLM(args.model, **engine_kwargs(args))
         chat = args.chat if args.chat is not None else is_embedded(args.model)
         if args.stream:
             return _generate_streaming(llm, args.prompts, params, chat)
@@ -67,20 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                                params, use_tqdm=False)
         else:
             outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"minipaged: error: {e}", file=sys.stderr)
         return 2
     for prompt, out in zip(args.prompts, outputs):
         print(f"### {prompt}\n{out.outputs[0].text}\n")
     return 0
-
-
-# `minipaged serve` flags that become LLMEngine keywords (dashes to underscores).
-ENGINE_FLAGS = {"--dtype": str, "--tokenizer": str, "--block-size": int,
-                "--num-gpu-blocks": int, "--num-cpu-blocks": int, "--kv-cache-bytes": int,
-                "--swap-space": float, "--gpu-memory-utilization": float,
-                "--max-num-seqs": int, "--max-num-batched-tokens": int, "--max-model-len": int,
-                "--preemption-mode": str, "--watermark": float, "--load-format": str}
 
 
 def _serve(args) -> int:
@@ -89,11 +144,8 @@ def _serve(args) -> int:
     from minipaged.model_loader import EMBEDDED_MODEL, is_embedded
     from minipaged.server import serve
 
-    options = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
-               for flag in ENGINE_FLAGS}
-    options = {k: v for k, v in options.items() if v is not None}
     try:
-        engine = LLMEngine(args.model, device=args.device, seed=args.seed, **options)
+        engine = LLMEngine(args.model, **engine_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"minipaged: error: {e}", file=sys.stderr)
         return 2
@@ -125,11 +177,14 @@ def _generate_streaming(llm, prompts: list[str], params, chat: bool) -> int:
         else:
             requests.append(PromptRequest(prompt, params))
 
+    # NOTE: the engine's own request ids, as LLM.generate takes them: a request without a seed
+    # is seeded from the engine's seed and its id, so --stream samples the same text.
+    order = [llm.llm_engine.new_request_id() for _ in prompts]
+
     async def run() -> None:
         async_engine = AsyncLLMEngine(llm.llm_engine)
         async_engine.start()
         try:
-            order = [async_engine.new_request_id("cli") for _ in prompts]
             outputs: asyncio.Queue = asyncio.Queue()
             await async_engine.add_requests(order, requests, outputs)
             pending: dict[str, list[str]] = {rid: [] for rid in order}

@@ -9,6 +9,10 @@ as their torch references in ``minipaged.ops``:
     paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                             context_lens, scale) -> out
 
+Every argument is checked in C++ before the loops run (shapes, dtypes, block numbers within the
+sequences' contexts, context lengths, slots); a bad one raises a RuntimeError that names it, its
+value and the limit, instead of reading or writing outside a tensor. Slot -1 means "not cached".
+
 It returns None (and ``minipaged.ops`` runs its plain torch code) when ``MINIPAGED_CPU_KERNELS=0``
 is set, or when the build fails (no C++ compiler, for instance): then a warning says so, once.
 The compiled library is cached on disk under ``~/.cache/minipaged/torch_ext`` (or

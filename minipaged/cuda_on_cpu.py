@@ -14,7 +14,10 @@ tensors::
 
 This is for tests, sanitizers and the lesson, not for speed: a decode step of a small model takes
 seconds. Unlike ``cuda_ops.load()`` it raises when the build fails (there is nothing to fall
-back to when the point is to run these kernels).
+back to when the point is to run these kernels). Here every tensor is on the host, so the binding
+also checks the contents of ``context_lens``, ``block_tables`` and ``slot_mapping``;
+``kernels.module.set_host_checks(False)`` skips those checks, as a GPU build must, to show what
+the kernels themselves do with such input.
 
 Two bits of CUDA syntax that the preprocessor cannot handle are rewritten on a temporary copy of
 each ``.cu`` file, line for line, so that compiler messages and sanitizer reports name the real

@@ -128,8 +128,20 @@ class CudaKernels:
         ``version`` 0 lets the kernel choose by context length (``paged_attention_plan``):
         V1, one CUDA block per (head, sequence), or V2, which also splits the context into
         512-token partitions. 1 or 2 forces one (tests, benchmarks).
+
+        Every context must hold at least one token (the query's own). ``context_lens`` on the
+        host is checked here, for free, before it is copied to the GPU; lengths already on the
+        GPU are not read back (that would cost a synchronisation per call): there the kernel
+        writes zeros for an empty context and NaN for one longer than ``max_context_len``.
         """
         import torch
+
+        if context_lens.device.type == "cpu" and context_lens.numel():
+            shortest = int(context_lens.min())
+            if shortest < 1:
+                seq = int(torch.argmin(context_lens))
+                raise ValueError(f"context_lens[{seq}] = {shortest}: every sequence's context "
+                                 "holds at least its query's own token (>= 1)")
 
         head_size, block_size = query.shape[-1], key_cache.shape[3]
         if (head_size not in SUPPORTED_HEAD_SIZES or block_size not in SUPPORTED_BLOCK_SIZES

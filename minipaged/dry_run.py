@@ -125,28 +125,39 @@ class RandomTraffic(DryRun):
                     self.finish(seq)
 
 
-def replay_trace_paged(trace, capacity: int, block_size: int = 16):
+def replay_trace_paged(trace, capacity: int, block_size: int = 16,
+                       layout_step: int | None = None):
     """Lesson 01's trace served by the real scheduler and ``BlockSpaceManager`` (no model).
 
     Returns a ``kv_cache.WasteReport`` counted from the block tables at every step: slots holding
     a token's K/V ("used") and the empty tail of each sequence's last block ("internal").
     Requests run to their ``final_len``; when the pool runs out the scheduler preempts by
-    recompute, as ``kv_cache.paged_waste`` assumes.
+    recompute, as ``kv_cache.paged_waste`` assumes. The report's memory map is the block tables
+    at ``layout_step`` (by default the same busy step as ``kv_cache.paged_waste`` draws).
     """
-    from minipaged.kv_cache import WasteReport
+    from minipaged.kv_cache import WasteReport, _merge_layout, _steady_step
 
     run = DryRun(block_size, capacity // block_size, preemption_mode="recompute")
     final_len = {run.add_request([1] * r.prompt_len).request_id: r.final_len for r in trace}
     report = WasteReport("paged (BlockSpaceManager)", (capacity // block_size) * block_size,
                          block_size)
+    if layout_step is None:
+        layout_step = _steady_step(trace)
     bm = run.block_manager
     while run.scheduler.has_unfinished_seqs():
         outs = run.scheduler.schedule()  # every running sequence now has a slot for its tokens
         running = [s for g in run.scheduler.running for s in g.get_seqs(SequenceStatus.RUNNING)]
+        cells: list[str] = []
         for seq in running:
             used = seq.get_len()
+            tail = len(bm.block_tables[seq.seq_id]) * block_size - used
             report.slot_steps["used"] += used
-            report.slot_steps["internal"] += len(bm.block_tables[seq.seq_id]) * block_size - used
+            report.slot_steps["internal"] += tail
+            if report.num_steps == layout_step:
+                cells += ["used"] * used + ["internal"] * tail
+        if report.num_steps == layout_step:  # each sequence's blocks side by side, then free
+            cells += ["free"] * (report.capacity - len(cells))
+            report.layout, report.layout_step = _merge_layout(cells), layout_step
         report.max_running = max(report.max_running, len(running))
         report.num_steps += 1
         run.sampled(outs)

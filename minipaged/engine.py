@@ -26,9 +26,9 @@ from minipaged.outputs import RequestOutput
 from minipaged.parallel import DEFAULT_TIMEOUT_S, TensorParallelWorkers
 from minipaged.sampler import Sampler, SequenceOutput
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutputs
+from minipaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
-from minipaged.validation import as_token_ids, check_settings
+from minipaged.validation import as_number, as_token_ids, check_settings, shown
 
 GiB = 1 << 30
 logger = logging.getLogger("minipaged")
@@ -51,7 +51,8 @@ class EngineStats:
     num_blocks_swapped_in: int = 0
     num_blocks_swapped_out: int = 0
     num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
+    num_generation_tokens: int = 0  # tokens run through decode steps (one per sequence)
+    num_sampled_tokens: int = 0  # tokens sampled, a prompt's first one included
     num_aborted_by_engine: int = 0
     peak_gpu_blocks_used: int = 0
     # Prefix caching (lesson 07): prompt tokens whose KV came from the cache and were not
@@ -129,15 +130,23 @@ class LLMEngine:
                  load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
                  worker_timeout: float = DEFAULT_TIMEOUT_S,
                  enable_prefix_caching: bool = True) -> None:
-        check_settings(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                        kv_cache_bytes=kv_cache_bytes, swap_space=swap_space,
-                        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len, watermark=watermark, seed=seed,
-                        enable_prefix_caching=enable_prefix_caching,
-                        enable_chunked_prefill=enable_chunked_prefill)
-        if preemption_mode is not None:
-            PreemptionMode(preemption_mode)  # raises ValueError on anything else
+        settings = check_settings(
+            block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_bytes=kv_cache_bytes, swap_space=swap_space, num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            watermark=watermark, seed=seed, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
+            device=device, tensor_parallel_size=tensor_parallel_size,
+            worker_timeout=worker_timeout)
+        # numpy scalars (np.int64(16)) become Python numbers from here on.
+        (block_size, gpu_memory_utilization, kv_cache_bytes, swap_space, num_gpu_blocks,
+         num_cpu_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, watermark, seed,
+         tensor_parallel_size, worker_timeout, preemption_mode) = (settings[name] for name in (
+            "block_size", "gpu_memory_utilization", "kv_cache_bytes", "swap_space",
+            "num_gpu_blocks", "num_cpu_blocks", "max_num_seqs", "max_num_batched_tokens",
+            "max_model_len", "watermark", "seed", "tensor_parallel_size", "worker_timeout",
+            "preemption_mode"))
         self.device = resolve_device(device)
         self.block_size = block_size
         self.seed = seed
@@ -192,8 +201,8 @@ class LLMEngine:
             raise ValueError(f"the KV pool has no room for a single block of "
                              f"{self.block_bytes} bytes; give more memory or num_gpu_blocks")
         self._check_one_request_fits(num_gpu_blocks, watermark,
-                                     explicit=max_model_len is not None,
-                                     explicit_budget=max_num_batched_tokens is not None)
+                                     pool_sized_by_engine=settings["num_gpu_blocks"] is None,
+                                     explicit_len=max_model_len is not None)
         if self.workers is not None:  # the workers stand in for the cache and the runner
             self.workers.init_cache(self.num_layers, self.num_kv_heads, self.head_size,
                                     block_size, num_gpu_blocks, num_cpu_blocks)
@@ -216,46 +225,68 @@ class LLMEngine:
         self._request_counter = itertools.count()
 
     # -- construction helpers --------------------------------------------------------------------
-    def _check_one_request_fits(self, num_gpu_blocks: int, watermark: float, explicit: bool,
-                                explicit_budget: bool) -> None:
-        """Make sure one request of ``max_model_len`` tokens can always run.
+    def _check_one_request_fits(self, num_gpu_blocks: int, watermark: float,
+                                pool_sized_by_engine: bool, explicit_len: bool) -> None:
+        """Refuse a configuration that cannot run one request of ``max_model_len`` tokens.
 
-        A ``max_model_len`` given explicitly that the pool (less the watermark) or the step
-        budget cannot hold is refused; the model's own limit is lowered to what fits instead.
+        Two things must hold (vLLM refuses both too): the pool, less the blocks the watermark
+        keeps free, holds ``max_model_len`` tokens; and without chunked prefill, where a prompt
+        runs whole in one step, ``max_num_batched_tokens >= max_model_len``. Otherwise a
+        ValueError names the numbers and what to pass instead.
+
+        NOTE: one exception. When the engine sized the pool itself (from ``kv_cache_bytes`` on
+        the CPU, from ``gpu_memory_utilization`` on CUDA) and no ``max_model_len`` was given,
+        the model's own limit is lowered to what the pool holds, with a warning: ``LLM(model)``
+        with no settings should run on a laptop even when the model allows 8k-128k positions,
+        and the user asked for no particular length or pool. Given explicitly, a pool
+        (``num_gpu_blocks``), a budget (``max_num_batched_tokens``) or a ``max_model_len``
+        that cannot run the model's length is a mistake, and is refused.
         """
         cfg = self.scheduler_config
-        usable = num_gpu_blocks - int(watermark * num_gpu_blocks)
-        pool_tokens = usable * self.block_size
-        chunked = cfg.enable_chunked_prefill  # then the budget limits a step, not a prompt
-        if explicit and not chunked and cfg.max_num_batched_tokens < self.max_model_len:
+        bs = self.block_size
+        watermark_blocks = int(watermark * num_gpu_blocks)  # as BlockSpaceManager counts it
+        usable = num_gpu_blocks - watermark_blocks
+        pool_tokens = usable * bs
+        # Without chunked prefill a prompt runs whole in one step: the budget caps its length.
+        budget_tokens = (pool_tokens if cfg.enable_chunked_prefill
+                         else cfg.max_num_batched_tokens)
+        fits = min(pool_tokens, budget_tokens)  # the longest request this engine can run
+        if fits >= self.max_model_len:
+            self.max_model_len_reason = ("max_model_len" if explicit_len
+                                         else "the model's maximum length")
+            return
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+            # (never by default: the default budget is at least max_model_len)
             raise ValueError(
                 f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({self.max_model_len}): a long prompt could never be scheduled; "
-                f"raise max_num_batched_tokens, lower max_model_len, or enable chunked "
-                f"prefill")
-        if explicit and pool_tokens < self.max_model_len:
-            raise ValueError(
-                f"the KV pool cannot hold one sequence of max_model_len ({self.max_model_len}) "
-                f"tokens: it needs {math.ceil(self.max_model_len / self.block_size)} blocks of "
-                f"{self.block_size} tokens, the pool has {num_gpu_blocks} blocks of which "
-                f"{usable} are usable (watermark {watermark}); give a larger pool or a "
-                f"max_model_len of at most {pool_tokens}")
-        limit = min(pool_tokens, cfg.max_num_batched_tokens
-                    if explicit_budget and not chunked else pool_tokens)
-        if limit < 2:
-            raise ValueError(
-                f"the engine cannot run any request: {num_gpu_blocks} blocks of "
-                f"{self.block_size} tokens with watermark {watermark} leave {usable} usable "
-                f"blocks, and max_num_batched_tokens is {cfg.max_num_batched_tokens}; a "
-                f"request needs room for at least 2 tokens")
-        if limit < self.max_model_len:
-            logger.info("max_model_len lowered from %d to %d tokens: what the KV pool and "
-                        "the step budget can hold", self.max_model_len, limit)
-            self.max_model_len = cfg.max_model_len = limit
-        self.max_model_len_reason = (
-            "the model's maximum length" if self.max_model_len == self.model_max_len
-            else "max_model_len" if explicit
-            else f"what the KV pool of {num_gpu_blocks} blocks and the step budget hold")
+                f"max_model_len ({self.max_model_len}), and without chunked prefill a prompt "
+                f"runs whole in one step, so a long prompt could never be scheduled; pass "
+                f"max_model_len={fits}, max_num_batched_tokens={self.max_model_len} or "
+                f"enable_chunked_prefill=True")
+        need = math.ceil(self.max_model_len / bs)
+        pool_needed = need  # the smallest pool whose usable part holds ``need`` blocks
+        while pool_needed - int(watermark * pool_needed) < need:
+            pool_needed += 1
+        if fits >= 2 and pool_sized_by_engine and not explicit_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d tokens: the KV pool the engine sized from "
+                "its memory budget has %d blocks of %d tokens (%d usable after the "
+                "watermark); pass max_model_len=, or more memory, to choose",
+                self.max_model_len, fits, num_gpu_blocks, bs, usable)
+            self.max_model_len = cfg.max_model_len = fits
+            self.max_model_len_reason = (f"what the KV pool of {num_gpu_blocks} blocks holds, "
+                                         f"sized from the memory budget")
+            return
+        larger = f"num_gpu_blocks >= {pool_needed}"
+        if pool_sized_by_engine:
+            larger = f"more kv_cache_bytes or gpu_memory_utilization, or {larger}"
+        raise ValueError(
+            f"the KV pool cannot hold one request of max_model_len ({self.max_model_len}) "
+            f"tokens: it needs {need} blocks of {bs} tokens, the pool has {num_gpu_blocks} "
+            f"blocks of which {usable} are usable (watermark {watermark} keeps "
+            f"{watermark_blocks} free), {pool_tokens} tokens; "
+            + (f"pass max_model_len={fits} or a larger pool ({larger})" if fits >= 2
+               else f"give a larger pool ({larger})"))
 
     def _build_model(self, source, load_format: str) -> torch.nn.Module:
         return build_model(self.hf_config, source, load_format, self.dtype, self.device)
@@ -288,6 +319,7 @@ class LLMEngine:
         """Raise ValueError if this request could never run; do nothing else."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        params.verify()  # again: a field may have been changed since construction
         n = len(prompt_token_ids)
         if not isinstance(prompt_token_ids, list):
             raise ValueError(f"prompt_token_ids must be a list of integers, got "
@@ -343,11 +375,11 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if arrival_time is not None and (
-                isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
-                or not math.isfinite(arrival_time)):
-            raise ValueError(f"arrival_time must be a finite number (seconds), got "
-                             f"{arrival_time!r}")
+        if arrival_time is not None:
+            if as_number(arrival_time) is None:
+                raise ValueError(f"arrival_time must be a finite number (seconds), got "
+                                 f"{shown(arrival_time)}")
+            arrival_time = float(as_number(arrival_time))
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
@@ -459,6 +491,7 @@ class LLMEngine:
                 seq.num_computed_tokens = num_computed
             for group in outs.scheduled_seq_groups:
                 if group.request_id in results:
+                    self.stats.num_sampled_tokens += len(results[group.request_id])
                     self._process_outputs(group, results[group.request_id])
         else:
             t3 = t4 = time.perf_counter()

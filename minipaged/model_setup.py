@@ -14,7 +14,11 @@ from minipaged.models import get_model_class
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} needs a CUDA GPU and torch finds none here; use "
+                         f"device='cpu' or 'auto'")
+    return resolved
 
 
 def resolve_dtype(dtype, config, device: torch.device) -> torch.dtype:

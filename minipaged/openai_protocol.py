@@ -1,4 +1,5 @@
-"""The OpenAI API's request bodies, checked field by field, and its error body (lesson 08).
+"""The OpenAI API's request bodies, checked field by field, its response bodies and its error
+body (lesson 08).
 
 A request is parsed in two steps, and either can refuse it with an HTTP 400 that the official
 ``openai`` client turns into ``openai.BadRequestError``:
@@ -9,17 +10,37 @@ A request is parsed in two steps, and either can refuse it with an HTTP 400 that
 Types are strict (``"0.5"`` is not a number, ``true`` is not an integer) so that a client's
 mistake is reported instead of guessed at. Fields vLLM adds to the API (``top_k``,
 ``ignore_eos``, ``use_beam_search``) are accepted too.
+
+A response is built from the engine's ``RequestOutput``s by ``CompletionFormat`` or
+``ChatFormat`` (the same choices whole or as streamed chunks) and ``usage``.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
+                      ValidationError, WrapValidator)
+from pydantic_core import PydanticCustomError
 
 from minipaged.sampling_params import SamplingParams
 
 Number = Annotated[float, Strict()]  # a JSON number (integers too), never a string or a bool
 MAX_LOGPROBS = 20
+
+
+def one_of(forms: str) -> WrapValidator:
+    """For a field of several accepted types: one error naming the field and the forms.
+
+    NOTE: left alone, pydantic reports every alternative that failed, each at a location that
+    ends with the alternative's type (``prompt.str``, ``messages.0.content.list[TextPart]``);
+    a client wants the field itself and what it may hold."""
+    def validate(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", "must be {forms}", {"forms": forms}) from None
+
+    return WrapValidator(validate)
 
 
 class APIError(Exception):
@@ -52,7 +73,8 @@ class _SamplingFields(BaseModel):
     top_p: Number = 1.0
     top_k: StrictInt = -1
     max_tokens: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Annotated[StrictStr | list[StrictStr] | None,
+                    one_of("a string or a list of strings")] = None
     seed: StrictInt | None = None
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
@@ -90,7 +112,9 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     # a string, a list of strings, a list of token ids, or a list of lists of token ids
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    prompt: Annotated[Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]],
+                      one_of("a string, a list of strings, a list of token ids (integers) or a "
+                             "list of lists of token ids")]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
@@ -123,7 +147,9 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. tool_calls: ignored, as text-only chat
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: Annotated[StrictStr | list[TextPart] | None,
+                       one_of('a string or a list of text parts ({"type": "text", '
+                              '"text": "..."})')] = None
     name: StrictStr | None = None
 
     def text(self) -> str:
@@ -183,3 +209,107 @@ def validation_error(errors: list[dict]) -> APIError:
     if not loc:
         return APIError(400, "the request body must be a JSON object")
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param)
+
+
+# -- response bodies -----------------------------------------------------------------------------
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def top_logprobs(logprobs: dict[int, float], chosen: int, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of one step, most likely first.
+
+    The sampler's dict holds the top ``k`` and the chosen token: ``k`` entries when the chosen
+    token is among the top ``k``, ``k + 1`` when it is not (then the chosen one is the extra)."""
+    top = logprobs if len(logprobs) <= k else {t: v for t, v in logprobs.items() if t != chosen}
+    return sorted(top.items(), key=lambda kv: -kv[1])[:k]
+
+
+class CompletionFormat:
+    """``/v1/completions`` choices and chunks (OpenAI's legacy format)."""
+
+    object, chunk_object = "text_completion", "text_completion"
+
+    def __init__(self, model: str, tokenizer, n: int, logprobs: int | None) -> None:
+        self.model, self.tokenizer, self.n, self.logprobs = model, tokenizer, n, logprobs
+        self._text_offset: dict[int, int] = {}  # per choice: characters of its tokens so far
+
+    def first_delta(self, index: int):
+        return None
+
+    def _logprobs(self, index: int, ids: list[int], logprobs):
+        if self.logprobs is None or logprobs is None:
+            return None
+        tokens = [token_text(self.tokenizer, t) for t in ids]
+        # text_offset counts from the start of the choice's text, across streamed chunks too.
+        offsets, offset = [], self._text_offset.get(index, 0)
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
+        tops = []
+        for lp in logprobs:
+            # NOTE: as OpenAI's legacy completions: the top ``logprobs`` tokens plus the sampled
+            # one when it is not among them, so up to logprobs + 1 entries -- which is exactly
+            # the sampler's dict. Two tokens with the same text keep the likelier logprob.
+            top: dict[str, float] = {}
+            for t, v in sorted(lp.items(), key=lambda kv: -kv[1]):
+                top.setdefault(token_text(self.tokenizer, t), v)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(ids, logprobs)],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def choice(self, index, text, ids, logprobs, finish_reason) -> dict:
+        return {"index": index, "text": text, "logprobs": self._logprobs(index, ids, logprobs),
+                "finish_reason": finish_reason}
+
+    delta = choice  # a streamed completion chunk has the same shape, with the new text
+
+
+class ChatFormat:
+    """``/v1/chat/completions`` choices and chunks; ``top_logprobs`` None: no logprobs."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, model: str, tokenizer, n: int, top_logprobs: int | None) -> None:
+        self.model, self.tokenizer, self.n, self.top_logprobs = model, tokenizer, n, top_logprobs
+
+    def first_delta(self, index: int):
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def _entry(self, token_id: int, logprob: float | None) -> dict:
+        text = token_text(self.tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, ids, logprobs):
+        if self.top_logprobs is None or logprobs is None:
+            return None
+        # The chosen token's own logprob is in "logprob"; "top_logprobs" is exactly the top N.
+        return {"content": [
+            {**self._entry(t, lp.get(t)),
+             "top_logprobs": [self._entry(k, v) for k, v in top_logprobs(lp, t,
+                                                                         self.top_logprobs)]}
+            for t, lp in zip(ids, logprobs)]}
+
+    def choice(self, index, text, ids, logprobs, finish_reason) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(ids, logprobs), "finish_reason": finish_reason}
+
+    def delta(self, index, text, ids, logprobs, finish_reason) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": self._logprobs(ids, logprobs), "finish_reason": finish_reason}
+
+
+def usage(outputs) -> dict:
+    """``usage`` of a response from its RequestOutputs (one per prompt).
+
+    NOTE: completion_tokens counts the tokens of the choices returned, as vLLM does, so a client
+    can check it against the response. With best_of > n the engine generated best_of sequences
+    and returns the n best; OpenAI bills all of them, but the other best_of - n never reach the
+    client, so they are not counted here (``minipaged_generation_tokens_total`` in /metrics
+    counts every generated token). Each prompt counts once, whatever n is."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

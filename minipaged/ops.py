@@ -58,7 +58,13 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
     slot_mapping: torch.Tensor,  # (T,) int, -1 = padding token, not cached
 ) -> None:
-    """Write each token's key and value into the cache slot ``slot_mapping[token]``."""
+    """Write each token's key and value into the cache slot ``slot_mapping[token]``.
+
+    A slot is in ``[0, num_blocks * block_size)``, or -1 for a token that is not cached (vLLM's
+    padding slot; the engine never passes it). The C++ CPU op and the CUDA build on the CPU
+    refuse any other value with an error naming it; the CUDA kernel on a GPU, which cannot look
+    at device data without a synchronisation, skips every negative slot.
+    """
     if _use_cuda(key_cache):
         return _cuda().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     if _use_cpu(key_cache):
@@ -69,6 +75,9 @@ def reshape_and_cache(
 def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
     num_tokens, num_kv_heads, head_size = key.shape
     block_size, x = key_cache.shape[3], key_cache.shape[4]
+    if slot_mapping.numel() and int(slot_mapping.min()) < -1:
+        raise ValueError(f"slot_mapping holds {int(slot_mapping.min())}: a slot is >= 0, or -1 "
+                         "for a token that is not cached")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()  # (T',)
     block_idx = slots // block_size  # (T',)

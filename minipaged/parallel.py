@@ -87,6 +87,18 @@ def shard_weight_bytes(hf_config, world_size: int, rank: int, dtype=torch.float3
     return sum(p.numel() for p in model.parameters()) * element
 
 
+def memory_per_rank(engine) -> list[dict[str, int]]:
+    """Bytes of weights and of the (GPU) KV pool on each rank, measured on the tensors.
+
+    One entry per worker, or a single one when the engine runs the model itself (N = 1)."""
+    if engine.workers is not None:
+        return engine.workers.memory_per_rank()
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv_cache = sum(t.numel() * t.element_size() for kv in engine.cache_engine.gpu_cache
+                   for t in kv)
+    return [{"weights": weights, "kv_cache": kv_cache}]
+
+
 @dataclass
 class WorkerSpec:
     """What a worker needs to build its shard (pickled to the spawned process)."""

@@ -1,8 +1,9 @@
 """How to pick the next token: the user-facing knobs of one request (lessons 03 and 06)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from minipaged.validation import as_int, as_number, shown
 
 _GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
 # The seeds a torch.Generator takes (manual_seed accepts signed and unsigned 64-bit values).
@@ -49,16 +50,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.best_of is None:
             self.best_of = self.n
-        if self.stop is None:
-            self.stop_strings = []
-        elif isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        elif isinstance(self.stop, (list, tuple)):
-            self.stop_strings = list(self.stop)
-        else:
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
-                             f"got {self.stop!r}")
-        self._verify()
+        self.verify()
 
     @property
     def greedy(self) -> bool:
@@ -66,40 +58,57 @@ class SamplingParams:
         # "always the most likely token".
         return self.temperature < _GREEDY_TEMPERATURE and not self.use_beam_search
 
-    def _verify(self) -> None:
+    def verify(self) -> None:
+        """Check every field (ValueError naming the field, its value and the allowed range).
+
+        Run at construction and again by the engine for each request, so that a field changed
+        after construction (``p.temperature = float("nan")``) is caught too. numpy scalars are
+        turned into Python numbers; booleans are refused where numbers are expected.
+        """
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            return ValueError(f"{name} must be {allowed}, got {shown(getattr(self, name))}")
 
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        def integer(name: str):  # the field as a Python int, or None
+            value = as_int(getattr(self, name))
+            if value is not None:
+                setattr(self, name, value)
+            return value
 
-        def is_number(v) -> bool:  # a finite int or float, not a bool
-            return (isinstance(v, (int, float)) and not isinstance(v, bool)
-                    and math.isfinite(v))
+        def number(name: str):  # the field as a finite Python int or float, or None
+            value = as_number(getattr(self, name))
+            if value is not None:
+                setattr(self, name, value)
+            return value
 
-        if not is_int(self.n) or self.n < 1:
+        if (n := integer("n")) is None or n < 1:
             raise bad("n", "an integer >= 1")
-        if not is_int(self.best_of) or self.best_of < self.n:
-            raise ValueError(
-                f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}"
-            )
+        if (best_of := integer("best_of")) is None or best_of < n:
+            raise ValueError(f"best_of must be an integer >= n ({self.n!r}), got "
+                             f"{shown(self.best_of)}")
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not is_number(v) or not -2.0 <= v <= 2.0:
+            if (v := number(name)) is None or not -2.0 <= v <= 2.0:
                 raise bad(name, "a number in [-2, 2]")
-        if not is_number(self.temperature) or self.temperature < 0.0:
+        if (v := number("temperature")) is None or v < 0.0:
             raise bad("temperature", "a finite number >= 0")
-        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if (v := number("top_p")) is None or not 0.0 < v <= 1.0:
             raise bad("top_p", "a number in (0, 1]")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+        if (v := integer("top_k")) is None or (v < 1 and v != -1):
             raise bad("top_k", "-1 (disabled) or an integer >= 1")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if (v := integer("max_tokens")) is None or v < 1:
             raise bad("max_tokens", "an integer >= 1")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and ((v := integer("logprobs")) is None or v < 0):
             raise bad("logprobs", "None or an integer >= 0")
-        if self.seed is not None and (not is_int(self.seed)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and ((v := integer("seed")) is None
+                                      or not SEED_MIN <= v <= SEED_MAX):
             raise bad("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_strings = list(self.stop)
+        else:
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
         for name in ("use_beam_search", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")

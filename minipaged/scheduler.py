@@ -14,6 +14,12 @@ token each, and they never wait); prompts fill what is left as ``PrefillChunk``s
 prefill (the default) a prompt longer than what is left is split, and continues in the next steps
 from where it stopped, reading its earlier tokens from the cache; it samples only when its last
 chunk has run.
+
+NOTE: decodes are never skipped, even for the budget: every running sequence decodes each step,
+so a budget smaller than the number of running sequences is exceeded (budget 1 with an n=2 group
+decoding: 2 tokens in the step). Skipping a decode would only delay a request that already holds
+its blocks; the budget bounds the prompt work added to a step, not the decodes. (vLLM V1 counts
+decodes against the budget too; README lists this among the deliberate differences.)
 """
 from __future__ import annotations
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -28,9 +30,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from minipaged.async_engine import AsyncLLMEngine, EngineDeadError, PromptRequest, TextStreamer
-from minipaged.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       param_of, validation_error)
+from minipaged.openai_protocol import (APIError, ChatCompletionRequest, ChatFormat,
+                                       CompletionFormat, CompletionRequest, param_of, usage,
+                                       validation_error)
 from minipaged.outputs import RequestOutput
+from minipaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("minipaged.server")
 
 
 def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
@@ -45,6 +51,7 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
             async_engine.shutdown()
 
     app = FastAPI(title="minipaged", lifespan=lifespan)
+    app.add_middleware(_UnexpectedErrorsAsJSON)
     engine = async_engine.engine
     created = int(time.time())
 
@@ -91,28 +98,62 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         body.check_unsupported()
-        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens,
-                                      body.logprobs)
-        prompts = [PromptRequest(p, params) if isinstance(p, str)
-                   else PromptRequest(None, params, p) for p in body.prompt_list()]
-        return await _respond(async_engine, body, prompts, request, "cmpl", _CompletionFormat(
-            served_model_name, engine.tokenizer, body.n, body.logprobs is not None))
+        probe = body.sampling_params(1, body.logprobs)  # every field checked before any work
+        prompts = []
+        for p in body.prompt_list():
+            ids = _encode(engine, p) if isinstance(p, str) else p
+            max_tokens = _max_tokens(engine, body.max_tokens, 16, len(ids), probe, "prompt")
+            prompts.append(PromptRequest(p if isinstance(p, str) else None,
+                                         body.sampling_params(max_tokens, body.logprobs), ids))
+        return await _respond(async_engine, body, prompts, request, "cmpl", CompletionFormat(
+            served_model_name, engine.tokenizer, body.n, body.logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         body.check_unsupported()
-        ids = _chat_prompt_ids(engine.tokenizer, body.conversation())
-        max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-        if max_tokens is None:  # as OpenAI: as much as the model's context leaves
-            max_tokens = max(engine.max_model_len - len(ids), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        probe = body.sampling_params(1, logprobs)
+        ids = _chat_prompt_ids(engine.tokenizer, body.conversation())
+        requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+        # as OpenAI: without max_tokens, as much as the context leaves (and the pool holds)
+        max_tokens = _max_tokens(engine, requested, None, len(ids), probe, "messages")
         params = body.sampling_params(max_tokens, logprobs)
         return await _respond(async_engine, body, [PromptRequest(None, params, ids)], request,
-                              "chatcmpl", _ChatFormat(served_model_name, engine.tokenizer,
-                                                      body.n, body.logprobs))
+                              "chatcmpl", ChatFormat(served_model_name, engine.tokenizer,
+                                                     body.n, logprobs))
 
     return app
+
+
+class _UnexpectedErrorsAsJSON:
+    """ASGI middleware: an exception no handler expected (a bug, say in a tokenizer) answers its
+    request with OpenAI's error body and status 500; the traceback goes to the log.
+
+    NOTE: not an exception handler for ``Exception``: Starlette re-raises after calling that
+    one, and uvicorn then closes the connection under a client that keeps it alive."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:  # too late for a status: the server closes the connection
+                raise
+            logger.exception("while handling %s %s", scope.get("method"), scope.get("path"))
+            response = JSONResponse(_server_error(_describe(exc)).body(), status_code=500)
+            await response(scope, receive, send)
 
 
 # -- one request, start to end -----------------------------------------------------------------
@@ -164,7 +205,7 @@ async def _respond(async_engine: AsyncLLMEngine, body, prompts: list[PromptReque
                           c.finish_reason)
                for o in results for c in o.outputs]
     return {"id": response_id, "object": fmt.object, "created": int(time.time()),
-            "model": fmt.model, "choices": choices, "usage": _usage(results)}
+            "model": fmt.model, "choices": choices, "usage": usage(results)}
 
 
 async def _sse_events(stream, fmt, response_id: str, index_base: dict[str, int],
@@ -173,11 +214,11 @@ async def _sse_events(stream, fmt, response_id: str, index_base: dict[str, int],
     streamers: dict[int, TextStreamer] = {}
     final: dict[str, RequestOutput] = {}
 
-    def event(choices, usage=None) -> str:
+    def event(choices, usage_body=None) -> str:
         chunk = {"id": response_id, "object": fmt.chunk_object, "created": created,
                  "model": fmt.model, "choices": choices}
         if include_usage:
-            chunk["usage"] = usage
+            chunk["usage"] = usage_body
         return f"data: {json.dumps(chunk)}\n\n"
 
     try:
@@ -196,14 +237,16 @@ async def _sse_events(stream, fmt, response_id: str, index_base: dict[str, int],
                 streamer = streamers.setdefault(
                     index, TextStreamer(prompts[0].sampling_params.stop_strings))
                 delta, ids, logprobs = streamer.update(c)
-                if delta or c.finish_reason is not None:
+                # (new tokens without new text still carry their logprobs to the client)
+                if delta or (ids and logprobs) or c.finish_reason is not None:
                     choices.append(fmt.delta(index, delta, ids, logprobs, c.finish_reason))
             if choices:
                 yield event(choices)
         if include_usage:
-            yield event([], _usage(list(final.values())))
-    except (EngineDeadError, APIError) as e:
-        error = e if isinstance(e, APIError) else _server_error(str(e))
+            yield event([], usage(list(final.values())))
+    except Exception as e:  # the response has started: the error goes in an event
+        error = e if isinstance(e, APIError) else _server_error(
+            str(e) if isinstance(e, EngineDeadError) else _describe(e))
         yield f"data: {json.dumps(error.body())}\n\n"
     yield "data: [DONE]\n\n"
 
@@ -256,71 +299,58 @@ async def _abort_on_disconnect(events: AsyncIterator[str], request: Request, abo
             nxt.cancel()
 
 
-# -- formats -------------------------------------------------------------------------------------
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+# -- prompts ---------------------------------------------------------------------------------------
+def _encode(engine, text: str) -> list[int]:
+    try:
+        return engine.encode(text)
+    except ValueError as e:  # e.g. a model directory without a tokenizer
+        raise APIError(400, str(e), "prompt") from None
 
 
-class _CompletionFormat:
-    object, chunk_object = "text_completion", "text_completion"
+def _max_tokens(engine, requested: int | None, default: int | None, prompt_len: int,
+                params: SamplingParams, prompt_field: str) -> int:
+    """The max_tokens of one prompt: the client's, if the context holds it; else a default.
 
-    def __init__(self, model: str, tokenizer, n: int, logprobs: bool) -> None:
-        self.model, self.tokenizer, self.n, self.logprobs = model, tokenizer, n, logprobs
+    Args:
+        requested: the client's max_tokens, or None.
+        default: the endpoint's default (16 for completions), or None for "what the context
+            leaves" (chat, as OpenAI).
+        params: the request's SamplingParams (for best_of; their max_tokens is ignored).
+        prompt_field: "prompt" or "messages", for the error.
+    """
+    context = engine.max_model_len
+    if requested is not None:
+        if requested >= 1 and prompt_len + requested > context:  # (< 1: SamplingParams says so)
+            raise APIError(
+                400, f"This model's maximum context length is {context} tokens. However, you "
+                     f"requested {prompt_len + requested} tokens ({prompt_len} in the "
+                     f"{prompt_field}, {requested} in the completion). Please reduce the length "
+                     f"of the {prompt_field} or completion.", prompt_field,
+                code="context_length_exceeded")
+        return requested
+    limit = context - prompt_len if default is None else min(default, context - prompt_len)
+    if limit < 1:
+        return 1  # the prompt alone fills the context: validate_request says so
+    # NOTE: the default is capped to what the KV pool can hold for best_of sequences of this
+    # prompt. "What the context leaves" may be far more than that: the embedded SmolLM2 on the
+    # CPU leaves 8,162 tokens after a short chat prompt, and n = 3 such sequences need 1,534
+    # blocks where the pool has 1,442 usable; validate_request would then refuse a request
+    # the client never gave a length for. A max_tokens the client gives is never capped.
+    bm = engine.block_manager
+    room = bm.num_total_gpu_blocks - bm.watermark_blocks
 
-    def first_delta(self, index: int):
-        return None
+    def fits(max_tokens: int) -> bool:
+        return engine.max_blocks_needed(prompt_len, replace(params, max_tokens=max_tokens)) <= room
 
-    def _logprobs(self, ids, logprobs):
-        if not self.logprobs or logprobs is None:
-            return None
-        tokens = [_token_text(self.tokenizer, t) for t in ids]
-        offsets, offset = [], 0
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": tokens,
-                "token_logprobs": [lp.get(t) for t, lp in zip(ids, logprobs)],
-                "top_logprobs": [{_token_text(self.tokenizer, k): v for k, v in
-                                  sorted(lp.items(), key=lambda kv: -kv[1])} for lp in logprobs],
-                "text_offset": offsets}
-
-    def choice(self, index, text, ids, logprobs, finish_reason) -> dict:
-        return {"index": index, "text": text, "logprobs": self._logprobs(ids, logprobs),
-                "finish_reason": finish_reason}
-
-    delta = choice  # a streamed completion chunk has the same shape, with the new text
-
-
-class _ChatFormat:
-    object, chunk_object = "chat.completion", "chat.completion.chunk"
-
-    def __init__(self, model: str, tokenizer, n: int, logprobs: bool) -> None:
-        self.model, self.tokenizer, self.n, self.logprobs = model, tokenizer, n, logprobs
-
-    def first_delta(self, index: int):
-        return {"index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}
-
-    def _entry(self, token_id: int, logprob: float | None) -> dict:
-        text = _token_text(self.tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def _logprobs(self, ids, logprobs):
-        if not self.logprobs or logprobs is None:
-            return None
-        return {"content": [
-            {**self._entry(t, lp.get(t)),
-             "top_logprobs": [self._entry(k, v) for k, v in
-                              sorted(lp.items(), key=lambda kv: -kv[1]) if k != t or len(lp) > 1]}
-            for t, lp in zip(ids, logprobs)]}
-
-    def choice(self, index, text, ids, logprobs, finish_reason) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(ids, logprobs), "finish_reason": finish_reason}
-
-    def delta(self, index, text, ids, logprobs, finish_reason) -> dict:
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self._logprobs(ids, logprobs), "finish_reason": finish_reason}
+    if fits(limit):
+        return limit
+    if not fits(1):
+        return 1  # nothing fits: validate_request says why
+    low, high = 1, limit  # fits(low), not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def _chat_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
@@ -335,15 +365,12 @@ def _chat_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
 def _server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"internal error while handling the request: {type(exc).__name__}: {exc}"
 
 
 # -- /metrics -----------------------------------------------------------------------------------
@@ -358,7 +385,8 @@ _GAUGES = [
 ]
 _COUNTERS = [
     ("prompt_tokens", "Prompt tokens computed (again after a preemption by recompute)."),
-    ("generation_tokens", "Tokens generated."),
+    ("generation_tokens", "Tokens generated (sampled), every sequence of best_of and every "
+                          "beam counted."),
     ("num_steps", "Engine steps run."),
 ]
 

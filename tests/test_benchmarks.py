@@ -43,3 +43,25 @@ def test_chunked_prefill_benchmark_runs_on_a_tiny_model(tiny_llama, capsys):
                                  "60", "90", "--every", "3", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
     assert "| chunked, budget 16 |" in out and "p99 TPOT" in out
+
+
+def test_kernel_benchmark_rotates_past_twice_the_l2_and_warns_when_capped():
+    """benchmarks/kernel.py needs a GPU to time anything; --help and the rotation rule do not."""
+    import importlib.util
+
+    proc = subprocess.run([sys.executable, "benchmarks/kernel.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--quick" in proc.stdout, proc.stderr[-2000:]
+    spec = importlib.util.spec_from_file_location(
+        "kernel_benchmark", os.path.join(ROOT, "benchmarks", "kernel.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    l2 = 50 * 2**20  # an H100
+    for batch, context in [(1, 128), (8, 512), (64, 1024), (256, 16384)]:
+        per_copy = bench.kv_bytes(batch, context)
+        copies, warning = bench.rotation_copies(per_copy, l2)
+        assert warning is None and copies * per_copy > 2 * l2
+        assert copies == 1 or (copies - 1) * per_copy <= 2 * l2  # no more copies than needed
+    assert bench.rotation_copies(bench.kv_bytes(1, 128), l2)[0] > 16  # the old cap was 16
+    copies, warning = bench.rotation_copies(2**20, l2, max_bytes=8 * 2**20)
+    assert copies == 8 and "warning" in warning and "L2" in warning

@@ -35,20 +35,63 @@ def _run(path, prompts, **kwargs):
     return llm, [o.outputs[0].token_ids for o in outs], snapshots
 
 
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix caching", "no caching"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("budget", [1, 7, 32])
-def test_chunked_prompts_give_transformers_tokens_for_any_budget(cases, kind, budget):
+def test_chunked_prompts_give_transformers_tokens_for_any_budget(cases, kind, budget, caching):
     path, prompts, refs = cases[kind]
     llm, tokens, snapshots = _run(path, prompts, max_num_batched_tokens=budget,
-                                  num_gpu_blocks=128)
+                                  num_gpu_blocks=128, enable_prefix_caching=caching)
     assert tokens == refs
+    engine = llm.llm_engine
+    if caching:
+        # The same prompts again: their full blocks come from the cache, and the chunks after
+        # them attend to cached KV. Still the tokens of transformers.
+        params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        again = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == refs
+        assert engine.stats.num_cached_prompt_tokens > 0
+    else:
+        assert engine.block_manager.prefix_cache is None
+        assert engine.stats.num_cached_prompt_tokens == 0
     # Prompts longer than the budget were split: more prefill steps than prompts.
     prefill_steps = sum(any(s.prompt_run) for s in snapshots)
     assert prefill_steps >= sum(-(-n // budget) for n in LENGTHS) // len(LENGTHS)
     assert all(s.num_batched_tokens <= max(budget, len(s.scheduler["running"]) * 3)
                for s in snapshots)
-    engine = llm.llm_engine
     assert engine.block_manager.get_num_free_gpu_blocks() == 128
+
+
+def test_the_snapshot_shows_prefill_progress_advancing_chunk_by_chunk(cases):
+    """A 33-token prompt with a budget of 7 tokens a step: the scheduler snapshot after each step
+    says how many of its tokens are in the cache, 7 more each step, until it samples."""
+    path, prompts, refs = cases["llama"]
+    prompt = prompts[LENGTHS.index(33)]
+    llm, tokens, snapshots = _run(path, [prompt], max_num_batched_tokens=7, num_gpu_blocks=64,
+                                  enable_prefix_caching=False)
+    assert tokens == [refs[LENGTHS.index(33)]]
+    progress = [s.scheduler["running"][0]["prefill_progress"] if s.scheduler["running"]
+                else None for s in snapshots]
+    # After steps 1-4: 7, 14, 21, 28 of 33 tokens; step 5 runs the last 5 and samples.
+    assert progress[:5] == [[7, 33], [14, 33], [21, 33], [28, 33], None]
+    assert all(p is None for p in progress[5:])
+    assert [s.num_batched_tokens for s in snapshots[:6]] == [7, 7, 7, 7, 5, 1]
+    assert [s.prompt_run for s in snapshots[:6]] == [[True]] * 5 + [[False]]
+
+
+def test_a_budget_below_the_running_sequences_is_exceeded_by_their_decodes(cases):
+    """Decodes are never skipped (README: differences from vLLM): with a budget of 1 token, an
+    n=2 group decodes both its sequences each step, 2 tokens."""
+    path, prompts, _ = cases["gpt2"]
+    llm = LLM(path, block_size=8, max_model_len=80, num_gpu_blocks=64,
+              max_num_batched_tokens=1)
+    snapshots = []
+    llm.llm_engine.add_observer(snapshots.append)
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=4, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[prompts[1]], sampling_params=params, use_tqdm=False)
+    assert [len(o.token_ids) for o in out[0].outputs] == [4, 4]
+    # 7 prompt tokens one at a time (the 7th samples both), then 3 steps of 2 decodes.
+    assert [s.num_batched_tokens for s in snapshots] == [1] * 7 + [2] * 3
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

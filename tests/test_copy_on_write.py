@@ -148,7 +148,8 @@ def _check_every_running_sequence(engine: LLMEngine, model, group: SequenceGroup
 
 def test_parallel_sampling_copies_the_prompts_last_block_and_keeps_the_original(tiny_llama):
     path, model = tiny_llama
-    engine = LLMEngine(path, block_size=BLOCK_SIZE, num_gpu_blocks=32, num_cpu_blocks=0)
+    engine = LLMEngine(path, block_size=BLOCK_SIZE, num_gpu_blocks=32, num_cpu_blocks=0,
+                       max_model_len=128)
     snapshots = []
     engine.add_observer(snapshots.append)
     prompt = [5, 17, 33, 60, 91, 120]  # 6 tokens: the last block is half full and shared

@@ -171,6 +171,151 @@ def test_a_failed_build_warns_once_and_the_reference_runs(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# Bad arguments raise a clear error (in this process: a crash would take pytest down with it)
+# ----------------------------------------------------------------------------------------------
+def bad_attention_case(problem):
+    """(operation, args) of a decode or prefill call with one thing wrong; 3 sequences of
+    5, 20 and 40 tokens, block size 16, a pool of 4 blocks, 4 heads over 2 kv heads."""
+    x = 4
+    key_cache, value_cache = torch.randn(4, 2, 64 // x, 16, x), torch.randn(4, 2, 64, 16)
+    query = torch.randn(3, 4, 64)
+    tables = torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32)
+    lens = torch.tensor([5, 20, 40], dtype=torch.int32)
+    loc = None
+    if problem == "one_table_row":
+        tables = tables[:1]
+    elif problem == "block_past_the_pool":
+        tables[0, 0] = 1000
+    elif problem == "negative_block":
+        tables[2, 1] = -3
+    elif problem == "table_too_narrow":
+        tables = tables[:, :1]
+    elif problem == "empty_context":
+        lens[1] = 0
+    elif problem == "negative_context":
+        lens[1] = -2
+    elif problem == "fewer_queries_than_seqs":
+        query = query[:2]
+    elif problem == "heads_not_a_multiple":
+        query = torch.randn(3, 3, 64)
+    elif problem == "head_size":
+        query = torch.randn(3, 4, 32)
+    elif problem == "query_dtype":
+        query = query.double()
+    elif problem == "wrong_x":
+        query, key_cache, value_cache = query.half(), key_cache.half(), value_cache.half()
+    elif problem == "value_cache_heads":
+        value_cache = value_cache[:, :1].contiguous()
+    elif problem == "value_cache_block_size":
+        value_cache = torch.randn(4, 2, 64, 8)
+    elif problem == "decreasing_query_start_loc":
+        loc = torch.tensor([0, 2, 1, 3], dtype=torch.int32)
+    elif problem == "query_start_loc_past_the_rows":
+        loc = torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+    elif problem == "more_rows_than_context":
+        loc = torch.tensor([0, 0, 1, 3], dtype=torch.int32)
+        lens = torch.tensor([0, 20, 1], dtype=torch.int32)
+    if loc is None:
+        return "paged_attention", (query, key_cache, value_cache, tables, lens, 0.125)
+    return "paged_prefill_attention", (query, key_cache, value_cache, tables, loc, lens, 0.125)
+
+
+@pytest.mark.parametrize("problem,message", [
+    ("one_table_row", "block_tables has 1 rows for 3 sequences"),
+    ("block_past_the_pool", r"block_tables\[0, 0\] = 1000 is not a block of the cache: block "
+                            r"numbers are in \[0, 4\)"),
+    ("negative_block", r"block_tables\[2, 1\] = -3 is not a block"),
+    ("table_too_narrow", "context_lens.1. = 20 needs 2 blocks of 16 tokens but block_tables has "
+                         "only 1 columns"),
+    ("empty_context", r"context_lens\[1\] = 0 .*an empty context"),
+    ("negative_context", r"context_lens\[1\] = -2 is negative"),
+    ("fewer_queries_than_seqs", "query .2, 4, 64. but context_lens has 3 entries"),
+    ("heads_not_a_multiple", "num_heads = 3 .* multiple of num_kv_heads = 2"),
+    ("head_size", "query has head size 32 but the caches hold head size 64"),
+    ("query_dtype", "query is Double but the caches are Float"),
+    ("wrong_x", "x = 16 / element size = 8 for Half, got 4"),
+    ("value_cache_heads", r"value_cache \[4, 1, 64, 16\] does not match key_cache"),
+    ("value_cache_block_size", r"value_cache \[4, 2, 64, 8\] does not match"),
+    ("decreasing_query_start_loc", "query_start_loc must not decrease"),
+    ("query_start_loc_past_the_rows", r"query_start_loc\[3\] = 5 but query has 3 rows"),
+    ("more_rows_than_context", r"context_lens\[2\] = 1 but sequence 2 has 2 query row"),
+])
+def test_bad_attention_arguments_raise_a_clear_error(kernels, problem, message):
+    op, args = bad_attention_case(problem)
+    with pytest.raises(RuntimeError, match=message):
+        getattr(kernels, op)(*args)
+
+
+def test_checks_read_only_the_blocks_in_use(kernels):
+    """Padding past a sequence's blocks may hold anything (the engine pads with 0, vLLM too);
+    a query-less sequence in prefill reads nothing at all."""
+    key_cache, value_cache, tables, lens = paged_cache([5, 40], 2, 64, 16, torch.float32)
+    tables = torch.cat([tables, torch.full((2, 3), -7, dtype=torch.int32)], dim=1)
+    tables[0, 1] = 10**6  # past sequence 0's one block
+    query = torch.randn(2, 4, 64)
+    out = kernels.paged_attention(query, key_cache, value_cache, tables, lens, 0.125)
+    ref = ops.paged_attention_ref(query, key_cache, value_cache, tables.clamp(0, 3), lens, 0.125)
+    assert max(relative_errors(out, ref, range(2))) < 1e-5
+    loc = torch.tensor([0, 0, 1], dtype=torch.int32)  # sequence 0: no new rows
+    lens0 = torch.tensor([0, 40], dtype=torch.int32)
+    out = kernels.paged_prefill_attention(query[1:], key_cache, value_cache, tables, loc, lens0,
+                                          0.125)
+    assert max(relative_errors(out, ref[1:], [slice(0, 1)])) < 1e-5
+
+
+@pytest.mark.parametrize("problem,message", [
+    ("kv_heads", "key and value have 4 kv heads but the caches hold 1"),
+    ("slot_far_past_the_pool", r"slot_mapping\[1\] = 10000000 is outside the cache's slots "
+                               r"\[0, 32\) \(2 blocks of 16 tokens\)"),
+    ("slot_just_past_the_pool", r"slot_mapping\[1\] = 32 is outside"),
+    ("slot_minus_two", r"slot_mapping\[1\] = -2 is outside .* -1 marks a token that is not"),
+    ("fewer_slots_than_tokens", "slot_mapping has 1 slots for 2 tokens"),
+    ("value_shape", r"key \[2, 1, 64\] and value \[2, 1, 32\] must both be"),
+    ("head_size", "key and value have head size 32 but the caches hold head size 64"),
+    ("dtype", "key is Half and value is Half but the caches are Float"),
+    ("caches_disagree", r"value_cache \[3, 1, 64, 16\] does not match key_cache"),
+])
+def test_bad_reshape_and_cache_arguments_raise_a_clear_error(kernels, problem, message):
+    key_cache, value_cache = torch.zeros(2, 1, 16, 16, 4), torch.zeros(2, 1, 64, 16)
+    key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    slots = torch.tensor([3, 31])
+    if problem == "kv_heads":
+        key, value = torch.randn(2, 4, 64), torch.randn(2, 4, 64)
+    elif problem == "slot_far_past_the_pool":
+        slots[1] = 10**7
+    elif problem == "slot_just_past_the_pool":
+        slots[1] = 32
+    elif problem == "slot_minus_two":
+        slots[1] = -2
+    elif problem == "fewer_slots_than_tokens":
+        slots = slots[:1]
+    elif problem == "value_shape":
+        value = torch.randn(2, 1, 32)
+    elif problem == "head_size":
+        key, value = torch.randn(2, 1, 32), torch.randn(2, 1, 32)
+    elif problem == "dtype":
+        key, value = key.half(), value.half()
+    elif problem == "caches_disagree":
+        value_cache = torch.zeros(3, 1, 64, 16)
+    before = key_cache.clone(), value_cache.clone()
+    with pytest.raises(RuntimeError, match=message):
+        kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    # refused before anything was written
+    assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
+
+
+def test_reshape_and_cache_skips_slot_minus_one_only(kernels):
+    """-1 is the padding slot (vLLM's convention): not cached. The last slot of the pool is."""
+    key_cache, value_cache = torch.zeros(2, 1, 16, 16, 4), torch.zeros(2, 1, 64, 16)
+    key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([-1, 31]))
+    assert torch.equal(value_cache[1, 0, :, 15], value[1, 0])
+    assert int(value_cache.count_nonzero()) == 64
+    with pytest.raises(ValueError, match="slot_mapping holds -2"):  # the reference agrees
+        ops.reshape_and_cache_ref(key, value, key_cache, value_cache, torch.tensor([-2, 31]))
+
+
+# ----------------------------------------------------------------------------------------------
 # The engine with the C++ op in use
 # ----------------------------------------------------------------------------------------------
 LENGTHS = [1, 17, 53, 70]  # one token, a block + 1, several blocks

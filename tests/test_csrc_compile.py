@@ -132,7 +132,8 @@ def test_binding_calls_every_launcher_and_exports_the_ops():
     assert exported == {"paged_attention", "paged_attention_plan", "paged_attention_v1_limits",
                         "reshape_and_cache", "copy_blocks", "swap_blocks"}
     # the CPU build (minipaged.cuda_on_cpu) adds the emulated device's controls only: the device
-    # number, the launch counters and the one-warp shuffle trace that lesson 05 draws
+    # number, the switch that skips the host-data checks as a GPU must, the launch counters and
+    # the one-warp shuffle trace that lesson 05 draws
     assert set(re.findall(r'm\.def\(\s*"(\w+)"', cpu_only)) == {
-        "set_device", "counters", "trace_warp", "take_warp_trace"}
+        "set_device", "set_host_checks", "counters", "trace_warp", "take_warp_trace"}
     assert "getCurrentCUDAStream" in text and "CUDAGuard" in text

@@ -6,9 +6,14 @@ lanes, shared memory sized as on an H100 (or an A100: ``set_device(1)``).
 
 Attention is compared per sequence (error relative to that sequence's output norm, N(0,1)
 inputs), with NaN in every cache slot a sequence must not read (the tail of its last block,
-unused blocks) and padding block-table entries that point at a NaN block. The default run covers
-every dtype, block size, head size, head layout and kernel version, pairwise (each pair of values
-appears in some case); ``MINIPAGED_FULL_MATRIX=1`` runs the full product (324 cases, slow).
+unused blocks) and padding block-table entries that point at a NaN block.
+
+The matrix: 3 dtypes x 3 block sizes x 6 head sizes x 3 head layouts (MHA, GQA, MQA) x 2 kernel
+versions = 324 combinations, each with 6 context lengths (1, block - 1, block, block + 1, 300,
+600). The default run takes 18 of them, pairwise (every pair of values of two factors appears in
+some case), plus targeted cases (4096 tokens, both sides of the shared-memory limits, ...);
+``MINIPAGED_FULL_MATRIX=1`` runs all 324 (slow). ``pytest -s`` prints the matrix size and the
+worst per-sequence relative error per dtype (``test_report_worst_error_per_dtype``).
 """
 import itertools
 import math
@@ -29,7 +34,8 @@ HEAD_SIZES = [64, 80, 96, 112, 128, 256]
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}  # (num_heads, num_kv_heads)
 VERSIONS = [1, 2]
 FULL = os.environ.get("MINIPAGED_FULL_MATRIX", "") not in ("", "0")
-WORST = {}  # dtype -> worst per-sequence error seen (printed by the last test)
+WORST = {}  # dtype -> worst per-sequence error seen (printed by test_report_worst_error_per_dtype)
+CHECKED = {}  # dtype -> attention cases checked
 
 
 def dtype_id(dtype):
@@ -114,6 +120,7 @@ def check(kernels, head_size, block_size, dtype, num_heads, num_kv_heads, lens, 
     assert not out.isnan().any(), "NaN reached the output (unused slot, padding, or unwritten)"
     err = per_sequence_error(out, ref)
     WORST[dtype] = max(WORST.get(dtype, 0.0), err)
+    CHECKED[dtype] = CHECKED.get(dtype, 0) + 1
     assert err < TOLERANCE[dtype], f"per-sequence relative error {err:.2e}"
     return out
 
@@ -223,7 +230,7 @@ def test_value_cache_with_its_own_strides(kernels):
     ("heads", "multiple of num_kv_heads"),
     ("misaligned", "16-byte"),
     ("narrow_table", "columns"),
-    ("empty_context", "outside"),
+    ("empty_context", r"context_lens\[1\] = 0"),
     ("longer_than_max", "outside"),
     ("bad_block", "not a block"),
     ("too_many_seqs", "65535"),
@@ -251,9 +258,49 @@ def test_bad_inputs_raise_clear_errors(kernels, problem, message):
         query = torch.randn(n, 4, 64).to(torch.float16)
         tables = tables[:1].expand(n, -1).contiguous()
         lens = torch.full((n,), 5, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=message):
+    # (the Python wrapper refuses an empty context in host lengths itself: a ValueError)
+    with pytest.raises((RuntimeError, ValueError), match=message):
         kernels.paged_attention(query, key_cache, value_cache, tables, lens, scale,
                                 max_context_len=max_len)
+
+
+def test_an_empty_context_in_host_lengths_is_refused_by_wrapper_and_binding(kernels):
+    clean, _ = make_inputs(64, 16, torch.float16, 4, 2, [20, 9])
+    query, key_cache, value_cache, tables, _, scale = clean
+    lens = torch.tensor([20, 0], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = 0: every sequence's context"):
+        kernels.paged_attention(query, key_cache, value_cache, tables, lens, scale)
+    out = torch.empty(query.shape, dtype=query.dtype)
+    with pytest.raises(RuntimeError, match=r"context_lens\[1\] = 0 is outside \[1, "):
+        kernels.module.paged_attention(out, query, key_cache, value_cache, tables, lens, scale,
+                                       20, 0)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_without_host_checks_empty_contexts_give_zeros_and_broken_promises_nan(kernels,
+                                                                              version):
+    """What the kernels do on a GPU, where the binding does not read the lengths back (the CPU
+    build's host checks switched off): an empty context gives zeros (vLLM's answer; not
+    0 / 0 = NaN), a negative one or one longer than the max_context_len the caller promised
+    gives NaN, loudly, and every other sequence of the batch is right."""
+    lens, max_len, too_long = ([40, 0, 30, 7], 32, 0) if version == 1 else ([40, 0, 600, 7],
+                                                                              512, 2)
+    clean, poisoned = make_inputs(64, 16, torch.float32, 4, 2, lens, seed=11)
+    ref = paged_attention_ref(*clean)
+    query, key_cache, value_cache, tables, lens_t, scale = poisoned
+    lens_t = lens_t.clone()
+    lens_t[3] = -5  # negative: NaN too
+    out = torch.full(query.shape, 7.0)
+    kernels.module.set_host_checks(False)
+    try:
+        kernels.module.paged_attention(out, query, key_cache, value_cache, tables, lens_t, scale,
+                                       max_len, version)
+    finally:
+        kernels.module.set_host_checks(True)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[too_long].isnan().all() and out[3].isnan().all()
+    fine = [s for s in range(4) if s not in (1, 3, too_long)]
+    assert per_sequence_error(out[fine], ref[fine]) < 1e-5
 
 
 def test_unsupported_head_size_falls_back_to_the_reference(kernels):
@@ -291,6 +338,16 @@ def test_reshape_and_cache_is_exact(kernels, dtype, head_size, block_size):
     assert torch.equal(value_cache.view(torch.uint8), expected_v.view(torch.uint8))
 
 
+@pytest.mark.parametrize("slot,message", [(32, r"slot_mapping\[1\] = 32 is outside"),
+                                          (-2, r"slot_mapping\[1\] = -2 is outside")])
+def test_reshape_and_cache_refuses_a_slot_outside_the_pool(kernels, slot, message):
+    key_cache, value_cache = torch.zeros(2, 1, 16, 16, 4), torch.zeros(2, 1, 64, 16)
+    key, value = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([-1, slot]))
+    assert key_cache.count_nonzero() == 0 and value_cache.count_nonzero() == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_copy_and_swap_blocks_are_exact(kernels, dtype):
     gen = torch.Generator().manual_seed(3)
@@ -314,10 +371,30 @@ def test_copy_and_swap_blocks_are_exact(kernels, dtype):
     assert cpu_pool[1:3].count_nonzero() == 0
 
 
+def test_copy_blocks_past_the_grid_limit_of_65535_pairs(kernels):
+    """The pairs sit on gridDim.y (at most 65535): more are copied in several launches."""
+    n = 65535 + 2
+    keys = [torch.zeros(2 * n, 1, 1, 1, 4)]  # one 16-byte key block: quick to emulate
+    values = [torch.zeros(2 * n, 1, 4, 1)]
+    keys[0][:n] = torch.arange(n, dtype=torch.float32)[:, None, None, None, None] + 1
+    values[0][:n] = -keys[0][:n].view(n, 1, 4, 1)
+    before = kernels.module.counters()[0]
+    kernels.copy_blocks(keys, values, {i: [n + i] for i in range(n)})
+    assert kernels.module.counters()[0] - before == 2  # 65535 pairs, then 2
+    assert torch.equal(keys[0][n:], keys[0][:n]) and torch.equal(values[0][n:], values[0][:n])
+
+
 def test_report_worst_error_per_dtype():
-    """Not a check: prints the worst per-sequence error seen per dtype (pytest -s shows it)."""
-    for dtype, err in sorted(WORST.items(), key=lambda kv: str(kv[0])):
-        print(f"worst per-sequence relative error {dtype_id(dtype)}: {err:.2e}")
+    """Not a check: prints the matrix size and the worst per-sequence error per dtype of the
+    cases run before it (``pytest -s`` shows it)."""
+    total = len(DTYPES) * len(BLOCK_SIZES) * len(HEAD_SIZES) * len(HEADS) * len(VERSIONS)
+    mode = "full" if FULL else "pairwise (MINIPAGED_FULL_MATRIX=1 runs all)"
+    print(f"\nCUDA-on-CPU attention matrix: {len(MATRIX)} of {total} combinations, {mode}; "
+          f"{sum(CHECKED.values())} attention cases checked with the targeted ones")
+    for dtype in DTYPES:
+        if dtype in WORST:
+            print(f"worst per-sequence relative error {dtype_id(dtype):>8}: {WORST[dtype]:.2e} "
+                  f"over {CHECKED[dtype]} cases (tolerance {TOLERANCE[dtype]:.0e})")
 
 
 def test_recorded_shuffles_of_one_warp_match_the_emulator(kernels):

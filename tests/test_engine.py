@@ -50,7 +50,8 @@ def test_greedy_batch_matches_transformers_prompt_by_prompt(cases, kind):
 def test_tiny_pool_forces_recompute_and_changes_nothing(cases, kind):
     path, prompts, refs = cases[kind]
     # The longest request needs ceil((75 + 48) / 16) = 8 blocks; 12 blocks can't hold them all.
-    llm, outs = run(path, prompts, num_gpu_blocks=12, watermark=0.0)
+    # (12 blocks hold 192 tokens, less than the model's 256: max_model_len must say so.)
+    llm, outs = run(path, prompts, num_gpu_blocks=12, watermark=0.0, max_model_len=192)
     assert [o.outputs[0].token_ids for o in outs] == refs
     engine = llm.llm_engine
     assert engine.stats.num_preemptions_recompute > 0
@@ -112,12 +113,14 @@ def test_generation_stops_at_the_models_maximum_length(tmp_path):
                        sampling_params=SamplingParams(temperature=0, max_tokens=8,
                                                       ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
-    # A pool of 4 blocks of 8 tokens cannot hold a sequence of max_model_len = 40 tokens: asked
-    # for explicitly, that is refused at construction; left to default, the engine's maximum
-    # length becomes the 32 tokens the pool holds.
-    with pytest.raises(ValueError, match=r"needs 5 blocks of 8 tokens, the pool has 4 blocks"):
-        LLM(str(tmp_path), block_size=8, num_gpu_blocks=4, max_model_len=40)
-    small = LLM(str(tmp_path), block_size=8, num_gpu_blocks=4)
+    # A pool of 4 blocks of 8 tokens cannot hold a sequence of the model's 40 tokens: that is
+    # refused at construction, whether max_model_len = 40 is asked for or left to the model,
+    # and the message says what would fit.
+    for kwargs in (dict(max_model_len=40), {}):
+        with pytest.raises(ValueError, match=r"needs 5 blocks of 8 tokens, the pool has 4 blocks"
+                                             r".*pass max_model_len=32 or a larger pool"):
+            LLM(str(tmp_path), block_size=8, num_gpu_blocks=4, **kwargs)
+    small = LLM(str(tmp_path), block_size=8, num_gpu_blocks=4, max_model_len=32)
     assert small.llm_engine.max_model_len == 32
     capped = small.generate(prompt_token_ids=[list(range(2, 32))], use_tqdm=False,
                             sampling_params=SamplingParams(max_tokens=20, ignore_eos=True))

@@ -9,7 +9,7 @@ import pytest
 
 from minipaged.exercises import ExerciseFailed, NotDone, not_done, solutions as S
 from minipaged.exercises import (lesson01, lesson02, lesson03, lesson04, lesson05, lesson06,
-                                 lesson07)
+                                 lesson07, lesson08, lesson09)
 
 
 # ---- plausible wrong answers -------------------------------------------------------------------
@@ -119,6 +119,65 @@ def cached_tokens_unchained(prompt, cached_names, block_size):
                             in cached_names for i in blocks)
 
 
+def lane_chunks_side_by_side(lane, head_size, block_size, x):
+    group_size = max(32 // block_size, 1)  # a lane's chunks next to each other, not strided
+    num_chunks = head_size // x
+    per_lane = -(-num_chunks // group_size)
+    first = lane % group_size * per_lane
+    return lane // group_size, [c for c in range(first, first + per_lane) if c < num_chunks]
+
+
+def lane_chunks_past_the_key(lane, head_size, block_size, x):
+    group_size = max(32 // block_size, 1)
+    per_lane = -(-(head_size // x) // group_size)  # forgets `if (c < NUM_K_CHUNKS)`
+    return lane // group_size, [lane % group_size + k * group_size for k in range(per_lane)]
+
+
+def delta_without_holdback(sent, text, finished, stop_strings):
+    return text[len(sent):]  # sends what a stop string may still cut off
+
+
+def delta_holding_back_at_the_end(sent, text, finished, stop_strings):
+    holdback = max((len(s) for s in stop_strings), default=1) - 1  # even once finished
+    return text[len(sent):max(len(sent), len(text) - holdback)]
+
+
+def metric_by_prefix(metrics_text, name):
+    for line in metrics_text.splitlines():
+        if line.startswith(name):  # minipaged_num_steps matches minipaged_num_steps_total
+            return float(line.split()[-1])
+    return None
+
+
+def metric_ignoring_labels(metrics_text, name):
+    for line in metrics_text.splitlines():
+        if not line.startswith("#") and line.split("{")[0].split()[0] == name.split("{")[0]:
+            return float(line.split()[-1])  # the first label value, whichever was asked
+    return None
+
+
+def shard_ignoring_fused_parts(weight, kind, rank, world_size, parts=None):
+    dim = 0 if kind == "column" else 1  # the r-th slice of the whole [q | k | v]
+    per_rank = weight.shape[dim] // world_size
+    return weight.narrow(dim, rank * per_rank, per_rank)
+
+
+def shard_on_the_wrong_dimension(weight, kind, rank, world_size, parts=None):
+    return S.shard_weight(weight, "row" if kind == "column" else "column", rank, world_size,
+                          parts if kind == "row" else None)
+
+
+def row_parallel_bias_on_every_rank(x, weight, bias, world_size):
+    partials, _ = S.row_parallel(x, weight, bias, world_size)
+    partials = [p + bias for p in partials]
+    return partials, sum(partials)
+
+
+def row_parallel_without_the_all_reduce(x, weight, bias, world_size):
+    partials, _ = S.row_parallel(x, weight, bias, world_size)
+    return partials, partials[0] + bias  # rank 0's partial sum alone
+
+
 CHECKS = [
     (lesson01.check_bytes_per_token, S.bytes_per_token, [bytes_without_v]),
     (lesson01.check_reservation_slots, S.reservation_slots, [reservation_no_internal]),
@@ -131,11 +190,20 @@ CHECKS = [
     (lesson04.check_resume_and_admit, S.resume_and_admit, [admit_while_swapped]),
     (lesson05.check_warp_reduce, S.warp_reduce, [reduce_missing_a_mask]),
     (lesson05.check_key_offset, S.key_offset, [naive_key_offset]),
+    (lesson05.check_lane_key_chunks, S.lane_key_chunks,
+     [lane_chunks_side_by_side, lane_chunks_past_the_key]),
     (lesson06.check_flat_batch, S.flat_batch, [decode_position_off_by_one]),
     (lesson06.check_slot_mapping, S.slot_mapping, [batch_in_schedule_order]),
     (lesson07.check_block_hash, S.block_hash, [hash_ignoring_parent, hash_of_the_sum]),
     (lesson07.check_cached_tokens, S.cached_tokens,
      [cached_tokens_with_the_last_block, cached_tokens_unchained]),
+    (lesson08.check_stream_delta, S.stream_delta,
+     [delta_without_holdback, delta_holding_back_at_the_end]),
+    (lesson08.check_metric_value, S.metric_value, [metric_by_prefix, metric_ignoring_labels]),
+    (lesson09.check_shard_weight, S.shard_weight,
+     [shard_ignoring_fused_parts, shard_on_the_wrong_dimension]),
+    (lesson09.check_row_parallel, S.row_parallel,
+     [row_parallel_bias_on_every_rank, row_parallel_without_the_all_reduce]),
 ]
 # Each case carries its lesson's marker: `pytest -m lesson03` runs lesson 03's checkers.
 CHECKS = [pytest.param(*case, id=case[0].__name__,
@@ -211,3 +279,7 @@ def test_block_manager_replay_of_lesson_01_trace_agrees_with_the_paged_model():
     assert real.slot_steps["used"] > 0 and real.slot_steps["internal"] > 0
     assert abs(real.waste_fraction - model.waste_fraction) < 0.01
     assert real.slot_steps["internal"] <= 15 * real.max_running * real.num_steps
+    # Lesson 01's memory map of the paged pool is drawn from the block tables of one step.
+    assert sum(n for _, n in real.layout) == real.capacity
+    assert real.layout_step == model.layout_step and {k for k, _ in real.layout} <= {
+        "used", "internal", "free"}

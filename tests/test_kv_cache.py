@@ -55,7 +55,7 @@ def test_requests_that_cannot_fit_are_refused():
 
 def test_generation_without_a_cache_gives_the_same_tokens_with_more_work(tiny_llama):
     path, _ = tiny_llama
-    llm = LLM(path, block_size=4, num_gpu_blocks=32, num_cpu_blocks=0)
+    llm = LLM(path, block_size=4, num_gpu_blocks=32, num_cpu_blocks=0, max_model_len=128)
     prompt = [5, 9, 14, 20, 33]
     assert kv.greedy_with_cache(llm, prompt, 6) == kv.greedy_without_cache(llm, prompt, 6)
     assert kv.kv_vectors_computed(5, 6, cached=True) == 10

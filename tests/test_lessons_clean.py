@@ -24,13 +24,38 @@ def test_lesson_has_no_outputs_or_execution_counts(path):
                        f"them (jupyter nbconvert --clear-output --inplace {path.name})")
 
 
-# Lesson 05 moves to show_source when its exercises land (another round).
-@pytest.mark.parametrize("path", [p for p in LESSONS if not p.name.startswith("05_")],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
 def test_lesson_source_listings_are_parts_of_at_most_40_lines(path):
-    """Lessons show the package's code through show_source, which keeps a listing to 40 lines,
-    never a whole long function."""
+    """Lessons show the package's code through show_source and the kernels' through
+    show_file_part, which keep a listing to 40 lines, never a whole long function or file."""
     notebook = json.loads(path.read_text())
-    code = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
+    code = "".join("".join(c["source"]) + "\n" for c in notebook["cells"]
+                   if c["cell_type"] == "code")
     assert "inspect.getsource" not in code, "use show_source (it limits the listing's length)"
-    assert not re.search(r"^def show\(", code, re.M), "import show_source instead of a local show"
+    assert not re.search(r"^def show(_cuda|_code|_file)?\(", code, re.M), \
+        "import show_source / show_file_part instead of a local listing function"
+    assert not re.search(r"\bCode\(", code), \
+        "a listing of its own (IPython's Code) has no length limit: use show_source / show_file_part"
+
+
+def _file_part_calls(code: str):
+    """(path, start, end) of every show_file_part call whose arguments are string literals (or
+    a module-level NAME = "path" of the notebook)."""
+    names = dict(re.findall(r'^(\w+) = "([^"]+)"', code, re.M))
+    for path, start, end in re.findall(
+            r'show_file_part\((\w+|"[^"]+"),\s*"((?:[^"\\]|\\.)*)"(?:,\s*"((?:[^"\\]|\\.)*)")?',
+            code):
+        yield names.get(path, path.strip('"')), start, end or None
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_file_listings_fit_without_being_cut(path):
+    """Every part of a file a lesson lists exists, and fits in 40 lines (nothing cut off)."""
+    from visualizer.source import MAX_LINES, file_part
+
+    notebook = json.loads(path.read_text())
+    code = "".join("".join(c["source"]) + "\n" for c in notebook["cells"]
+                   if c["cell_type"] == "code")
+    for file, start, end in _file_part_calls(code):
+        lines = file_part(file, start, end).splitlines()
+        assert len(lines) <= MAX_LINES, f"{file} from {start!r} to {end!r}: {len(lines)} lines"

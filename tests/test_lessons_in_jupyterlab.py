@@ -18,8 +18,10 @@ import pytest
 from process_helpers import chromium_path, free_port, launch_chromium, running_process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Every lesson. 08 starts an HTTP server (uvicorn in a thread of the kernel, on a free port of
+# 127.0.0.1) and its clients inside the notebook; 09 builds tensor-parallel shards in the kernel.
 LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "05_kernel", "06_engine",
-           "07_prefix_caching"]
+           "07_prefix_caching", "08_serving", "09_tensor_parallel"]
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +39,12 @@ def lab(tmp_path_factory):
     settings = work / "settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    # No "Would you like to get notified about Jupyter news?" toast over the outputs (and no
+    # request to the news feed: nothing outside 127.0.0.1 is reached).
+    notification = work / "settings" / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True)
+    (notification / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false", "checkForUpdates": false}')
     env = dict(os.environ, MINIPAGED_SOLUTIONS="1", JUPYTER_PLATFORM_DIRS="1",
                JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

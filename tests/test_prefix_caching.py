@@ -155,7 +155,8 @@ def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def run(path, prompts, params, hash_fn=None, **kwargs):
-    engine = LLMEngine(path, block_size=8, **kwargs)
+    # max_model_len: what the small pools (16 blocks of 8 tokens) hold, not the model's 256.
+    engine = LLMEngine(path, block_size=8, max_model_len=128, **kwargs)
     if hash_fn is not None:
         engine.block_manager.prefix_cache.hash_fn = hash_fn
     # Some requests arrive after the first ones have run, when their prefix is cached.
@@ -223,7 +224,7 @@ def test_forced_hash_collisions_never_change_the_outputs(tiny_llama):
 def test_stats_count_cached_prompt_tokens_and_evictions(tiny_llama):
     path, _ = tiny_llama
     system = list(range(100, 132))  # 4 blocks of 8
-    engine = LLMEngine(path, block_size=8, num_gpu_blocks=8, num_cpu_blocks=0)
+    engine = LLMEngine(path, block_size=8, num_gpu_blocks=8, num_cpu_blocks=0, max_model_len=64)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i in range(3):  # one after another: each finds the system prompt cached
         engine.add_request(str(i), None, params, system + [i + 2, i + 3])

@@ -26,7 +26,7 @@ def url(tmp_path_factory):
 
 def test_streamed_and_whole_answers_equal_offline_llm(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    llm = LLM(num_gpu_blocks=64)
+    llm = LLM(num_gpu_blocks=64, max_model_len=1024)  # (64 blocks of 16 tokens)
     params = SamplingParams(temperature=0, max_tokens=10)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     offline_chat = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
@@ -106,3 +106,25 @@ def test_a_client_that_disconnects_while_waiting_leaves_the_queue(url):
             t.join(60)
     wait_for_metrics(url, lambda m: m["minipaged_gpu_blocks_used"] == 0
                      and m["minipaged_num_requests_running"] == 0, timeout=20)
+
+
+def test_the_default_chat_length_fits_three_sequences_in_the_default_pool():
+    """The default server (1 GiB of KV blocks on the CPU) and a chat request with n = 3 and no
+    max_tokens: "what the context leaves" (8,000+ tokens each) would never fit the pool."""
+    from dataclasses import replace
+
+    from minipaged.engine import LLMEngine
+    from minipaged.server import _chat_prompt_ids, _max_tokens
+
+    engine = LLMEngine()
+    ids = _chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "Hi!"}])
+    params = SamplingParams(n=3, temperature=0.7)
+    left = engine.max_model_len - len(ids)
+    with pytest.raises(ValueError, match="can never fit in the KV pool"):
+        engine.validate_request(ids, replace(params, max_tokens=left))
+    max_tokens = _max_tokens(engine, None, None, len(ids), params, "messages")
+    assert left // 2 < max_tokens < left
+    engine.validate_request(ids, replace(params, max_tokens=max_tokens))  # accepted
+    with pytest.raises(ValueError, match="can never fit in the KV pool"):
+        engine.validate_request(ids, replace(params, max_tokens=max_tokens + 1))  # the most
+    assert _max_tokens(engine, None, None, len(ids), SamplingParams(), "messages") == left

@@ -20,6 +20,8 @@ WIDTH = 3
 # A beam group of a 6-token prompt + 12 tokens can hold up to 1 + 3 * 4 = 13 blocks of 4 tokens:
 # one group fits in 16 blocks, two do not.
 SMALL_POOL = 16
+# The most tokens one sequence may reach: what the small pool holds (not the model's 256).
+MAX_MODEL_LEN = SMALL_POOL * BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def _sample():
 
 
 def _run(path, prompts, params, **engine_kwargs):
-    llm = LLM(path, block_size=BLOCK_SIZE, **engine_kwargs)
+    llm = LLM(path, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, **engine_kwargs)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     return llm, outputs
 
@@ -134,7 +136,7 @@ def test_nothing_new_is_admitted_while_a_group_is_swapped_out(tiny_llama, prompt
     path, _ = tiny_llama
     # Three beam groups run at once at most, so the others wait in the queue.
     llm = LLM(path, block_size=BLOCK_SIZE, num_gpu_blocks=SMALL_POOL, num_cpu_blocks=64,
-              max_num_seqs=3 * WIDTH)
+              max_num_seqs=3 * WIDTH, max_model_len=MAX_MODEL_LEN)
     snapshots = []
     llm.llm_engine.add_observer(snapshots.append)
     # Twice the prompts: while the first ones are swapped out, the later ones wait.

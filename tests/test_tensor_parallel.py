@@ -17,13 +17,13 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.models.gpt2 import GPT2Attention
 from minipaged.models.parallel_layers import copy_shard_from, tensor_parallel_state
-from minipaged.parallel import WorkerError, shard_weight_bytes
+from minipaged.parallel import WorkerError, memory_per_rank, shard_weight_bytes
 from tiny_models import make_config, pick_prompts, save_tiny_model
 
 NEW_TOKENS = 10
 # Small pools force preemption; "swap" makes the workers swap their blocks out and back in.
 ENGINE = dict(block_size=4, num_gpu_blocks=14, num_cpu_blocks=64, preemption_mode="swap",
-              seed=0)
+              seed=0, max_model_len=56)  # (the 14 blocks hold 56 tokens, not the model's 256)
 
 
 def _alive(pid: int) -> bool:
@@ -68,13 +68,14 @@ def gpt2_6_heads(tmp_path_factory):
     return str(path), save_tiny_model("gpt2", path, n_head=6, n_embd=96)
 
 
-def _run_both(path, model, world_size):
+def _run_both(path, model, world_size, **engine):
     """The workload on one rank and on ``world_size`` ranks; the workers stop afterwards."""
     prompts, params = _workload(model)
-    single = LLM(path, **ENGINE)
+    engine = {**ENGINE, **engine}
+    single = LLM(path, **engine)
     reference = single.generate(prompt_token_ids=prompts, sampling_params=params,
                                 use_tqdm=False)
-    parallel = LLM(path, tensor_parallel_size=world_size, **ENGINE)
+    parallel = LLM(path, tensor_parallel_size=world_size, **engine)
     outputs = parallel.generate(prompt_token_ids=prompts, sampling_params=params,
                                 use_tqdm=False)
     yield single, reference, parallel, outputs, (prompts, params)
@@ -89,6 +90,13 @@ def llama_runs(tiny_llama):
 @pytest.fixture(scope="module")
 def gpt2_runs(gpt2_6_heads):
     yield from _run_both(*gpt2_6_heads, 3)
+
+
+@pytest.fixture(scope="module")
+def gpt2_two_ranks(tiny_gpt2):
+    """GPT-2 (4 heads) on two ranks, preempted by recompute: the prompts run again on the
+    workers, into blocks the driver hands out anew."""
+    yield from _run_both(*tiny_gpt2, 2, preemption_mode="recompute")
 
 
 # -- no processes --------------------------------------------------------------------------------
@@ -155,6 +163,30 @@ def test_gpt2_on_three_ranks_matches_one_rank(gpt2_runs):
     memory = parallel.llm_engine.workers.memory_per_rank()
     config = parallel.llm_engine.hf_config
     assert [m["weights"] for m in memory] == [shard_weight_bytes(config, 3, r) for r in range(3)]
+
+
+def test_gpt2_on_two_ranks_matches_one_rank_with_recompute_preemption(gpt2_two_ranks):
+    single, reference, parallel, outputs, (prompts, params) = gpt2_two_ranks
+    _assert_same_outputs(reference, outputs)
+    for ref, out, p in zip(reference, outputs, params):  # the greedy tokens, exactly
+        if p.temperature == 0:
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert len(out.outputs[0].token_ids) == NEW_TOKENS
+    stats, single_stats = parallel.llm_engine.stats, single.llm_engine.stats
+    assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
+    assert stats.num_preemptions_recompute == single_stats.num_preemptions_recompute
+    assert stats.num_steps == single_stats.num_steps
+    memory = parallel.llm_engine.workers.memory_per_rank()
+    config = parallel.llm_engine.hf_config
+    assert [m["weights"] for m in memory] == [shard_weight_bytes(config, 2, r) for r in range(2)]
+    # each rank holds every block, for half of the heads
+    assert [m["kv_cache"] for m in memory] == [ENGINE["num_gpu_blocks"]
+                                               * parallel.llm_engine.block_bytes] * 2
+    assert 2 * parallel.llm_engine.block_bytes == single.llm_engine.block_bytes
+    assert memory_per_rank(parallel.llm_engine) == memory
+    assert memory_per_rank(single.llm_engine) == [{  # one rank: the whole model, every head
+        "weights": shard_weight_bytes(config, 1, 0),
+        "kv_cache": ENGINE["num_gpu_blocks"] * single.llm_engine.block_bytes}]
 
 
 def test_a_killed_worker_raises_instead_of_hanging(gpt2_runs):

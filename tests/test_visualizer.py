@@ -361,7 +361,7 @@ def test_event_player_moves_through_the_recording():
 @pytest.mark.lesson03
 def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
     path, _ = tiny_llama
-    llm = LLM(path, block_size=4, num_gpu_blocks=64, num_cpu_blocks=8)
+    llm = LLM(path, block_size=4, num_gpu_blocks=64, num_cpu_blocks=8, max_model_len=128)
     recorder = EventRecorder.for_engine(llm.llm_engine)
     params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=6,
                             ignore_eos=True)
@@ -394,7 +394,7 @@ def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny
     from visualizer.widgets import LiveBlockTableView
 
     path, _ = tiny_llama
-    llm = LLM(path, block_size=4, num_gpu_blocks=12, num_cpu_blocks=12)
+    llm = LLM(path, block_size=4, num_gpu_blocks=12, num_cpu_blocks=12, max_model_len=48)
     engine = llm.llm_engine
     view = LiveBlockTableView(engine, show_scheduler=True)
     assert view.num_redraws == 0
@@ -443,7 +443,7 @@ def test_engine_never_imports_the_visualizer_or_ipywidgets():
 @pytest.mark.lesson03
 def test_fork_tree_names_every_node_once(tiny_llama):
     path, _ = tiny_llama
-    llm = LLM(path, block_size=4, num_gpu_blocks=64, num_cpu_blocks=8)
+    llm = LLM(path, block_size=4, num_gpu_blocks=64, num_cpu_blocks=8, max_model_len=128)
     recorder = EventRecorder.for_engine(llm.llm_engine)
     params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=6,
                             ignore_eos=True)
@@ -481,7 +481,7 @@ def test_step_player_slider_shows_the_engine_step_number(tiny_llama):
     from visualizer.widgets import StepPlayer
 
     path, _ = tiny_llama
-    llm = LLM(path, block_size=4, num_gpu_blocks=12)
+    llm = LLM(path, block_size=4, num_gpu_blocks=12, max_model_len=48)
     snaps = []
     llm.llm_engine.add_observer(snaps.append)
     llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(

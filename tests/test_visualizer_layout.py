@@ -78,7 +78,7 @@ def test_block_tables_with_large_block_numbers_and_shared_blocks():
     from minipaged.dry_run import DryRun
     run = DryRun(block_size=16, num_gpu_blocks=1456)
     run.block_manager.gpu_allocator.free_blocks.reverse()  # hand out blocks #1455, #1454, ...
-    group = run.add_request(list(range(40)), n=3)
+    run.add_request(list(range(40)), n=3)
     run.step()
     run.step()
     assert_clean_layout(render_block_tables(run.block_manager.snapshot(), title="shared"),
@@ -152,3 +152,142 @@ def test_show_source_keeps_listings_to_40_lines(monkeypatch):
     assert all(n <= source.MAX_LINES + 2 for n in lengths), lengths
     assert "more lines" in shown[-1].data
     assert "# 1." in shown[0].data and "# 2." not in shown[0].data
+
+
+def random_cached_runs(seed: int, steps: int):
+    """Block-manager states of random traffic with prefix caching on: prompts start with one of
+    two shared system prompts, so full blocks become cached, shared by hash, evictable (their
+    requests finished) and evicted (a later allocation needed them)."""
+    from minipaged.block_manager import BlockSpaceManager
+    from minipaged.scheduler import Scheduler, SchedulerConfig
+
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    num_gpu_blocks = rng.choice([12, 24, 40])
+    mode = rng.choice(["swap", "recompute"])
+    traffic = RandomTraffic(rng, block_size, num_gpu_blocks, preemption_mode=mode)
+    traffic.block_manager = traffic.bm = BlockSpaceManager(
+        block_size, num_gpu_blocks, 4 * num_gpu_blocks, watermark=0.0, enable_caching=True)
+    traffic.scheduler = Scheduler(SchedulerConfig(preemption_mode=mode), traffic.bm)
+    systems = [[rng.randrange(1000) for _ in range(rng.randint(1, 3) * block_size)]
+               for _ in range(2)]
+    for _ in range(steps):
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            question = [rng.randrange(1000) for _ in range(rng.randint(1, 2 * block_size))]
+            traffic.add_request(rng.choice(systems) + question)
+        outs = traffic.scheduler.schedule()
+        yield traffic
+        traffic.after_model(outs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_tables_with_cached_and_evictable_blocks_have_clean_labels(seed):
+    seen = {"cached": 0, "evictable": 0, "shared": 0}
+    for traffic in random_cached_runs(seed, 16):
+        snap = traffic.bm.snapshot()
+        for b in snap["gpu_blocks"]:
+            seen["cached"] += b["cached"] and b["ref_count"] > 0
+            seen["evictable"] += b["evictable"]
+            seen["shared"] += b["ref_count"] > 1
+        svg = render_block_tables(snap, title=f"prefix caching, seed {seed}")
+        assert_clean_layout(svg, "block tables with a prefix cache")
+        assert float(ET.fromstring(svg).get("width")) <= 800
+    assert all(seen.values()), seen  # the states really held every kind of block
+
+
+def _looks_of_the_legend(root):
+    looks = {}
+    for entry in root.iter(NS + "g"):
+        if entry.get("class") == "legend-entry":
+            swatch = entry.find(NS + "rect")
+            looks[entry.get("data-kind")] = (swatch.get("fill"), swatch.get("stroke"),
+                                             swatch.get("stroke-dasharray"))
+    return looks
+
+
+def _blocks(root, kind):
+    return [g for g in root.iter(NS + "g") if kind in (g.get("class") or "").split()]
+
+
+def _rect(block, cls):
+    return next(r for r in block.iter(NS + "rect") if r.get("class") == cls)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cached_and_evictable_blocks_are_coloured_as_the_legend_says(seed):
+    checked = {"cached": 0, "evictable": 0, "free": 0, "shared": 0}
+    for traffic in random_cached_runs(seed, 16):
+        snap = traffic.bm.snapshot()
+        root = ET.fromstring(render_block_tables(snap, max_pool_blocks=1000))
+        looks = _looks_of_the_legend(root)
+        assert set(looks) == {"cached", "evictable", "free", "shared"}
+        by_number = {b["block_number"]: b for b in snap["gpu_blocks"]}
+        for block in _blocks(root, "physical-block"):
+            if block.get("data-device") != "gpu":
+                continue
+            info = by_number[int(block.get("data-block"))]
+            classes = block.get("class").split()
+            assert ("cached-block" in classes) == info["cached"]
+            assert ("evictable-block" in classes) == info["evictable"]
+            mark = next((t for t in block.iter(NS + "text") if t.get("class") == "cached-mark"),
+                        None)
+            if info["cached"]:
+                kind = "evictable" if info["evictable"] else "cached"
+                fill, stroke, _ = looks[kind]
+                assert _rect(block, "cached-outline").get("stroke") == stroke
+                assert mark is not None and mark.text == kind and mark.get("fill") == stroke
+                assert block.get("data-hash") == str(info["block_hash"])
+                if kind == "evictable":  # free, so filled like a free block, outlined in green
+                    assert _rect(block, "block-body").get("fill") == fill
+                checked[kind] += 1
+            else:
+                assert mark is None
+            if info["ref_count"] == 0 and not info["cached"]:
+                body = _rect(block, "block-body")
+                assert (body.get("fill"), body.get("stroke")) == looks["free"][:2]
+                checked["free"] += 1
+            if info["ref_count"] > 1:
+                outline = _rect(block, "block-outline")
+                assert (outline.get("stroke"), outline.get("stroke-dasharray")) == (
+                    looks["shared"][1], looks["shared"][2])
+                checked["shared"] += 1
+    assert looks["cached"][1] == looks["evictable"][1] != looks["free"][1]  # green, not grey
+    assert all(checked.values()), checked
+
+
+def test_block_tables_fit_a_jupyterlab_output_area():
+    """A 48-block pool (lesson 07) and a 1456-block one (drawn compactly) stay within 800 px, and
+    every pool block of the drawing lies inside it."""
+    from minipaged.dry_run import DryRun
+
+    for num_blocks, limit in ((48, 128), (1456, 24)):
+        run = DryRun(block_size=16, num_gpu_blocks=num_blocks)
+        run.add_request(list(range(40)), n=2)
+        run.step()
+        root = ET.fromstring(render_block_tables(run.block_manager.snapshot(),
+                                                 title="a pool that wraps",
+                                                 max_pool_blocks=limit))
+        width = float(root.get("width"))
+        assert width <= 800
+        for block in _blocks(root, "physical-block"):
+            body = next(block.iter(NS + "rect"))
+            assert float(body.get("x")) + float(body.get("width")) <= width
+
+
+def test_views_with_server_request_ids_have_clean_labels():
+    """The server names requests 'chatcmpl-<32 hex digits>-0': the badges and the sequence labels
+    shorten them instead of writing over the next column or the pool."""
+    from minipaged.dry_run import DryRun
+
+    run = DryRun(block_size=16, num_gpu_blocks=40, num_cpu_blocks=8)
+    rng = random.Random(0)
+    for _ in range(4):
+        rid = f"chatcmpl-{rng.getrandbits(128):032x}-0"
+        run.add_request([rng.randrange(1000) for _ in range(rng.randint(5, 40))], request_id=rid)
+    outs = run.step()
+    step = {"scheduled": [g.request_id for g in outs.scheduled_seq_groups],
+            "prompt_run": outs.prompt_run, "preempted": [], "finished": []}
+    assert_clean_layout(render_scheduler(run.scheduler.snapshot(), title="served", step=step),
+                        "scheduler")
+    assert_clean_layout(render_block_tables(run.block_manager.snapshot(), title="served"),
+                        "block tables")

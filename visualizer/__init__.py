@@ -26,12 +26,12 @@ from visualizer.fork_tree import (fork_tree_dot, fork_tree_nodes, fork_tree_text
 from visualizer.charts import render_line_chart
 from visualizer.memory_waste import render_memory_waste
 from visualizer.scheduler_view import render_scheduler
-from visualizer.source import show_source
+from visualizer.source import show_file_part, show_source
 
 __all__ = [
     "render_block_tables", "render_scheduler", "render_butterfly", "butterfly_steps",
     "render_memory_waste", "render_line_chart", "EventRecorder", "RecordedStep", "describe",
-    "fork_tree_nodes", "show_source",
+    "fork_tree_nodes", "show_source", "show_file_part",
     "fork_tree_dot", "fork_tree_text", "render_fork_tree", "show_fork_tree",
     "EventPlayer", "StepPlayer", "LiveBlockTableView",
 ]

@@ -14,18 +14,28 @@ Elements carry ``class`` and ``data-*`` attributes so tests can read the drawing
 
 With prefix caching (lesson 07) a block the cache can hand out by hash is ``cached-block``
 (``data-hash``), outlined in green and marked "cached"; one that nobody holds any more is also
-``evictable-block``, marked "evictable": it counts as free but keeps its KV until evicted.
+``evictable-block``, marked "evictable": it counts as free but keeps its KV until evicted. A
+``legend`` (``legend-entry`` with ``data-kind``) under the drawing then shows the looks of cached,
+evictable, free and shared blocks, drawn from the same ``LOOKS`` as the blocks.
+
+The drawing stays within ``MAX_WIDTH`` (800 px, narrower than a JupyterLab output area): the pool
+wraps into rows of ``BLOCKS_PER_ROW`` blocks, and the free list shows what fits, then "+N more".
 """
 from __future__ import annotations
 
-from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, svg_root, text,
-                            to_string)
+from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, shorten, svg_root,
+                            text, to_string)
 
 ROW_H = 18  # one logical block per row
-BLOCK_W, BLOCK_H, BLOCK_GAP = 70, 38, 6  # wide enough for '#1455' and 'ref 12' side by side  # one physical block of the pool
-BLOCKS_PER_ROW = 8
+BLOCK_W, BLOCK_H, BLOCK_GAP = 70, 38, 6  # one physical block: '#1455' and 'ref 12' side by side
 X_LOGICAL, X_TABLE, X_POOL = 10, 226, 390
-CACHED = "#2a9d4a"  # prefix-cached blocks (lesson 07)
+# The whole drawing fits a JupyterLab output area (about 900 px): the pool wraps into rows.
+MAX_WIDTH = 800
+POOL_W = MAX_WIDTH - X_POOL - 10
+BLOCKS_PER_ROW = POOL_W // (BLOCK_W + BLOCK_GAP)
+FREE_ENTRY_W, FREE_MORE_W = 30, 62  # one free-list entry; the "+1440 more" after the last
+CACHED = "#2a9d4a"  # prefix-cached blocks (lesson 07): the green of the legend and the prose
+LABEL_CHARS = int((X_POOL - X_LOGICAL - 10) / (0.6 * 11))  # a sequence's label, left of the pool
 
 
 def _slot_width(block_size: int) -> float:
@@ -69,7 +79,7 @@ def render_block_tables(snapshot: dict, title: str | None = None,
         highlight_seq: the sequence the current event is about; its label is bold.
         max_pool_blocks: a larger pool is drawn as its held blocks plus the free ones that
             will be handed out next.
-        max_free_list: free-list entries drawn before "+N more".
+        max_free_list: free-list entries drawn before "+N more" (at most what fits the width).
     """
     block_size = snapshot["block_size"]
     seqs = sorted(snapshot["sequences"], key=lambda s: s["seq_id"])
@@ -95,7 +105,10 @@ def render_block_tables(snapshot: dict, title: str | None = None,
     left_h = sum(ROW_H * (1 + len(s["logical_blocks"])) + 8 for s in seqs) or ROW_H
     gpu_draw, gpu_elided = _blocks_to_draw(snapshot["gpu_blocks"], max_pool_blocks,
                                            snapshot["free_gpu_blocks"])
-    cpu_draw, cpu_elided = _blocks_to_draw(snapshot["cpu_blocks"], max_pool_blocks,
+    # The swap space matters only where it holds something: its held blocks and one row more.
+    cpu_held = sum(b["ref_count"] > 0 for b in snapshot["cpu_blocks"])
+    cpu_draw, cpu_elided = _blocks_to_draw(snapshot["cpu_blocks"],
+                                           min(max_pool_blocks, cpu_held + BLOCKS_PER_ROW),
                                            snapshot["free_cpu_blocks"])
     gpu_y = top + 16
     gpu_pos = _pool_positions([b["block_number"] for b in gpu_draw], X_POOL, gpu_y)
@@ -104,8 +117,17 @@ def render_block_tables(snapshot: dict, title: str | None = None,
     cpu_pos = _pool_positions([b["block_number"] for b in cpu_draw], X_POOL, cpu_y + 16)
     right_h = (cpu_y + 16 + _rows_height(len(cpu_draw)) + (14 if cpu_elided else 0)
                if cpu_draw else free_y + 30)
-    width = X_POOL + max(BLOCKS_PER_ROW * (BLOCK_W + BLOCK_GAP), max_free_list * 30 + 70) + 10
+    max_free_list = min(max_free_list, (POOL_W - FREE_MORE_W) // FREE_ENTRY_W)
+    width = X_POOL + max(BLOCKS_PER_ROW * (BLOCK_W + BLOCK_GAP),
+                         max_free_list * FREE_ENTRY_W + FREE_MORE_W) + 10
+    if title:  # a long caption widens the drawing rather than leaving it
+        width = max(width, 20 + 0.6 * 13 * len(title))
     height = max(top + left_h + 10, right_h + 10)
+    with_legend = snapshot.get("prefix_caching", False) or any(
+        b.get("cached") for b in snapshot["gpu_blocks"] + snapshot["cpu_blocks"])
+    legend_y = height
+    if with_legend:
+        height += LEGEND_H
 
     free_gpu = snapshot["free_gpu_blocks"]
     root = svg_root(width, height, "block-tables",
@@ -130,8 +152,7 @@ def render_block_tables(snapshot: dict, title: str | None = None,
         group = el(root, "g", class_="sequence", data_seq=s["seq_id"],
                    data_request=s["request_id"], data_status=s["status"],
                    data_device=s["device"], data_num_tokens=s["num_tokens"])
-        label = (f"seq {s['seq_id']} · req {s['request_id']} · {s['status'].lower()} · "
-                 f"{s['num_tokens']} tok" + (" · on CPU" if s["device"] == "cpu" else ""))
+        label = _seq_label(s)
         text(group, X_LOGICAL, y + 12, label, fill=c,
              weight="bold" if s["seq_id"] == highlight_seq else None)
         y += ROW_H
@@ -183,7 +204,40 @@ def render_block_tables(snapshot: dict, title: str | None = None,
             text(root, X_POOL, cpu_y + 16 + _rows_height(len(cpu_draw)) + 8,
                  f"(+{cpu_elided} more free blocks not drawn)", size=10, fill=MUTED,
                  class_="pool-elided", data_device="cpu", data_count=cpu_elided)
+    if with_legend:
+        _draw_legend(root, X_LOGICAL, legend_y)
     return to_string(root)
+
+
+# What the pool's blocks look like, for the legend and for the blocks themselves:
+# kind -> (label, fill, stroke, dashed)
+LOOKS = {
+    "cached": ("cached: findable by hash", "white", CACHED, False),  # filled as its owners
+    "evictable": ("evictable: free, keeps its KV", FREE_FILL, CACHED, False),
+    "free": ("free", FREE_FILL, "#bbbbbb", False),
+    "shared": ("shared: ref count > 1", "white", INK, True),
+}
+LEGEND_H = 24
+
+
+def _draw_legend(root, x, y):
+    """One line under the drawing (when prefix caching is on): swatches drawn as the blocks are."""
+    group = el(root, "g", class_="legend")
+    for kind, (label, fill, stroke, dashed) in LOOKS.items():
+        entry = el(group, "g", class_="legend-entry", data_kind=kind)
+        el(entry, "rect", x=x, y=y + 4, width=16, height=11, fill=fill, stroke=stroke,
+           stroke_width=1.5, stroke_dasharray="4 2" if dashed else None, class_="legend-swatch")
+        text(entry, x + 21, y + 13, label, size=9)
+        x += 21 + 0.6 * 9 * len(label) + 14
+
+
+def _seq_label(s: dict) -> str:
+    """'seq 3 · req 1 · running · 40 tok', with a long request id (a server's
+    'chatcmpl-...') shortened so that the label ends before the pool."""
+    rest = f" · {s['status'].lower()} · {s['num_tokens']} tok" + (
+        " · on CPU" if s["device"] == "cpu" else "")
+    head = f"seq {s['seq_id']} · req "
+    return head + shorten(s["request_id"], max(LABEL_CHARS - len(head) - len(rest), 5)) + rest
 
 
 def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_blocks):
@@ -203,16 +257,17 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
                data_ref=ref, data_shared=shared, data_owners=",".join(map(str, owners)),
                data_filled=n_filled)
         if ref == 0:
-            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill=FREE_FILL,
-               stroke="#bbbbbb", stroke_width=1)
+            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill=LOOKS["free"][1],
+               stroke=LOOKS["free"][2], stroke_width=1, class_="block-body")
         else:
             # One band per owner: a shared block shows every sequence that reads it.
             band = BLOCK_W / max(len(owners), 1)
             for k, owner in enumerate(owners or [None]):
                 el(g, "rect", x=x + k * band, y=y, width=band, height=BLOCK_H,
                    fill=colour(owner) if owner is not None else "#cccccc", opacity=0.3)
-            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill="none", stroke=INK,
-               stroke_width=2 if shared else 1, stroke_dasharray="4 2" if shared else None)
+            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill="none",
+               stroke=LOOKS["shared"][2] if shared else INK, stroke_width=2 if shared else 1,
+               stroke_dasharray="4 2" if shared else None, class_="block-outline")
         text(g, x + 3, y + 11, f"#{number}", size=10, weight="bold",
              fill=INK if ref else MUTED, class_="block-number")
         text(g, x + BLOCK_W - 3, y + 11, f"ref {ref}", size=9, anchor="end",
@@ -221,10 +276,11 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
             text(g, x + 3, y + 23, "shared", size=8, fill=HIGHLIGHT, class_="shared-mark")
         if cached:  # lesson 07: findable by hash; when ref 0 it is evictable (counts as free)
             g.set("data-hash", str(b["block_hash"]))
+            kind = "evictable" if ref == 0 else "cached"
             el(g, "rect", x=x - 1, y=y - 1, width=BLOCK_W + 2, height=BLOCK_H + 2, fill="none",
-               stroke=CACHED, stroke_width=1.5, class_="cached-outline")
-            text(g, x + BLOCK_W - 3, y + 23, "evictable" if ref == 0 else "cached", size=8,
-                 anchor="end", fill=CACHED, class_="cached-mark")
+               stroke=LOOKS[kind][2], stroke_width=1.5, class_="cached-outline")
+            text(g, x + BLOCK_W - 3, y + 23, kind, size=8, anchor="end", fill=LOOKS[kind][2],
+                 class_="cached-mark")
         # The slot strip: filled slots dark, the newest token of a sequence outlined in red.
         sw = (BLOCK_W - 6) / block_size
         fill_colour = colour(owners[0]) if len(owners) == 1 else INK
@@ -245,14 +301,14 @@ def _draw_free_list(root, free: list[int], x, y, max_entries):
     text(group, x, y + 2, f"free list ({len(free)} blocks, next out first):", size=10,
          weight="bold")
     for i, number in enumerate(free[:max_entries]):
-        bx = x + i * 30
+        bx = x + i * FREE_ENTRY_W
         el(group, "rect", x=bx, y=y + 8, width=26, height=16, fill=FREE_FILL, stroke=MUTED,
            class_="free-list-entry", data_block=number, data_position=i)
         text(group, bx + 13, y + 20, number, size=9, anchor="middle")
         if i:
             el(group, "line", x1=bx - 4, y1=y + 16, x2=bx, y2=y + 16, stroke=MUTED)
     if len(free) > max_entries:
-        text(group, x + max_entries * 30 + 2, y + 20, f"+{len(free) - max_entries} more",
+        text(group, x + max_entries * FREE_ENTRY_W + 2, y + 20, f"+{len(free) - max_entries} more",
              size=9, fill=MUTED, class_="free-list-more", data_count=len(free) - max_entries)
     if not free:
         text(group, x, y + 20, "(empty: the next new block means preemption)", size=9,

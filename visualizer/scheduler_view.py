@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import textwrap
 
-from visualizer.svg import FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, svg_root, text, to_string
+from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, shorten, svg_root, text,
+                            to_string)
 
 QUEUES = ("waiting", "running", "swapped")
 COL_W, BADGE_W, BADGE_H = 210, 190, 36
 NOTE_CHARS = 100  # characters of a size-10 note line that fit in the drawing's width
+BADGE_CHARS = int((BADGE_W - 12) / (0.6 * 10))  # characters of a size-10 line inside a badge
 
 
 def request_colour(request_id) -> str:
@@ -63,8 +65,11 @@ def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None
             el(b, "rect", x=x, y=y, width=BADGE_W, height=BADGE_H, rx=6, fill="none",
                stroke=HIGHLIGHT if mode else INK, stroke_width=2 if mode else 1)
             seqs = "seq" if badge["num_seqs"] == 1 else "seqs"
-            text(b, x + 6, y + 14, f"req {rid} · {badge['num_seqs']} {seqs} "
-                 f"({badge['num_unfinished']} live)", size=10, weight="bold")
+            count = f" · {badge['num_seqs']} {seqs}" + (
+                f" ({badge['num_unfinished']} live)"
+                if badge["num_unfinished"] != badge["num_seqs"] else "")
+            rid_text = shorten(rid, BADGE_CHARS - len("req ") - len(count))
+            text(b, x + 6, y + 14, f"req {rid_text}{count}", size=10, weight="bold")
             detail = f"{badge['num_tokens']} tokens"
             if mode:
                 detail += f" · preempted ({mode})"
@@ -73,7 +78,8 @@ def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None
                 detail += f" · prefilled {done}/{total}"
             elif rid in prefill:
                 detail += " · prefill this step"
-            text(b, x + 6, y + 29, detail, size=10, fill=HIGHLIGHT if mode else INK)
+            text(b, x + 6, y + 29, shorten(detail, BADGE_CHARS), size=10,
+                 fill=HIGHLIGHT if mode else INK)
         if not groups:
             text(g, x, top + 34, "(empty)", size=10, fill=MUTED)
 

@@ -62,5 +62,12 @@ def text(parent, x, y, content, size=11, anchor="start", fill=INK, weight=None, 
               font_weight=weight, **attrs)
 
 
+def shorten(label, max_chars: int) -> str:
+    """``label`` cut to ``max_chars`` characters, ending in "…" when cut (a server's request ids
+    are 40 characters long; a drawing has room for the first few)."""
+    label = str(label)
+    return label if len(label) <= max_chars else label[:max(max_chars - 1, 1)] + "…"
+
+
 def to_string(root: ET.Element) -> str:
     return ET.tostring(root, encoding="unicode")

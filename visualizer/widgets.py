@@ -30,10 +30,11 @@ def _caption_html(text: str) -> str:
 
 
 def _figure_html(*svgs: str) -> str:
-    # Side by side (queues left, block tables right), scrolling sideways rather than wrapping.
+    # Side by side (queues left, block tables right) where the output area is wide enough; in a
+    # narrower one the tables wrap below the queues instead of running off the right edge.
     parts = "".join(f'<div style="flex:none">{s}</div>' for s in svgs)
-    return ('<div class="minipaged-figure" style="display:flex;gap:12px;align-items:flex-start;'
-            f'overflow-x:auto">{parts}</div>')
+    return ('<div class="minipaged-figure" style="display:flex;flex-wrap:wrap;gap:12px;'
+            f'align-items:flex-start;overflow-x:auto">{parts}</div>')
 
 
 def _new_blocks(previous: dict | None, current: dict) -> list[int]:

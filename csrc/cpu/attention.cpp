@@ -24,6 +24,12 @@
 // NaN safety: slots past the context may hold anything (NaN included), and so may the padding
 // entries of a block table. Blocks past the last one are never touched; in the sequence's last,
 // partly filled block only the valid tokens are read (probability 0 times NaN would be NaN).
+//
+// Argument checks: the loops trust what they read (a block number is an address), so every
+// argument is checked before they run (`check_caches`, `check_batch`, `check_slots`) and a bad
+// one raises a RuntimeError naming the argument, its value and the limit. The checks cost one
+// pass over the sequences and the block-table entries their contexts use (or over the slots):
+// nothing per cached element.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -238,8 +244,7 @@ void paged_prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query
   struct Task { int seq, kv_head, row_begin, row_end; };
   std::vector<Task> tasks;
   for (int s = 0; s < num_seqs; ++s) {
-    const int q_len = loc[s + 1] - loc[s];
-    TORCH_CHECK(q_len <= ctx[s], "sequence ", s, " has more query rows than context tokens");
+    const int q_len = loc[s + 1] - loc[s];  // (check_batch: 0 <= q_len <= ctx[s])
     for (int r = 0; r < q_len; r += ROWS_PER_TASK)
       for (int h = 0; h < sh.num_kv_heads; ++h)
         tasks.push_back({s, h, r, std::min(q_len, r + ROWS_PER_TASK)});
@@ -285,23 +290,118 @@ void paged_prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)           \
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
-void check_cache(const torch::Tensor& query, const torch::Tensor& key_cache,
-                 const torch::Tensor& value_cache) {
-  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [T, heads, head_size], "
-              "contiguous in head_size");
-  TORCH_CHECK(key_cache.dim() == 5 && value_cache.dim() == 4, "cache ranks: key 5, value 4");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches: contiguous");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
-              value_cache.scalar_type() == query.scalar_type(), "query and caches: one dtype");
-  const int64_t x = 16 / query.element_size();
-  TORCH_CHECK(key_cache.size(4) == x, "key cache: last dim must be 16 / element size = ", x);
-  TORCH_CHECK(key_cache.size(2) * x == query.size(2) && value_cache.size(2) == query.size(2),
-              "head sizes of query and caches differ");
-  TORCH_CHECK(value_cache.size(3) == key_cache.size(3), "block sizes of the caches differ");
-  TORCH_CHECK(value_cache.stride(0) == key_cache.stride(0) &&
-              value_cache.stride(1) == key_cache.stride(1), "cache strides differ");
-  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "heads must be a multiple of kv heads");
+// ----------------------------------------------------------------------------------------------
+// Argument checks
+// ----------------------------------------------------------------------------------------------
+struct CacheShape {
+  int64_t num_blocks, num_kv_heads, head_size, block_size;
+};
+
+// key_cache [num_blocks, num_kv_heads, head_size / x, block_size, x] and
+// value_cache [num_blocks, num_kv_heads, head_size, block_size]: one dtype, contiguous, agreeing.
+CacheShape check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu(),
+              "key_cache and value_cache must be CPU tensors, got ", key_cache.device(), " and ",
+              value_cache.device());
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "key_cache: dtype must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(value_cache.scalar_type() == dtype, "value_cache is ", value_cache.scalar_type(),
+              " but key_cache is ", dtype);
+  TORCH_CHECK(key_cache.dim() == 5, "key_cache must be [num_blocks, num_kv_heads, head_size / x, "
+              "block_size, x], got shape ", key_cache.sizes());
+  TORCH_CHECK(value_cache.dim() == 4, "value_cache must be [num_blocks, num_kv_heads, head_size, "
+              "block_size], got shape ", value_cache.sizes());
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "key_cache and value_cache must be contiguous");
+  const int64_t x = 16 / key_cache.element_size();
+  TORCH_CHECK(key_cache.size(4) == x, "key_cache's last dimension must be x = 16 / element size = ",
+              x, " for ", dtype, ", got ", key_cache.size(4));
+  const CacheShape c{key_cache.size(0), key_cache.size(1), key_cache.size(2) * x,
+                     key_cache.size(3)};
+  TORCH_CHECK(c.num_kv_heads >= 1 && c.head_size >= 1 && c.block_size >= 1,
+              "key_cache has an empty dimension: shape ", key_cache.sizes());
+  TORCH_CHECK(value_cache.size(0) == c.num_blocks && value_cache.size(1) == c.num_kv_heads &&
+              value_cache.size(2) == c.head_size && value_cache.size(3) == c.block_size,
+              "value_cache ", value_cache.sizes(), " does not match key_cache ", key_cache.sizes(),
+              ": expected [", c.num_blocks, ", ", c.num_kv_heads, ", ", c.head_size, ", ",
+              c.block_size, "]");
+  return c;
+}
+
+// query [num_tokens, num_heads, head_size], any strides but the last.
+void check_query(const torch::Tensor& query, const torch::Tensor& key_cache, const CacheShape& c) {
+  TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size], got shape ",
+              query.sizes());
+  TORCH_CHECK(query.stride(2) == 1, "query must be contiguous in its last dimension (head_size), "
+              "got strides ", query.strides());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query is ", query.scalar_type(),
+              " but the caches are ", key_cache.scalar_type());
+  TORCH_CHECK(query.size(2) == c.head_size, "query has head size ", query.size(2),
+              " but the caches hold head size ", c.head_size);
+  TORCH_CHECK(query.size(1) >= 1 && query.size(1) % c.num_kv_heads == 0, "num_heads = ",
+              query.size(1), " (query) must be a positive multiple of num_kv_heads = ",
+              c.num_kv_heads, " (caches)");
+}
+
+void check_int32(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.dim() == dim &&
+              t.is_contiguous(), name, " must be a contiguous ", dim, "-D int32 CPU tensor, got ",
+              t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
+}
+
+// Sequence s owns query rows [loc[s], loc[s + 1]), attends to context_lens[s] cached tokens and
+// reads them through block_tables[s, 0 .. ceil(context_lens[s] / block_size)): every block
+// number the kernel will use is checked, the padding past a sequence's blocks is not read.
+void check_batch(const torch::Tensor& query, const torch::Tensor& block_tables,
+                 const torch::Tensor& query_start_loc, const torch::Tensor& context_lens,
+                 const CacheShape& c) {
+  check_int32(context_lens, "context_lens", 1);
+  check_int32(query_start_loc, "query_start_loc", 1);
+  check_int32(block_tables, "block_tables", 2);
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc has ",
+              query_start_loc.size(0), " entries for ", num_seqs,
+              " sequences (needs num_seqs + 1)");
+  TORCH_CHECK(block_tables.size(0) >= num_seqs, "block_tables has ", block_tables.size(0),
+              " rows for ", num_seqs, " sequences");
+  const int* loc = query_start_loc.data_ptr<int>();
+  const int* ctx = context_lens.data_ptr<int>();
+  const int* tables = block_tables.data_ptr<int>();
+  const int64_t width = block_tables.size(1);
+  TORCH_CHECK(loc[0] == 0, "query_start_loc[0] must be 0, got ", loc[0]);
+  TORCH_CHECK(loc[num_seqs] == query.size(0), "query_start_loc[", num_seqs, "] = ",
+              loc[num_seqs], " but query has ", query.size(0), " rows");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = (int64_t)loc[s + 1] - loc[s];
+    TORCH_CHECK(q_len >= 0, "query_start_loc must not decrease: query_start_loc[", s, "] = ",
+                loc[s], " > query_start_loc[", s + 1, "] = ", loc[s + 1]);
+    TORCH_CHECK(ctx[s] >= 0, "context_lens[", s, "] = ", ctx[s], " is negative");
+    if (q_len == 0) continue;  // no query row: nothing of this sequence is read
+    TORCH_CHECK(ctx[s] >= q_len, "context_lens[", s, "] = ", ctx[s], " but sequence ", s, " has ",
+                q_len, " query row(s): ", ctx[s] == 0 ? "an empty context; " : "",
+                "each row attends to the cached tokens up to and including its own, so the "
+                "context must hold at least the query rows (>= 1)");
+    const int64_t needed = (ctx[s] + c.block_size - 1) / c.block_size;
+    TORCH_CHECK(needed <= width, "context_lens[", s, "] = ", ctx[s], " needs ", needed,
+                " blocks of ", c.block_size, " tokens but block_tables has only ", width,
+                " columns");
+    // One branch-free pass (a vector loop) over the blocks in use; find the culprit only on
+    // failure. Unsigned compare: a negative block number is a huge one.
+    const int* row = tables + s * width;
+    bool bad = false;
+    for (int64_t b = 0; b < needed; ++b) {
+      bad |= (uint64_t)(uint32_t)row[b] >= (uint64_t)c.num_blocks;
+    }
+    if (bad) {
+      for (int64_t b = 0; b < needed; ++b) {
+        TORCH_CHECK(row[b] >= 0 && row[b] < c.num_blocks, "block_tables[", s, ", ", b, "] = ",
+                    row[b], " is not a block of the cache: block numbers are in [0, ",
+                    c.num_blocks, ") (sequence ", s, " has context ", ctx[s], ")");
+      }
+    }
+  }
 }
 
 // out[T, heads, head_size] = causal attention of each sequence's newest rows over its cache.
@@ -309,19 +409,16 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
                                       torch::Tensor value_cache, torch::Tensor block_tables,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
                                       double scale) {
-  check_cache(query, key_cache, value_cache);
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
-              query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
-              context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
-              "block_tables, query_start_loc, context_lens: contiguous int32");
-  TORCH_CHECK(query_start_loc.numel() == context_lens.numel() + 1, "query_start_loc: S + 1");
+  const CacheShape c = check_caches(key_cache, value_cache);
+  check_query(query, key_cache, c);
+  check_batch(query, block_tables, query_start_loc, context_lens, c);
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  if (context_lens.numel() == 0) return out;
-  const Shapes sh{(int)query.size(1), (int)key_cache.size(1), (int)query.size(2),
+  if (context_lens.numel() == 0 || query.size(0) == 0) return out;
+  const Shapes sh{(int)query.size(1), (int)c.num_kv_heads, (int)c.head_size,
                   (int)block_tables.size(1), query.stride(0), query.stride(1),
                   key_cache.stride(0), key_cache.stride(1), (float)scale};
   MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention", [&] {
-    MINIPAGED_DISPATCH_BLOCK_SIZE(key_cache.size(3), [&] {
+    MINIPAGED_DISPATCH_BLOCK_SIZE(c.block_size, [&] {
       paged_prefill_attention_impl<scalar_t, BLOCK_SIZE>(out, query, key_cache, value_cache,
                                                          block_tables, query_start_loc,
                                                          context_lens, sh);
@@ -334,6 +431,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
                               torch::Tensor value_cache, torch::Tensor block_tables,
                               torch::Tensor context_lens, double scale) {
+  check_int32(context_lens, "context_lens", 1);
+  TORCH_CHECK(query.dim() == 3 && query.size(0) == context_lens.size(0), "decode has one query "
+              "row per sequence: query ", query.sizes(), " but context_lens has ",
+              context_lens.size(0), " entries");
   auto query_start_loc = torch::arange(query.size(0) + 1, context_lens.options());
   return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                                  context_lens, scale);
@@ -358,7 +459,7 @@ void reshape_and_cache_impl(const torch::Tensor& key, const torch::Tensor& value
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t token = begin; token < end; ++token) {
       const int64_t slot = slots[token];
-      if (slot < 0) continue;  // a padding token
+      if (slot < 0) continue;  // -1: a padding token (check_slots refused anything else)
       const int64_t block = slot / block_size, offset = slot % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const T* k_src = k + token * key.stride(0) + h * key.stride(1);
@@ -374,15 +475,47 @@ void reshape_and_cache_impl(const torch::Tensor& key, const torch::Tensor& value
   });
 }
 
+// slot_mapping[t] in [0, num_blocks * block_size), or -1: token t is not cached (vLLM's
+// padding slot; the engine itself never passes it). Any other value is refused: -2 or a slot past
+// the pool is a bug upstream, and writing it would corrupt memory.
+void check_slots(const torch::Tensor& slot_mapping, int64_t num_tokens, const CacheShape& c) {
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+              slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous 1-D int64 CPU tensor, got ",
+              slot_mapping.scalar_type(), " of shape ", slot_mapping.sizes());
+  TORCH_CHECK(slot_mapping.size(0) == num_tokens, "slot_mapping has ", slot_mapping.size(0),
+              " slots for ", num_tokens, " tokens");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = c.num_blocks * c.block_size;
+  bool bad = false;  // slot + 1 in [0, num_slots]: one unsigned compare, a vector loop
+  for (int64_t t = 0; t < num_tokens; ++t) bad |= (uint64_t)(slots[t] + 1) > (uint64_t)num_slots;
+  if (!bad) return;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside the cache's slots [0, ", num_slots, ") (", c.num_blocks,
+                " blocks of ", c.block_size, " tokens); -1 marks a token that is not cached");
+  }
+}
+
 void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                        torch::Tensor value_cache, torch::Tensor slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1,
-              "key, value: [T, kv_heads, head_size], contiguous in head_size");
+  const CacheShape c = check_caches(key_cache, value_cache);
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "key and value must be CPU "
+              "tensors, got ", key.device(), " and ", value.device());
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key ", key.sizes(), " and value ",
+              value.sizes(), " must both be [num_tokens, num_kv_heads, head_size]");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value must be contiguous in "
+              "their last dimension (head_size), got strides ", key.strides(), " and ",
+              value.strides());
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-              value.scalar_type() == key_cache.scalar_type(), "keys and caches: one dtype");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches: contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "slot_mapping: contiguous int64");
+              value.scalar_type() == key_cache.scalar_type(), "key is ", key.scalar_type(),
+              " and value is ", value.scalar_type(), " but the caches are ",
+              key_cache.scalar_type());
+  TORCH_CHECK(key.size(1) == c.num_kv_heads, "key and value have ", key.size(1),
+              " kv heads but the caches hold ", c.num_kv_heads);
+  TORCH_CHECK(key.size(2) == c.head_size, "key and value have head size ", key.size(2),
+              " but the caches hold head size ", c.head_size);
+  check_slots(slot_mapping, key.size(0), c);
   MINIPAGED_DISPATCH_DTYPE(key.scalar_type(), "reshape_and_cache", [&] {
     reshape_and_cache_impl<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
   });

@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
 from minipaged.dry_run import RandomTraffic
-from minipaged.sequence import SequenceStatus
 
 
 class GroupState(NamedTuple):

@@ -1,4 +1,4 @@
-"""Lesson 05 exercises: a butterfly reduction and the address of a key element.
+"""Lesson 05 exercises: a butterfly reduction, the address of a key element, a lane's loads.
 
     warp_reduce(values, op) -> (32,) array
         reduce 32 lane values with XOR shuffles (``kernel_emulator.shfl_xor``), so that every
@@ -7,9 +7,13 @@
         the element offset of key element ``dim`` of the token in ``slot`` of physical block
         ``block``, kv head ``head``, in the key cache laid out as
         [num_blocks, num_kv_heads, head_size // x, block_size, x]
+    lane_key_chunks(lane, head_size, block_size, x) -> (token, [chunks])
+        in phase 2, which token of the KV block lane ``lane`` works on, and which 16-byte chunks
+        of that token's key it loads, in the order of its loads
 
-Expected answers: ``kernel_emulator.butterfly_reduce`` and the shape of the cache engine's key
-blocks (``CacheEngine.key_block_shape``), flattened by NumPy.
+Expected answers: ``kernel_emulator.butterfly_reduce``; the shape of the cache engine's key
+blocks (``CacheEngine.key_block_shape``), flattened by NumPy; the lanes' loads of
+``kernel_emulator.warp_key_load``, load after load.
 """
 from __future__ import annotations
 
@@ -60,4 +64,44 @@ def check_key_offset(fn, num_cases: int = 300, seed: int | None = 0) -> str:
                     "the slot comes BETWEEN them, so one token's x elements are contiguous")
             fail(learner.name, case, "block=%d, head=%d, dim=%d, slot=%d, num_kv_heads=%d, "
                  "head_size=%d, block_size=%d, x=%d" % args, got, expected, hint)
+    return passed(learner, num_cases)
+
+
+def _expected_lane_chunks(shape: emu.KernelShape, lane: int) -> tuple[int, list[int]]:
+    """Lane ``lane``'s token and chunks, read off ``warp_key_load`` one load at a time."""
+    element_bytes = 16 // shape.x
+    loads = [emu.warp_key_load(shape, element_bytes, load=k)
+             for k in range(shape.K_CHUNKS_PER_LANE)]
+    token = loads[0]["token"][lane]
+    return token, [load["chunk"][lane] for load in loads if load["address"][lane] is not None]
+
+
+def check_lane_key_chunks(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+    learner = Learner("lane_key_chunks", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        x = rng.choice([4, 8])
+        block_size = rng.choice([b for b in (4, 8, 16, 32) if b % x == 0])
+        head_size = rng.choice([h for h in (32, 48, 64, 80, 96, 128, 256) if h % x == 0])
+        shape = emu.KernelShape(head_size, block_size, x)
+        lane = rng.randrange(emu.WARP_SIZE)
+        expected = _expected_lane_chunks(shape, lane)
+        got = learner(lane, head_size, block_size, x)
+        got = (got[0], list(got[1])) if isinstance(got, (tuple, list)) and len(got) == 2 else got
+        if got != expected:
+            G, n = shape.G, shape.NUM_K_CHUNKS
+            hint = (f"G = {G} lanes share a token (lane // G is the token); lane j of the group "
+                    f"takes chunks j, j + G, j + 2G, ... while they are below {n} "
+                    f"(head_size // x chunks in a key)")
+            if isinstance(got, tuple) and got[0] != expected[0]:
+                hint = (f"the token: a warp covers one KV block, one group of G = {G} "
+                        f"neighbouring lanes per token, so lane l works on token l // G")
+            elif isinstance(got, tuple) and sorted(got[1]) == expected[1] and got[1] != expected[1]:
+                hint = "the right chunks in the wrong order: load k takes chunk j + k * G"
+            elif isinstance(got, tuple) and len(got[1]) != len(expected[1]):
+                hint = (f"count the chunks: the key has {n} chunks of x = {x} elements; a lane "
+                        f"whose next chunk would be {n} or more has no load left (the kernel's "
+                        f"`if (c < NUM_K_CHUNKS)`)")
+            fail(learner.name, case, f"lane={lane}, head_size={head_size}, "
+                 f"block_size={block_size}, x={x}", got, expected, hint)
     return passed(learner, num_cases)

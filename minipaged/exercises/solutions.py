@@ -126,6 +126,11 @@ def key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x):
             + lane_element)
 
 
+def lane_key_chunks(lane, head_size, block_size, x):
+    G = max(32 // block_size, 1)  # lanes per token
+    return lane // G, list(range(lane % G, head_size // x, G))
+
+
 # ---- lesson 07 -------------------------------------------------------------------------------
 
 
@@ -143,3 +148,42 @@ def cached_tokens(prompt, cached_names, block_size):
             break
         parent, count = name, count + block_size
     return count
+
+
+# ---- lesson 08 -------------------------------------------------------------------------------
+
+
+def stream_delta(sent, text, finished, stop_strings):
+    holdback = 0 if finished else max((len(s) for s in stop_strings), default=1) - 1
+    return text[len(sent):max(len(sent), len(text) - holdback)]
+
+
+def metric_value(metrics_text, name):
+    for line in metrics_text.splitlines():
+        if line and not line.startswith("#"):
+            sample, _, value = line.rpartition(" ")
+            if sample == name:
+                return float(value)
+    return None
+
+
+# ---- lesson 09 -------------------------------------------------------------------------------
+
+
+def shard_weight(weight, kind, rank, world_size, parts=None):
+    import torch
+
+    dim = 0 if kind == "column" else 1
+    pieces, start = [], 0
+    for size in parts or [weight.shape[dim]]:
+        per_rank = size // world_size
+        pieces.append(weight.narrow(dim, start + rank * per_rank, per_rank))
+        start += size
+    return torch.cat(pieces, dim=dim)
+
+
+def row_parallel(x, weight, bias, world_size):
+    per_rank = x.shape[1] // world_size
+    partials = [x[:, r * per_rank:(r + 1) * per_rank] @ weight[:, r * per_rank:(r + 1) * per_rank].T
+                for r in range(world_size)]
+    return partials, sum(partials) + bias

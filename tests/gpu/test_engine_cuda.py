@@ -79,7 +79,8 @@ def test_engine_on_cuda_matches_transformers(case, kernel_calls):
 def test_engine_on_cuda_with_a_tiny_pool_preempts_and_matches(case, kernel_calls):
     path, prompts, refs = case
     # The longest request needs ceil((70 + 40) / 16) = 7 blocks; 10 cannot hold them all.
-    llm, tokens = generate(path, prompts, num_gpu_blocks=10, watermark=0.0)
+    # (10 blocks hold 160 tokens, less than the model's 256: max_model_len must say so.)
+    llm, tokens = generate(path, prompts, num_gpu_blocks=10, watermark=0.0, max_model_len=160)
     assert tokens == refs
     stats = llm.llm_engine.stats
     assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0

@@ -97,7 +97,7 @@ def test_swapping_uses_pinned_memory_and_changes_nothing(half_case):
                             max_tokens=MAX_NEW, ignore_eos=True)
     big = LLM(path, dtype="float16", device="cuda", num_gpu_blocks=512, num_cpu_blocks=64)
     small = LLM(path, dtype="float16", device="cuda", num_gpu_blocks=14, num_cpu_blocks=128,
-                watermark=0.0)
+                watermark=0.0, max_model_len=224)  # (14 blocks of 16 tokens)
     assert small.llm_engine.cache_engine.cpu_cache[0][0].is_pinned()
     a = big.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     b = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

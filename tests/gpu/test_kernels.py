@@ -177,6 +177,20 @@ def test_context_longer_than_max_context_len_gives_nan_not_corruption(kernels):
     assert rel_err(out[1], reference(inputs)[1]) < 1e-5  # the one that fits is right
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_empty_context_gives_zeros_on_the_gpu_and_is_refused_in_host_lengths(kernels, version):
+    """Lengths on the GPU are not read back (a synchronisation per call): the kernel writes
+    zeros for an empty context, as vLLM's does. Lengths on the host are checked for free."""
+    lens = [40, 0, 600 if version == 2 else 30]
+    inputs = make_inputs(64, 16, torch.float32, 4, 2, lens, seed=9)
+    out = run_kernel(kernels, inputs, version=version)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert per_sequence_err(out[[0, 2]], reference(inputs)[[0, 2]]) < 1e-5
+    inputs["context_lens"] = inputs["context_lens"].cpu()
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = 0"):
+        kernels.paged_attention(**inputs, version=version)
+
+
 def test_unsupported_head_size_falls_back_to_the_reference(kernels):
     inputs = make_inputs(32, 16, torch.float32, 2, 2, [20], seed=7)  # no kernel for head size 32
     with pytest.warns(RuntimeWarning, match="torch reference"):
@@ -258,6 +272,16 @@ def test_copy_blocks_is_exact(kernels, dtype):
     torch.cuda.synchronize()
     for got, want in zip(keys + values, expected_keys + expected_values, strict=True):
         assert torch.equal(got, want)
+
+
+def test_copy_blocks_past_the_grid_limit_of_65535_pairs(kernels):
+    """The pairs sit on gridDim.y (at most 65535): more are copied in several launches."""
+    n = 65535 + 7
+    keys, values = make_layer_caches(2, 2 * n, torch.float16, DEVICE, seed=4)
+    kernels.copy_blocks(keys, values, {i: [n + i] for i in range(n)})
+    torch.cuda.synchronize()
+    for cache in keys + values:
+        assert torch.equal(cache[n:], cache[:n])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
