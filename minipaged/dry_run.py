@@ -139,8 +139,8 @@ def replay_trace_paged(trace, capacity: int, block_size: int = 16,
 
     run = DryRun(block_size, capacity // block_size, preemption_mode="recompute")
     final_len = {run.add_request([1] * r.prompt_len).request_id: r.final_len for r in trace}
-    report = WasteReport("paged (BlockSpaceManager)", (capacity // block_size) * block_size,
-                         block_size)
+    report = WasteReport("paged", (capacity // block_size) * block_size, block_size,
+                         counted_by="BlockSpaceManager")
     if layout_step is None:
         layout_step = _steady_step(trace)
     bm = run.block_manager

@@ -162,6 +162,7 @@ class WasteReport:
     # contiguous scheme; for paging, each request's blocks side by side (wherever they really are).
     layout: list[tuple[str, int]] = field(default_factory=list)
     layout_step: int = 0
+    counted_by: str = ""  # what produced the numbers, when not this module's model
 
     @property
     def allocated(self) -> int:

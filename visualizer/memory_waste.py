@@ -30,11 +30,9 @@ def render_memory_waste(*reports, title: str | None = None) -> str:
         text(root, 10, 20, title, size=13, weight="bold", class_="caption")
     y = top
     for report in reports:
-        # "paged (BlockSpaceManager)": the name left of the bar, where it came from under the map
-        name, _, source = report.scheme.partition(" (")
         bar = el(root, "g", class_="waste-bar", data_scheme=report.scheme,
                  data_waste=f"{report.waste_fraction:.6f}")
-        text(bar, 10, y + 16, name, weight="bold")
+        text(bar, 10, y + 16, report.scheme, weight="bold")
         text(bar, 10, y + 31, f"waste {100 * report.waste_fraction:.1f}%"
              + (f" (block {report.block_size})" if report.block_size else ""), size=10,
              fill="#e15759" if report.waste_fraction > 0.2 else INK)
@@ -49,7 +47,7 @@ def render_memory_waste(*reports, title: str | None = None) -> str:
                 text(seg, x + BAR_W * frac / 2, y + 21, f"{100 * frac:.0f}%", size=10,
                      anchor="middle")
             x += BAR_W * frac
-        _memory_map(root, report, y + 42, source.rstrip(")"))
+        _memory_map(root, report, y + 42)
         y += section_h
     # legend
     x = 10
@@ -61,7 +59,7 @@ def render_memory_waste(*reports, title: str | None = None) -> str:
     return to_string(root)
 
 
-def _memory_map(root, report, y, source=""):
+def _memory_map(root, report, y):
     group = el(root, "g", class_="memory-map", data_scheme=report.scheme,
                data_step=report.layout_step, data_capacity=report.capacity)
     text(group, 10, y + 12, f"pool at step {report.layout_step}", size=9, fill=MUTED)
@@ -75,5 +73,6 @@ def _memory_map(root, report, y, source=""):
     el(group, "rect", x=BAR_X, y=y, width=BAR_W, height=18, fill="none", stroke=MUTED,
        stroke_width=0.5)
     text(group, BAR_X, y + 32, f"{report.capacity} slots · {report.max_running} requests "
-         f"at most running at once" + (f" · counted by {source}" if source else ""), size=9,
+         f"at most running at once"
+         + (f" · counted by {report.counted_by}" if report.counted_by else ""), size=9,
          fill=MUTED)
