@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
-from minipaged.engine import EngineStats  # noqa: E402
+from minipaged.engine.llm_engine import EngineStats  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_description  # noqa: E402

@@ -4,7 +4,7 @@ Used by benchmarks/throughput.py (issue 13). ``decode_step_breakdown`` fills the
 ``num_seqs`` requests, computes their prompts, then times decode-only steps with the model's
 attention operations and linear layers instrumented:
 
-    attention   minipaged.ops calls made by the attention layers (cache writes included)
+    attention   minipaged.kernels.ops calls made by the attention layers (cache writes included)
     linear      every linear layer (nn.Linear and the tensor-parallel ones: the weight matmuls)
                 and the LM head, on the sampled rows only
     other model norms, rotary embedding, activations, embedding lookup, glue
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from minipaged import SamplingParams, ops
+from minipaged import SamplingParams
+from minipaged.kernels import ops
 from minipaged.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 LINEAR_LAYERS = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear)

@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         llm_kwargs = dict(load_format="dummy")
         model_name = f"dummy {args.dummy}"
     else:
-        from minipaged.model_loader import EMBEDDED_MODEL, resolve
+        from minipaged.worker.checkpoint import EMBEDDED_MODEL, resolve
 
         model_dir = resolve(args.model)
         config = AutoConfig.from_pretrained(model_dir)

@@ -3,7 +3,7 @@
     python benchmarks/tp_memory.py            # the embedded SmolLM2-135M-Instruct on the CPU
     python benchmarks/tp_memory.py --record   # and append the table to RESULTS.md
 
-Measured on the tensors (``minipaged.parallel.memory_per_rank``): N = 1 runs the model in this
+Measured on the tensors (``minipaged.worker.mp_workers.memory_per_rank``): N = 1 runs the model in this
 process; N > 1 starts the worker processes and asks each rank for its own bytes. A size that does
 not divide the heads is refused by the engine, and the table says so. Each N > 1 is run twice:
 with the same number of blocks as N = 1 (the memory per rank shrinks) and with the default KV
@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM  # noqa: E402
-from minipaged.parallel import memory_per_rank  # noqa: E402
+from minipaged.worker.mp_workers import memory_per_rank  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_description  # noqa: E402

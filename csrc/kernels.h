@@ -1,5 +1,5 @@
 // The plain C interface of the kernels in csrc/*.cu: what a caller (torch_bindings.cpp, the
-// sanitizer program csrc/cpu/sanitize_main.cpp) links against. Every function returns 0 on
+// sanitizer program csrc/cuda_on_cpu/sanitize_main.cpp) links against. Every function returns 0 on
 // success, a cudaError_t (> 0) or one of the negative codes listed in paged_attention.cu
 // (minipaged::ErrorCode). Pointers are device pointers unless a comment says otherwise.
 #pragma once

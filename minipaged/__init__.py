@@ -4,8 +4,8 @@
     llm = LLM()                      # the embedded SmolLM2-135M-Instruct
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
 """
-from minipaged.engine import LLMEngine
-from minipaged.llm import LLM
+from minipaged.engine.llm_engine import LLMEngine
+from minipaged.entrypoints.llm import LLM
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.sampling_params import SamplingParams
 

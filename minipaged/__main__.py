@@ -1,5 +1,5 @@
 import sys
 
-from minipaged.cli import main
+from minipaged.entrypoints.cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """Invariants of the prefix cache, checked by several tests (lesson 07)."""
 from __future__ import annotations
 
-from minipaged.block_manager import BlockSpaceManager
+from minipaged.core.block_manager import BlockSpaceManager
 
 
 def check_prefix_cache(bm: BlockSpaceManager) -> None:

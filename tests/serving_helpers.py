@@ -22,7 +22,7 @@ def save_tiny_model_with_tokenizer(path, kind: str = "llama"):
     """
     from transformers import AutoTokenizer
 
-    from minipaged.model_loader import embedded_model_dir
+    from minipaged.worker.checkpoint import embedded_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
     model = save_tiny_model(kind, path, vocab_size=len(tokenizer),

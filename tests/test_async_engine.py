@@ -6,10 +6,10 @@ import httpx
 import pytest
 
 from minipaged import LLM, SamplingParams
-from minipaged.async_engine import AsyncLLMEngine, EngineDeadError, PromptRequest, TextStreamer
-from minipaged.engine import LLMEngine
+from minipaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, PromptRequest, TextStreamer
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.outputs import CompletionOutput
-from minipaged.server import BackgroundServer, build_app
+from minipaged.entrypoints.api_server import BackgroundServer, build_app
 
 pytestmark = pytest.mark.lesson08
 

@@ -1,8 +1,8 @@
 """Lesson 02: the allocator's free list and ref counts, and the block manager's tables."""
 import pytest
 
-from minipaged.block import BlockAllocator, Device, LogicalTokenBlock
-from minipaged.block_manager import BlockSpaceManager
+from minipaged.core.block import BlockAllocator, Device, LogicalTokenBlock
+from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minipaged.block import Device
-from minipaged.block_manager import BlockSpaceManager
+from minipaged.core.block import Device
+from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import Scheduler, SchedulerConfig
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from prefix_cache_invariants import check_prefix_cache
 

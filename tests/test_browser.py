@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.lesson02]
 
 NOTEBOOK_CODE = textwrap.dedent("""
     from minipaged import SamplingParams
-    from minipaged.block_manager import BlockSpaceManager
+    from minipaged.core.block_manager import BlockSpaceManager
     from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
     from visualizer import EventRecorder
     from visualizer.widgets import EventPlayer

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from minipaged import LLM, SamplingParams
-from minipaged.block_manager import BlockSpaceManager
-from minipaged.dry_run import apply_step
-from minipaged.scheduler import Scheduler, SchedulerConfig
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.lab.dry_run import apply_step
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup
 from tiny_models import greedy_reference, pick_prompts
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from minipaged import cli
-from minipaged.engine import LLMEngine
+from minipaged.entrypoints import cli
+from minipaged.engine.llm_engine import LLMEngine
 from serving_helpers import ROOT, save_tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.lesson08
@@ -53,10 +53,10 @@ def test_help_lists_every_engine_flag_with_its_help_and_default(command):
 
 def _serve_engine(monkeypatch, *argv) -> tuple[int, LLMEngine | None]:
     """Run `minipaged serve ...` in this process up to where it would start serving."""
-    import minipaged.server
+    import minipaged.entrypoints.api_server
 
     served = {}
-    monkeypatch.setattr(minipaged.server, "serve",
+    monkeypatch.setattr(minipaged.entrypoints.api_server, "serve",
                         lambda async_engine, name, *args: served.update(engine=async_engine.engine,
                                                                         name=name))
     code = cli.main(["serve", *argv])

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged import ops
-from minipaged.block_manager import BlockSpaceManager
-from minipaged.cache_engine import CacheEngine
-from minipaged.engine import LLMEngine
-from minipaged.scheduler import Scheduler, SchedulerConfig
+from minipaged.kernels import ops
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.worker.cache_engine import CacheEngine
+from minipaged.engine.llm_engine import LLMEngine
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 pytestmark = pytest.mark.lesson03

@@ -12,7 +12,9 @@ import warnings
 import pytest
 import torch
 
-from minipaged import LLM, SamplingParams, cpu_ops, ops
+from minipaged import LLM, SamplingParams
+from minipaged.kernels import cpu
+from minipaged.kernels import ops
 from tiny_models import greedy_reference, pick_prompts
 
 pytestmark = pytest.mark.lesson05
@@ -22,7 +24,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.fixture(scope="module")
 def kernels():
-    compiled = cpu_ops.load()
+    compiled = cpu.load()
     if compiled is None:
         pytest.skip("the C++ CPU kernels could not be built here (see the warning)")
     return compiled
@@ -141,12 +143,12 @@ def test_reshape_and_cache_writes_the_same_slots_as_the_reference(kernels, dtype
 def test_ops_dispatch_to_cpp_and_the_switch_forces_the_reference(kernels, monkeypatch):
     key_cache, value_cache, tables, context_lens = paged_cache([30], 2, 64, 16, torch.float32)
     query = torch.randn(1, 4, 64)
-    before = cpu_ops.calls["paged_attention"]
+    before = cpu.calls["paged_attention"]
     ops.paged_attention(query, key_cache, value_cache, tables, context_lens, 0.125)
-    assert cpu_ops.calls["paged_attention"] == before + 1
+    assert cpu.calls["paged_attention"] == before + 1
     monkeypatch.setenv("MINIPAGED_CPU_KERNELS", "0")
     ops.paged_attention(query, key_cache, value_cache, tables, context_lens, 0.125)
-    assert cpu_ops.calls["paged_attention"] == before + 1
+    assert cpu.calls["paged_attention"] == before + 1
 
 
 def test_a_failed_build_warns_once_and_the_reference_runs(monkeypatch):
@@ -157,7 +159,7 @@ def test_a_failed_build_warns_once_and_the_reference_runs(monkeypatch):
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     # A fresh, not yet tried build for this test; the real one comes back afterwards.
-    monkeypatch.setattr(cpu_ops, "_build", functools.cache(cpu_ops._build.__wrapped__))
+    monkeypatch.setattr(cpu, "_build", functools.cache(cpu._build.__wrapped__))
     key_cache, value_cache, tables, context_lens = paged_cache([30], 2, 64, 16, torch.float32)
     query = torch.randn(1, 4, 64)
     with warnings.catch_warnings(record=True) as caught:
@@ -342,10 +344,10 @@ def prompts_and_refs(tiny_llama, tiny_gpt2):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_engine_matches_transformers_with_the_cpp_op_in_use(kernels, prompts_and_refs, kind):
     path, _, prompts, refs = prompts_and_refs[kind]
-    before = dict(cpu_ops.calls)
+    before = dict(cpu.calls)
     assert greedy(path, prompts) == refs
-    assert cpu_ops.calls["paged_attention"] > before.get("paged_attention", 0)
-    assert cpu_ops.calls["reshape_and_cache"] > before.get("reshape_and_cache", 0)
+    assert cpu.calls["paged_attention"] > before.get("paged_attention", 0)
+    assert cpu.calls["reshape_and_cache"] > before.get("reshape_and_cache", 0)
 
 
 def agreement(tokens, refs):
@@ -366,9 +368,9 @@ def test_bfloat16_engine_follows_float32_as_closely_as_transformers_in_bfloat16(
     agreement with float32 is printed (``pytest -s``).
     """
     path, hf, prompts, refs = prompts_and_refs[kind]
-    before = cpu_ops.calls["paged_attention"]
+    before = cpu.calls["paged_attention"]
     ours, ours_first = agreement(greedy(path, prompts, dtype="bfloat16"), refs)
-    assert cpu_ops.calls["paged_attention"] > before
+    assert cpu.calls["paged_attention"] > before
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     theirs, theirs_first = agreement(
         [greedy_reference(hf16, p, n) for p, n in zip(prompts, MAX_NEW)], refs)

@@ -131,7 +131,7 @@ def test_binding_calls_every_launcher_and_exports_the_ops():
     exported = set(re.findall(r'm\.def\(\s*"(\w+)"', text.replace(cpu_only, "")))
     assert exported == {"paged_attention", "paged_attention_plan", "paged_attention_v1_limits",
                         "reshape_and_cache", "copy_blocks", "swap_blocks"}
-    # the CPU build (minipaged.cuda_on_cpu) adds the emulated device's controls only: the device
+    # the CPU build (minipaged.kernels.cuda_on_cpu) adds the emulated device's controls only: the device
     # number, the switch that skips the host-data checks as a GPU must, the launch counters and
     # the one-warp shuffle trace that lesson 05 draws
     assert set(re.findall(r'm\.def\(\s*"(\w+)"', cpu_only)) == {

@@ -1,6 +1,6 @@
-"""Lesson 05: the real CUDA kernels of csrc/, run on the CPU lane by lane, against minipaged.ops.
+"""Lesson 05: the real CUDA kernels of csrc/, run on the CPU lane by lane, against minipaged.kernels.ops.
 
-``minipaged.cuda_on_cpu.load()`` compiles the unmodified .cu files with the host compiler; every
+``minipaged.kernels.cuda_on_cpu.load()`` compiles the unmodified .cu files with the host compiler; every
 CUDA thread is a host thread, __syncthreads a real barrier, shuffles a real exchange among 32
 lanes, shared memory sized as on an H100 (or an A100: ``set_device(1)``).
 
@@ -22,8 +22,8 @@ import os
 import pytest
 import torch
 
-from minipaged import cuda_on_cpu
-from minipaged.ops import paged_attention_ref, reshape_and_cache_ref
+from minipaged.kernels import cuda_on_cpu
+from minipaged.kernels.ops import paged_attention_ref, reshape_and_cache_ref
 
 pytestmark = pytest.mark.lesson05
 
@@ -402,7 +402,7 @@ def test_recorded_shuffles_of_one_warp_match_the_emulator(kernels):
     emulator's butterflies say it does: the same masks, the same values within fp32 rounding."""
     import numpy as np
 
-    from minipaged import kernel_emulator as emu
+    from minipaged.kernels import emulator as emu
     from visualizer import butterfly_steps
 
     gen = torch.Generator().manual_seed(0)

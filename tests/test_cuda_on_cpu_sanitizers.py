@@ -1,6 +1,6 @@
 """Lesson 05: the kernels under ThreadSanitizer and AddressSanitizer, on the CPU.
 
-csrc/cpu/sanitize_main.cpp runs small cases of every kernel (V1, V2 and its reduce kernel in all
+csrc/cuda_on_cpu/sanitize_main.cpp runs small cases of every kernel (V1, V2 and its reduce kernel in all
 three dtypes, an empty context between real ones, reshape_and_cache, copy_blocks, swap_blocks, and
 the cache launchers after a stale error of an earlier launch), built with the real .cu files and
 one host thread per CUDA thread. No Python or torch runs in that process, so a report is about
@@ -22,7 +22,7 @@ import subprocess
 
 import pytest
 
-from minipaged import cuda_on_cpu
+from minipaged.kernels import cuda_on_cpu
 
 pytestmark = [pytest.mark.lesson05,
               pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")]

@@ -1,8 +1,8 @@
 """Lesson 06: text streamed token by token equals the text of all tokens decoded at once."""
 import pytest
 
-from minipaged.detokenizer import detokenize_incrementally
-from minipaged.model_loader import embedded_model_dir
+from minipaged.engine.detokenizer import detokenize_incrementally
+from minipaged.worker.checkpoint import embedded_model_dir
 from minipaged.sequence import Sequence
 
 pytestmark = pytest.mark.lesson06

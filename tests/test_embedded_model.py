@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged import model_loader
+from minipaged.worker import checkpoint
 
 pytestmark = [pytest.mark.lesson06, pytest.mark.slow]
 
@@ -31,9 +31,9 @@ def reference():
     """transformers, loading the GGUF file itself (not our converted cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.split(model_loader.embedded_gguf_path())
+    folder, name = os.path.split(checkpoint.embedded_gguf_path())
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_loader.embedded_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.embedded_model_dir())
     model.generation_config.eos_token_id = None
     return model.eval(), tokenizer
 

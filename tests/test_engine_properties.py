@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minipaged import LLMEngine, SamplingParams
-from minipaged import sampler as sampler_module
+from minipaged.worker import sampler as sampler_module
 from prefix_cache_invariants import check_prefix_cache
 from tiny_models import VOCAB
 

@@ -82,7 +82,7 @@ def batch_in_schedule_order(seqs, block_size):
 def reduce_missing_a_mask(values, op):
     import numpy as np
 
-    from minipaged.kernel_emulator import shfl_xor
+    from minipaged.kernels.emulator import shfl_xor
     for mask in (8, 4, 2, 1):  # forgot 16: two half-warps each get their own result
         values = (np.add if op == "sum" else np.maximum)(values, shfl_xor(values, mask))
     return values
@@ -102,7 +102,7 @@ def hash_of_the_sum(parent_hash, token_ids):
 
 
 def cached_tokens_with_the_last_block(prompt, cached_names, block_size):
-    from minipaged.prefix_cache import block_hash
+    from minipaged.core.prefix_cache import block_hash
     parent, count = None, 0
     for i in range(len(prompt) // block_size):  # takes the block of the last token too
         name = block_hash(parent, tuple(prompt[i * block_size:(i + 1) * block_size]))
@@ -113,7 +113,7 @@ def cached_tokens_with_the_last_block(prompt, cached_names, block_size):
 
 
 def cached_tokens_unchained(prompt, cached_names, block_size):
-    from minipaged.prefix_cache import block_hash
+    from minipaged.core.prefix_cache import block_hash
     blocks = range((len(prompt) - 1) // block_size)  # each block named on its own
     return block_size * sum(block_hash(None, tuple(prompt[i * block_size:(i + 1) * block_size]))
                             in cached_names for i in blocks)
@@ -270,12 +270,12 @@ def test_flat_batch_cases_mix_prompts_and_decodes():
 
 
 def test_block_manager_replay_of_lesson_01_trace_agrees_with_the_paged_model():
-    from minipaged import kv_cache
-    from minipaged.dry_run import replay_trace_paged
+    from minipaged.lab import kv_memory
+    from minipaged.lab.dry_run import replay_trace_paged
 
-    trace = kv_cache.request_trace(40, seed=3)
+    trace = kv_memory.request_trace(40, seed=3)
     real = replay_trace_paged(trace, capacity=2048, block_size=16)
-    model = kv_cache.paged_waste(trace, capacity=2048, block_size=16)
+    model = kv_memory.paged_waste(trace, capacity=2048, block_size=16)
     assert real.slot_steps["used"] > 0 and real.slot_steps["internal"] > 0
     assert abs(real.waste_fraction - model.waste_fraction) < 0.01
     assert real.slot_steps["internal"] <= 15 * real.max_running * real.num_steps

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from minipaged import kernel_emulator as emu
-from minipaged.ops import paged_attention_ref
+from minipaged.kernels import emulator as emu
+from minipaged.kernels.ops import paged_attention_ref
 
 pytestmark = pytest.mark.lesson05
 

@@ -2,7 +2,7 @@
 import pytest
 
 from minipaged import LLM
-from minipaged import kv_cache as kv
+from minipaged.lab import kv_memory as kv
 
 pytestmark = pytest.mark.lesson01
 

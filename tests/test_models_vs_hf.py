@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from minipaged.engine import LLMEngine
-from minipaged.input_metadata import InputMetadata
+from minipaged.engine.llm_engine import LLMEngine
+from minipaged.models.input_metadata import InputMetadata
 
 pytestmark = pytest.mark.lesson06
 

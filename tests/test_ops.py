@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minipaged import ops
+from minipaged.kernels import ops
 
 pytestmark = pytest.mark.lesson05
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from minipaged import LLMEngine, SamplingParams
-from minipaged.block_manager import BlockSpaceManager
-from minipaged.prefix_cache import block_hash
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.prefix_cache import block_hash
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from prefix_cache_invariants import check_prefix_cache
 

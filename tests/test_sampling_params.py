@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.model_runner import Row
-from minipaged.sampler import apply_penalties
+from minipaged.worker.model_runner import Row
+from minipaged.worker.sampler import apply_penalties
 from minipaged.sequence import Sequence, SequenceGroup
 from tiny_models import VOCAB, greedy_reference, pick_prompts
 
@@ -266,7 +266,7 @@ def tokenizer_llm(tmp_path_factory):
     """A tiny random LLaMA that speaks the embedded model's tokenizer (49152 tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from minipaged.model_loader import embedded_model_dir
+    from minipaged.worker.checkpoint import embedded_model_dir
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())

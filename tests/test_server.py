@@ -384,9 +384,9 @@ def test_usage_counts_the_returned_choices_not_the_best_of_candidates(client, ur
 
 # -- unexpected errors ---------------------------------------------------------------------------
 def test_an_unexpected_exception_is_a_json_500_and_the_server_keeps_serving(tiny, monkeypatch):
-    from minipaged.async_engine import AsyncLLMEngine
-    from minipaged.engine import LLMEngine
-    from minipaged.server import BackgroundServer, build_app
+    from minipaged.engine.async_llm_engine import AsyncLLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.entrypoints.api_server import BackgroundServer, build_app
 
     engine = LLMEngine(tiny[0], num_gpu_blocks=32, max_model_len=256)
     real_encode = engine.tokenizer.encode

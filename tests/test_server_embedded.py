@@ -113,8 +113,8 @@ def test_the_default_chat_length_fits_three_sequences_in_the_default_pool():
     max_tokens: "what the context leaves" (8,000+ tokens each) would never fit the pool."""
     from dataclasses import replace
 
-    from minipaged.engine import LLMEngine
-    from minipaged.server import _chat_prompt_ids, _max_tokens
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.entrypoints.api_server import _chat_prompt_ids, _max_tokens
 
     engine = LLMEngine()
     ids = _chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "Hi!"}])

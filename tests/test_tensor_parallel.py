@@ -17,7 +17,7 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.models.gpt2 import GPT2Attention
 from minipaged.models.parallel_layers import copy_shard_from, tensor_parallel_state
-from minipaged.parallel import WorkerError, memory_per_rank, shard_weight_bytes
+from minipaged.worker.mp_workers import WorkerError, memory_per_rank, shard_weight_bytes
 from tiny_models import make_config, pick_prompts, save_tiny_model
 
 NEW_TOKENS = 10

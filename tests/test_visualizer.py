@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from minipaged import LLM, SamplingParams
-from minipaged import kernel_emulator as emu
-from minipaged import kv_cache
-from minipaged.block_manager import BlockSpaceManager
-from minipaged.scheduler import Scheduler, SchedulerConfig
+from minipaged.kernels import emulator as emu
+from minipaged.lab import kv_memory
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from visualizer import (EventRecorder, butterfly_steps, fork_tree_dot, fork_tree_nodes,
                         fork_tree_text, render_block_tables, render_butterfly,
@@ -306,14 +306,14 @@ def test_butterfly_steps_picks_one_reduction_out_of_a_kernel_trace():
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.lesson01
 def test_memory_waste_view_draws_the_fractions_kv_cache_computes():
-    trace = kv_cache.request_trace(60, seed=1)
-    contiguous = kv_cache.contiguous_waste(trace, capacity=8192)
-    paged = kv_cache.paged_waste(trace, capacity=8192, block_size=16)
+    trace = kv_memory.request_trace(60, seed=1)
+    contiguous = kv_memory.contiguous_waste(trace, capacity=8192)
+    paged = kv_memory.paged_waste(trace, capacity=8192, block_size=16)
     root = parse(render_memory_waste(contiguous, paged))
     for report in (contiguous, paged):
         bar = by_class(root, "waste-bar", scheme=report.scheme)[0]
         assert float(bar.get("data-waste")) == pytest.approx(report.waste_fraction, abs=1e-4)
-        for kind in kv_cache.KINDS:
+        for kind in kv_memory.KINDS:
             seg = by_class(bar, "segment", kind=kind)[0]
             assert float(seg.get("data-fraction")) == pytest.approx(report.fraction(kind),
                                                                     abs=1e-4)
@@ -434,7 +434,7 @@ def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny
 
 
 def test_engine_never_imports_the_visualizer_or_ipywidgets():
-    code = ("import sys, minipaged, minipaged.engine, minipaged.llm, minipaged.kv_cache; "
+    code = ("import sys, minipaged, minipaged.engine.llm_engine, minipaged.entrypoints.llm, minipaged.lab.kv_memory; "
             "bad = [m for m in ('ipywidgets', 'visualizer', 'IPython') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -458,7 +458,7 @@ def test_fork_tree_names_every_node_once(tiny_llama):
 @pytest.mark.lesson06
 def test_engine_views_draw_a_compact_pool_and_mark_blocks_entered_this_step():
     pytest.importorskip("ipywidgets")
-    from minipaged.dry_run import DryRun
+    from minipaged.lab.dry_run import DryRun
     from visualizer.widgets import COMPACT_POOL, _new_blocks
 
     run = DryRun(block_size=4, num_gpu_blocks=1456)

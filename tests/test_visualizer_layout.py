@@ -9,9 +9,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from minipaged import kernel_emulator as emu
-from minipaged import kv_cache
-from minipaged.dry_run import RandomTraffic
+from minipaged.kernels import emulator as emu
+from minipaged.lab import kv_memory
+from minipaged.lab.dry_run import RandomTraffic
 from visualizer import (butterfly_steps, render_block_tables, render_butterfly,
                         render_line_chart, render_memory_waste, render_scheduler)
 
@@ -75,7 +75,7 @@ def test_block_tables_and_scheduler_views_have_clean_labels(seed):
 
 
 def test_block_tables_with_large_block_numbers_and_shared_blocks():
-    from minipaged.dry_run import DryRun
+    from minipaged.lab.dry_run import DryRun
     run = DryRun(block_size=16, num_gpu_blocks=1456)
     run.block_manager.gpu_allocator.free_blocks.reverse()  # hand out blocks #1455, #1454, ...
     run.add_request(list(range(40)), n=3)
@@ -96,9 +96,9 @@ def test_butterfly_title_and_lanes_stay_inside():
 
 
 def test_memory_waste_view_has_clean_labels():
-    trace = kv_cache.request_trace(60, seed=1)
-    svg = render_memory_waste(kv_cache.contiguous_waste(trace, 8192),
-                              kv_cache.paged_waste(trace, 8192, 16), title="waste")
+    trace = kv_memory.request_trace(60, seed=1)
+    svg = render_memory_waste(kv_memory.contiguous_waste(trace, 8192),
+                              kv_memory.paged_waste(trace, 8192, 16), title="waste")
     assert_clean_layout(svg, "memory waste")
 
 
@@ -117,7 +117,7 @@ def test_line_chart_has_clean_labels(seed):
 def test_timeline_and_flat_batch_views_have_clean_labels(seed):
     import torch
 
-    from minipaged.model_runner import prepare_inputs
+    from minipaged.worker.model_runner import prepare_inputs
     from visualizer.flat_batch import render_flat_batch
     from visualizer.timeline import render_timeline
 
@@ -140,7 +140,7 @@ def test_timeline_and_flat_batch_views_have_clean_labels(seed):
 
 
 def test_show_source_keeps_listings_to_40_lines(monkeypatch):
-    from minipaged.scheduler import Scheduler
+    from minipaged.core.scheduler import Scheduler
     from visualizer import source
 
     shown = []
@@ -158,8 +158,8 @@ def random_cached_runs(seed: int, steps: int):
     """Block-manager states of random traffic with prefix caching on: prompts start with one of
     two shared system prompts, so full blocks become cached, shared by hash, evictable (their
     requests finished) and evicted (a later allocation needed them)."""
-    from minipaged.block_manager import BlockSpaceManager
-    from minipaged.scheduler import Scheduler, SchedulerConfig
+    from minipaged.core.block_manager import BlockSpaceManager
+    from minipaged.core.scheduler import Scheduler, SchedulerConfig
 
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
@@ -258,7 +258,7 @@ def test_cached_and_evictable_blocks_are_coloured_as_the_legend_says(seed):
 def test_block_tables_fit_a_jupyterlab_output_area():
     """A 48-block pool (lesson 07) and a 1456-block one (drawn compactly) stay within 800 px, and
     every pool block of the drawing lies inside it."""
-    from minipaged.dry_run import DryRun
+    from minipaged.lab.dry_run import DryRun
 
     for num_blocks, limit in ((48, 128), (1456, 24)):
         run = DryRun(block_size=16, num_gpu_blocks=num_blocks)
@@ -277,7 +277,7 @@ def test_block_tables_fit_a_jupyterlab_output_area():
 def test_views_with_server_request_ids_have_clean_labels():
     """The server names requests 'chatcmpl-<32 hex digits>-0': the badges and the sequence labels
     shorten them instead of writing over the next column or the pool."""
-    from minipaged.dry_run import DryRun
+    from minipaged.lab.dry_run import DryRun
 
     run = DryRun(block_size=16, num_gpu_blocks=40, num_cpu_blocks=8)
     rng = random.Random(0)

@@ -5,7 +5,7 @@ read (``partner = lane ^ mask``) to the lane that read it. Cells are coloured by
 lanes whose values have been combined so far. After the last mask every lane of a team holds the
 same result.
 
-Records come from ``minipaged.kernel_emulator`` (``butterfly_reduce(..., trace=[])`` or
+Records come from ``minipaged.kernels.emulator`` (``butterfly_reduce(..., trace=[])`` or
 ``paged_attention(..., trace=[])``): dicts with ``phase``, ``step``, ``mask``, ``pairs``,
 ``values_before`` and ``values_after`` (see that module's docstring).
 

@@ -1,6 +1,6 @@
 """Where the KV cache goes: a max-length contiguous reservation against paged blocks (lesson 01).
 
-Draws ``minipaged.kv_cache.WasteReport`` objects (the numbers are computed there, not here):
+Draws ``minipaged.lab.kv_memory.WasteReport`` objects (the numbers are computed there, not here):
 for each scheme a bar split into used / reserved / internal / external fragmentation (time
 averages over the whole trace), and a memory map of the pool at one step of the run.
 

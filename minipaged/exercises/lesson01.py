@@ -4,15 +4,16 @@
     reservation_slots(request, num_tokens) -> {"used": .., "reserved": .., "internal": ..}
     paged_slots(num_tokens, block_size) -> (blocks held, empty slots in them)
 
-The expected answers come from ``kv_cache.bytes_per_token``, from replaying the request through
-``kv_cache.contiguous_waste``, and from a real ``BlockSpaceManager``.
+The expected answers come from ``kv_memory.bytes_per_token``, from replaying the request through
+``kv_memory.contiguous_waste``, and from a real ``BlockSpaceManager``.
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from minipaged import SamplingParams, kv_cache
-from minipaged.block_manager import BlockSpaceManager
+from minipaged import SamplingParams
+from minipaged.lab import kv_memory
+from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
 from minipaged.sequence import Sequence, SequenceGroup
 
@@ -21,11 +22,11 @@ def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> str
     learner = Learner("bytes_per_token", fn)
     rng = rng_for(seed)
     shapes = [(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes)
-              for s in kv_cache.MODEL_SHAPES.values()]
+              for s in kv_memory.MODEL_SHAPES.values()]
     shapes += [(rng.randint(1, 96), rng.randint(1, 64), rng.choice([32, 64, 80, 96, 128, 256]),
                 rng.choice([1, 2, 4])) for _ in range(num_cases - len(shapes))]
     for i, args in enumerate(shapes):
-        expected = kv_cache.bytes_per_token(*args)
+        expected = kv_memory.bytes_per_token(*args)
         got = learner(*args)
         if got != expected:
             hint = ("you are off by a factor of 2: every token stores a key AND a value vector"
@@ -36,9 +37,9 @@ def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> str
     return passed(learner, len(shapes))
 
 
-def _contiguous_kinds(request: kv_cache.Request, step: int) -> dict[str, int]:
+def _contiguous_kinds(request: kv_memory.Request, step: int) -> dict[str, int]:
     """What the package's contiguous allocator holds for ``request`` alone, ``step`` steps in."""
-    report = kv_cache.contiguous_waste([request], capacity=request.max_len, layout_step=step)
+    report = kv_memory.contiguous_waste([request], capacity=request.max_len, layout_step=step)
     counts = Counter()
     for kind, n in report.layout:
         counts[kind] += n
@@ -48,7 +49,7 @@ def _contiguous_kinds(request: kv_cache.Request, step: int) -> dict[str, int]:
 def check_reservation_slots(fn, num_cases: int = 150, seed: int | None = 0) -> str:
     learner = Learner("reservation_slots", fn)
     rng = rng_for(seed)
-    trace = kv_cache.request_trace(num_cases, seed=rng.randrange(1 << 30),
+    trace = kv_memory.request_trace(num_cases, seed=rng.randrange(1 << 30),
                                    max_lens=(16, 64, 512, 2048))
     for i, request in enumerate(trace):
         step = rng.randrange(request.output_len)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from minipaged import SamplingParams
-from minipaged.block_manager import BlockSpaceManager
+from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.model_runner import prepare_inputs
+from minipaged.worker.model_runner import prepare_inputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

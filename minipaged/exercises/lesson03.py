@@ -12,7 +12,7 @@ Expected answers: a real ``BlockSpaceManager`` driven through random forks and a
 from __future__ import annotations
 
 from minipaged import SamplingParams
-from minipaged.block_manager import BlockSpaceManager
+from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.dry_run import RandomTraffic
+from minipaged.lab.dry_run import RandomTraffic
 
 
 class GroupState(NamedTuple):

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minipaged import kernel_emulator as emu
-from minipaged.cache_engine import CacheEngine
+from minipaged.kernels import emulator as emu
+from minipaged.worker.cache_engine import CacheEngine
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
 
 

@@ -17,8 +17,8 @@ import torch
 from typing import NamedTuple
 
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.dry_run import RandomTraffic
-from minipaged.model_runner import prepare_inputs
+from minipaged.lab.dry_run import RandomTraffic
+from minipaged.worker.model_runner import prepare_inputs
 from minipaged.sequence import SequenceStatus
 
 

@@ -15,9 +15,9 @@ real ``PrefixCache`` filled with random earlier prompts for the second.
 """
 from __future__ import annotations
 
-from minipaged.block import BlockAllocator, Device
+from minipaged.core.block import BlockAllocator, Device
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.prefix_cache import PrefixCache
+from minipaged.core.prefix_cache import PrefixCache
 
 
 def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> str:

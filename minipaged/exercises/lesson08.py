@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from minipaged.async_engine import TextStreamer
+from minipaged.engine.async_llm_engine import TextStreamer
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
 
 _ALPHABET = "ab \n."
@@ -110,7 +110,7 @@ def _questions(engine) -> list[tuple[str, float | None]]:
 
 
 def check_metric_value(fn, num_cases: int = 60, seed: int | None = 0) -> str:
-    from minipaged.server import prometheus_text
+    from minipaged.entrypoints.api_server import prometheus_text
 
     learner = Learner("metric_value", fn)
     rng = rng_for(seed)

@@ -112,7 +112,7 @@ def slot_mapping(seqs, block_size):
 def warp_reduce(values, op):
     import numpy as np
 
-    from minipaged.kernel_emulator import shfl_xor
+    from minipaged.kernels.emulator import shfl_xor
 
     combine = np.add if op == "sum" else np.maximum
     for mask in (16, 8, 4, 2, 1):
@@ -139,7 +139,7 @@ def block_hash(parent_hash, token_ids):
 
 
 def cached_tokens(prompt, cached_names, block_size):
-    from minipaged.prefix_cache import block_hash as name_of
+    from minipaged.core.prefix_cache import block_hash as name_of
 
     parent, count = None, 0
     for i in range((len(prompt) - 1) // block_size):  # never the block of the last token

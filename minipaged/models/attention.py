@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minipaged import ops
-from minipaged.input_metadata import InputMetadata
+from minipaged.kernels import ops
+from minipaged.models.input_metadata import InputMetadata
 
 
 class PagedAttention(nn.Module):

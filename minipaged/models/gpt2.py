@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minipaged.input_metadata import InputMetadata
+from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
 from minipaged.models.parallel_layers import (ColumnParallelLinear, RowParallelLinear,
                                               VocabParallelEmbedding, divide,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minipaged.input_metadata import InputMetadata
+from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
 from minipaged.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding, divide,

@@ -29,8 +29,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def kernels():
-    """The compiled kernels (minipaged.cuda_ops.load()); the test fails if they did not build."""
-    from minipaged import cuda_ops
+    """The compiled kernels (minipaged.kernels.cuda.load()); the test fails if they did not build."""
+    from minipaged.kernels import cuda as cuda_ops
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

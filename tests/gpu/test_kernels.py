@@ -1,4 +1,4 @@
-"""Lesson 05 on a GPU: our CUDA kernels against the torch reference of minipaged.ops.
+"""Lesson 05 on a GPU: our CUDA kernels against the torch reference of minipaged.kernels.ops.
 
 Attention is compared by relative error (N(0,1) inputs, the reference computed in fp32 on the
 CPU from the very same low-precision inputs); the output is filled with NaN before each run so an
@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from minipaged import ops  # noqa: E402
+from minipaged.kernels import ops  # noqa: E402
 
 pytestmark = pytest.mark.lesson05
 

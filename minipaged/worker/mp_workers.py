@@ -138,9 +138,9 @@ def _serve(rank, world_size, conn, init_method, spec: WorkerSpec) -> None:
 
     import torch.distributed as dist
 
-    from minipaged.cache_engine import CacheEngine
-    from minipaged.model_setup import build_model, profile_num_gpu_blocks
-    from minipaged.model_runner import ModelRunner, PreparedInputs
+    from minipaged.worker.cache_engine import CacheEngine
+    from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
+    from minipaged.worker.model_runner import ModelRunner, PreparedInputs
     from minipaged.models.parallel_layers import set_tensor_parallel_state
 
     device = torch.device(spec.device)
@@ -264,7 +264,7 @@ class TensorParallelWorkers:
         for rank in range(world_size):
             ours, theirs = socket.socketpair()
             process = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from minipaged.parallel import worker_main;"
+                [sys.executable, "-c", "import sys; from minipaged.worker.mp_workers import worker_main;"
                  " worker_main(int(sys.argv[1]))", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
             theirs.close()

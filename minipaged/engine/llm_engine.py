@@ -15,18 +15,18 @@ from typing import Callable
 
 import torch
 
-from minipaged import model_loader
-from minipaged.block_manager import BlockSpaceManager
-from minipaged.cache_engine import CacheEngine, cache_block_bytes
-from minipaged.detokenizer import detokenize_incrementally
-from minipaged.model_runner import ModelRunner, prepare_inputs
-from minipaged.model_setup import (build_model, profile_num_gpu_blocks, resolve_device,
+from minipaged.worker import checkpoint
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.worker.cache_engine import CacheEngine, cache_block_bytes
+from minipaged.engine.detokenizer import detokenize_incrementally
+from minipaged.worker.model_runner import ModelRunner, prepare_inputs
+from minipaged.worker.model_loader import (build_model, profile_num_gpu_blocks, resolve_device,
                                    resolve_dtype)
 from minipaged.outputs import RequestOutput
-from minipaged.parallel import DEFAULT_TIMEOUT_S, TensorParallelWorkers
-from minipaged.sampler import Sampler, SequenceOutput
+from minipaged.worker.mp_workers import DEFAULT_TIMEOUT_S, TensorParallelWorkers
+from minipaged.worker.sampler import Sampler, SequenceOutput
 from minipaged.sampling_params import SamplingParams
-from minipaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
+from minipaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.validation import as_number, as_token_ids, check_settings, shown
 
@@ -152,8 +152,8 @@ class LLMEngine:
         self.seed = seed
 
         # -- the model ---------------------------------------------------------------------------
-        source = model_loader.resolve(model) if hf_config is None else model
-        self.hf_config = hf_config or model_loader.load_config(source)
+        source = checkpoint.resolve(model) if hf_config is None else model
+        self.hf_config = hf_config or checkpoint.load_config(source)
         self.dtype = resolve_dtype(dtype, self.hf_config, self.device)
         self.workers: TensorParallelWorkers | None = None
         if tensor_parallel_size != 1:
@@ -165,7 +165,7 @@ class LLMEngine:
             self.model, self.device = None, torch.device("cpu")
         else:
             self.model = self._build_model(source, load_format)
-        self.tokenizer = (model_loader.load_tokenizer(source, tokenizer)
+        self.tokenizer = (checkpoint.load_tokenizer(source, tokenizer)
                           if source is not None else None)
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.block_manager import BlockSpaceManager
-from minipaged.input_metadata import InputMetadata
-from minipaged.scheduler import PrefillChunk, SchedulerOutputs
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.models.input_metadata import InputMetadata
+from minipaged.core.scheduler import PrefillChunk, SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from minipaged.engine import LLMEngine
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 

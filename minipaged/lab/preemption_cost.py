@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from minipaged.kv_cache import ModelShape
+from minipaged.lab.kv_memory import ModelShape
 
 PCIE4_X16_BYTES_PER_S = 25e9  # what a PCIe 4.0 x16 link sustains in practice (32 GB/s peak)
 COPY_LATENCY_S = 5e-6  # a small cudaMemcpyAsync: launch plus transfer set-up

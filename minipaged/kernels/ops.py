@@ -3,8 +3,8 @@
 These functions are the *reference*: they are written to be obviously right, and the CUDA kernels
 in ``csrc/``, the C++ CPU kernels in ``csrc/cpu/attention.cpp`` and the NumPy emulator in
 ``kernel_emulator.py`` are checked against them. On a CUDA tensor each public function hands the
-work to our compiled kernels when they are available (``minipaged.cuda_ops``); on a CPU tensor the
-attention and cache writes go to the compiled C++ code (``minipaged.cpu_ops``) unless
+work to our compiled kernels when they are available (``minipaged.kernels.cuda``); on a CPU tensor the
+attention and cache writes go to the compiled C++ code (``minipaged.kernels.cpu``) unless
 ``MINIPAGED_CPU_KERNELS=0`` is set or it could not be built; everywhere else the torch code below
 runs.
 
@@ -28,7 +28,7 @@ def key_vector_size(dtype: torch.dtype) -> int:
 
 def _cuda():
     """Our compiled kernels, or None (CPU tensors, no compiler, or the build failed)."""
-    from minipaged import cuda_ops  # imported lazily: CPU users never touch it
+    from minipaged.kernels import cuda as cuda_ops  # imported lazily: CPU users never touch it
 
     return cuda_ops.load()
 
@@ -39,9 +39,9 @@ def _use_cuda(t: torch.Tensor) -> bool:
 
 def _cpu():
     """Our compiled C++ CPU kernels, or None (``MINIPAGED_CPU_KERNELS=0``, or no compiler)."""
-    from minipaged import cpu_ops
+    from minipaged.kernels import cpu
 
-    return cpu_ops.load()
+    return cpu.load()
 
 
 def _use_cpu(t: torch.Tensor) -> bool:
@@ -173,7 +173,7 @@ def prefill_attention(
     call; the result is the same.
     """
     if query.is_cuda and len(prompt_lens) > 1:
-        from minipaged import cuda_ops
+        from minipaged.kernels import cuda as cuda_ops
 
         out = cuda_ops.xformers_prefill(query, key, value, prompt_lens, scale)
         if out is not None:

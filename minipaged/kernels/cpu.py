@@ -2,7 +2,7 @@
 
 ``load()`` builds ``csrc/cpu/attention.cpp`` with ``torch.utils.cpp_extension.load`` the first
 time it is called and returns a ``CpuKernels`` object with three operations, the same signatures
-as their torch references in ``minipaged.ops``:
+as their torch references in ``minipaged.kernels.ops``:
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale) -> out
@@ -13,7 +13,7 @@ Every argument is checked in C++ before the loops run (shapes, dtypes, block num
 sequences' contexts, context lengths, slots); a bad one raises a RuntimeError that names it, its
 value and the limit, instead of reading or writing outside a tensor. Slot -1 means "not cached".
 
-It returns None (and ``minipaged.ops`` runs its plain torch code) when ``MINIPAGED_CPU_KERNELS=0``
+It returns None (and ``minipaged.kernels.ops`` runs its plain torch code) when ``MINIPAGED_CPU_KERNELS=0``
 is set, or when the build fails (no C++ compiler, for instance): then a warning says so, once.
 The compiled library is cached on disk under ``~/.cache/minipaged/torch_ext`` (or
 ``$MINIPAGED_EXT_DIR``), keyed by torch version and the CPU's vector instructions, and rebuilt when
@@ -28,7 +28,7 @@ import os
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu" / "attention.cpp"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "attention.cpp"
 
 # Compiler flags per vector instruction set torch reports for this CPU.
 _ARCH_FLAGS = {
@@ -67,7 +67,7 @@ def _build():
         import torch
         from torch.utils import cpp_extension
 
-        from minipaged.cuda_ops import _make_ninja_findable
+        from minipaged.kernels.cuda import _make_ninja_findable
 
         _make_ninja_findable(cpp_extension)
         capability = cpu_capability()

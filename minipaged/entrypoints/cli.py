@@ -53,7 +53,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The ENGINE_OPTIONS flags, in their own group, with LLMEngine's defaults in the help."""
     import inspect
 
-    from minipaged.engine import LLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
 
     defaults = {name: p.default for name, p in
                 inspect.signature(LLMEngine.__init__).parameters.items()}
@@ -109,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        from minipaged.demo import main as demo_main
+        from minipaged.entrypoints.demo import main as demo_main
 
         return demo_main()
     if args.command == "serve":
         return _serve(args)
 
     from minipaged import LLM, SamplingParams
-    from minipaged.model_loader import is_embedded
+    from minipaged.worker.checkpoint import is_embedded
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
-    from minipaged.async_engine import AsyncLLMEngine
-    from minipaged.engine import LLMEngine
-    from minipaged.model_loader import EMBEDDED_MODEL, is_embedded
-    from minipaged.server import serve
+    from minipaged.engine.async_llm_engine import AsyncLLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.worker.checkpoint import EMBEDDED_MODEL, is_embedded
+    from minipaged.entrypoints.api_server import serve
 
     try:
         engine = LLMEngine(args.model, **engine_kwargs(args))
@@ -164,7 +164,7 @@ def _generate_streaming(llm, prompts: list[str], params, chat: bool) -> int:
     comes (by then they have usually finished)."""
     import asyncio
 
-    from minipaged.async_engine import AsyncLLMEngine, PromptRequest, TextStreamer
+    from minipaged.engine.async_llm_engine import AsyncLLMEngine, PromptRequest, TextStreamer
 
     tokenizer = llm.get_tokenizer()
     requests = []

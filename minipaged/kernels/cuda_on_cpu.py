@@ -2,10 +2,10 @@
 
 ``load()`` compiles ``csrc/paged_attention.cu``, ``csrc/cache_kernels.cu`` and
 ``csrc/torch_bindings.cpp`` with the host C++ compiler (``torch.utils.cpp_extension``, cached on
-disk) against ``csrc/cpu/cuda_on_cpu.h``, a small CUDA runtime in which every CUDA thread is a
+disk) against ``csrc/cuda_on_cpu/cuda_on_cpu.h``, a small CUDA runtime in which every CUDA thread is a
 host thread: ``__syncthreads`` is a real barrier of the block, ``__shfl_xor_sync`` a real exchange
 among the 32 lanes of a warp, shared memory is sized as on an sm_90 GPU, fp16/bf16 round as on
-the GPU. It returns a ``CudaKernels`` object (see ``minipaged.cuda_ops``) whose methods take CPU
+the GPU. It returns a ``CudaKernels`` object (see ``minipaged.kernels.cuda``) whose methods take CPU
 tensors::
 
     kernels = cuda_on_cpu.load()
@@ -34,8 +34,8 @@ import subprocess
 import threading
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-CPU_DIR = CSRC / "cpu"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+RUNTIME_DIR = CSRC / "cuda_on_cpu"
 CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu")
 RUNTIME_SOURCES = ("cuda_on_cpu.cpp",)
 FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-pthread"]
@@ -97,7 +97,7 @@ def _cache_root() -> Path:
 
 
 def load():
-    """The CUDA kernels built for the CPU, as a ``minipaged.cuda_ops.CudaKernels`` (cached)."""
+    """The CUDA kernels built for the CPU, as a ``minipaged.kernels.cuda.CudaKernels`` (cached)."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -109,7 +109,7 @@ def _build():
     import torch
     from torch.utils import cpp_extension
 
-    from minipaged import cuda_ops
+    from minipaged.kernels import cuda as cuda_ops
 
     cuda_ops._make_ninja_findable(cpp_extension)
     build_dir = _cache_root() / f"cuda_on_cpu-torch{torch.__version__}"
@@ -118,8 +118,8 @@ def _build():
     module = cpp_extension.load(
         name="minipaged_cuda_on_cpu",
         sources=[str(CSRC / "torch_bindings.cpp"), *map(str, sources),
-                 *(str(CPU_DIR / s) for s in RUNTIME_SOURCES)],
-        extra_include_paths=[str(CPU_DIR / "include"), str(CSRC)],
+                 *(str(RUNTIME_DIR / s) for s in RUNTIME_SOURCES)],
+        extra_include_paths=[str(RUNTIME_DIR / "include"), str(CSRC)],
         extra_cflags=["-O2", "-DMINIPAGED_CUDA_ON_CPU", *FLAGS[1:]],
         extra_ldflags=["-pthread"],
         build_directory=str(build_dir),
@@ -192,7 +192,7 @@ def butterfly_runs(steps: list[dict], op: str, first_mask: int) -> list[list[dic
 
 
 # ----------------------------------------------------------------------------------------------
-# Sanitizer programs: the kernels plus csrc/cpu/sanitize_main.cpp, no Python, no torch
+# Sanitizer programs: the kernels plus csrc/cuda_on_cpu/sanitize_main.cpp, no Python, no torch
 # ----------------------------------------------------------------------------------------------
 SANITIZERS = {"thread": ["-fsanitize=thread"], "address": ["-fsanitize=address",
                                                            "-fno-omit-frame-pointer"]}
@@ -202,17 +202,17 @@ def build_sanitizer_program(sanitizer: str, drop_barrier: str | None = None,
                             compiler: str = "g++") -> Path:
     """Build (or reuse) the sanitizer test program; returns the executable's path.
 
-    The program (``csrc/cpu/sanitize_main.cpp``) runs small cases of every kernel; built with
+    The program (``csrc/cuda_on_cpu/sanitize_main.cpp``) runs small cases of every kernel; built with
     ``-fsanitize=thread`` or ``-fsanitize=address``. Objects are cached by a hash of their
     (rewritten) source, the headers and the flags, so a second variant (``drop_barrier``)
     recompiles only paged_attention.cu.
     """
     flags = [*FLAGS, "-O1", "-g", "-DMINIPAGED_FEW_INSTANCES", *SANITIZERS[sanitizer],
-             f"-I{CPU_DIR / 'include'}", f"-I{CSRC}"]
-    headers = b"".join(p.read_bytes() for p in [CPU_DIR / "cuda_on_cpu.h", CSRC / "kernels.h"])
+             f"-I{RUNTIME_DIR / 'include'}", f"-I{CSRC}"]
+    headers = b"".join(p.read_bytes() for p in [RUNTIME_DIR / "cuda_on_cpu.h", CSRC / "kernels.h"])
     root = _cache_root() / "sanitize" / sanitizer
     rewritten = write_rewritten_sources(root / f"src-{_digest(drop_barrier or '')}", drop_barrier)
-    sources = [*rewritten, *(CPU_DIR / s for s in RUNTIME_SOURCES), CPU_DIR / "sanitize_main.cpp"]
+    sources = [*rewritten, *(RUNTIME_DIR / s for s in RUNTIME_SOURCES), RUNTIME_DIR / "sanitize_main.cpp"]
     objects, jobs = [], []
     for source in sources:
         obj = root / f"{source.name}-{_digest(flags, compiler, headers, source.read_bytes())}.o"

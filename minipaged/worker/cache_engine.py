@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged import ops
+from minipaged.kernels import ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.model_runner import Row
+from minipaged.worker.model_runner import Row
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import SequenceGroup
 

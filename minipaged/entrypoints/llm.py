@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from minipaged.engine import LLMEngine, as_token_ids
+from minipaged.engine.llm_engine import LLMEngine, as_token_ids
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from minipaged import SamplingParams
-from minipaged.block_manager import BlockSpaceManager
-from minipaged.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -129,13 +129,13 @@ def replay_trace_paged(trace, capacity: int, block_size: int = 16,
                        layout_step: int | None = None):
     """Lesson 01's trace served by the real scheduler and ``BlockSpaceManager`` (no model).
 
-    Returns a ``kv_cache.WasteReport`` counted from the block tables at every step: slots holding
+    Returns a ``kv_memory.WasteReport`` counted from the block tables at every step: slots holding
     a token's K/V ("used") and the empty tail of each sequence's last block ("internal").
     Requests run to their ``final_len``; when the pool runs out the scheduler preempts by
-    recompute, as ``kv_cache.paged_waste`` assumes. The report's memory map is the block tables
-    at ``layout_step`` (by default the same busy step as ``kv_cache.paged_waste`` draws).
+    recompute, as ``kv_memory.paged_waste`` assumes. The report's memory map is the block tables
+    at ``layout_step`` (by default the same busy step as ``kv_memory.paged_waste`` draws).
     """
-    from minipaged.kv_cache import WasteReport, _merge_layout, _steady_step
+    from minipaged.lab.kv_memory import WasteReport, _merge_layout, _steady_step
 
     run = DryRun(block_size, capacity // block_size, preemption_mode="recompute")
     final_len = {run.add_request([1] * r.prompt_len).request_id: r.final_len for r in trace}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from minipaged.block import BlockAllocator, Device, PhysicalTokenBlock
-from minipaged.prefix_cache import PrefixCache
+from minipaged.core.block import BlockAllocator, Device, PhysicalTokenBlock
+from minipaged.core.prefix_cache import PrefixCache
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from minipaged.block_manager import BlockSpaceManager
+from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

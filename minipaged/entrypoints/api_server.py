@@ -29,14 +29,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minipaged.async_engine import AsyncLLMEngine, EngineDeadError, PromptRequest, TextStreamer
-from minipaged.openai_protocol import (APIError, ChatCompletionRequest, ChatFormat,
+from minipaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, PromptRequest, TextStreamer
+from minipaged.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, ChatFormat,
                                        CompletionFormat, CompletionRequest, param_of, usage,
                                        validation_error)
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 
-logger = logging.getLogger("minipaged.server")
+logger = logging.getLogger("minipaged.entrypoints.api_server")
 
 
 def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:

@@ -21,7 +21,7 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from minipaged.block import BlockAllocator, Device, PhysicalTokenBlock
+from minipaged.core.block import BlockAllocator, Device, PhysicalTokenBlock
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

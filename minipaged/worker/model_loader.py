@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged import model_loader
+from minipaged.worker import checkpoint
 from minipaged.models import get_model_class
 
 
@@ -62,7 +62,7 @@ def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
                 else:
                     p.normal_(0.0, std)
     elif load_format == "auto":
-        model.load_weights(model_loader.load_state_dict(source))
+        model.load_weights(checkpoint.load_state_dict(source))
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval()
@@ -74,7 +74,7 @@ def profile_num_gpu_blocks(model, device: torch.device, num_tokens: int, max_len
     """Run the largest step the scheduler allows, without a cache, and see what is left.
 
     Under tensor parallelism each worker profiles its own GPU with its shard."""
-    from minipaged.input_metadata import InputMetadata
+    from minipaged.models.input_metadata import InputMetadata
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

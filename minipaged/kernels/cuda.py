@@ -10,7 +10,7 @@ returns an object with the four cache/attention operations:
     copy_blocks(key_caches, value_caches, block_mapping: dict[int, list[int]])
     swap_blocks(src, dst, block_mapping: dict[int, int])
 
-It returns None (and ``minipaged.ops`` falls back to its plain torch code) when there is no GPU,
+It returns None (and ``minipaged.kernels.ops`` falls back to its plain torch code) when there is no GPU,
 torch is a CPU build, ``MINIPAGED_NO_CUDA_KERNELS=1`` is set, or the build fails; a failed build
 is reported once with ``warnings.warn``. The result is cached for the life of the process; the
 compiled library is cached on disk under ``~/.cache/minipaged/torch_ext`` (or
@@ -28,7 +28,7 @@ import threading
 import warnings
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("torch_bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
 
 _lock = threading.Lock()
@@ -180,7 +180,7 @@ class CudaKernels:
 
     @staticmethod
     def _reference(query, key_cache, value_cache, block_tables, context_lens, scale, out):
-        from minipaged.ops import paged_attention_ref
+        from minipaged.kernels.ops import paged_attention_ref
 
         key = (query.shape[-1], key_cache.shape[3], query.dtype)
         if key not in _warned_shapes:

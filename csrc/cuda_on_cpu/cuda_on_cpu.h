@@ -16,7 +16,7 @@
 // The launch limits are those of an sm_90 part (device 0, H100) or an sm_80 part (device 1,
 // A100): 1024 threads per block, 48 KiB of shared memory without opting in, 227 / 163 KiB with.
 //
-// Two things the preprocessor cannot do are done by minipaged/cuda_on_cpu.py on a temporary copy
+// Two things the preprocessor cannot do are done by minipaged/kernels/cuda_on_cpu.py on a temporary copy
 // of each .cu file, line for line (so compiler and sanitizer reports name the real file and line):
 //   kernel<<<grid, block, smem, stream>>>(args)  ->  kernel % LaunchConfig(grid, ...)(args)
 //   extern __shared__ T name[];                  ->  T* name = dynamic_shared<T>();

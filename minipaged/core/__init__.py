@@ -1,0 +1,1 @@
+"""Bookkeeping without tensors: blocks, allocators, the block manager, the scheduler."""

@@ -1,0 +1,1 @@
+"""The engine: one step of continuous batching, the async loop, validation, detokenizing."""

@@ -1,0 +1,1 @@
+"""How users reach the engine: LLM, the command line, the OpenAI-compatible server, the demo."""

@@ -1,0 +1,1 @@
+"""Execution: the KV cache tensors, the model runner, the sampler, loading models, tensor-parallel workers."""
