@@ -243,16 +243,18 @@ def test_without_sharing_the_tokens_are_the_same_and_the_blocks_more(tiny_llama,
 
 def test_the_block_manager_is_replaced_only_while_no_request_is_queued(tiny_llama):
     path, _ = tiny_llama
-    engine = LLMEngine(path, block_size=BLOCK_SIZE, num_gpu_blocks=32, num_cpu_blocks=0)
+    engine = LLMEngine(path, block_size=BLOCK_SIZE, num_gpu_blocks=32, num_cpu_blocks=0,
+                       max_model_len=64)
     old = engine.block_manager
     engine.add_request("r", None, SamplingParams(max_tokens=2), prompt_token_ids=[1, 2, 3])
     with pytest.raises(ValueError, match="queued"):
         engine.replace_block_manager(NoSharingBlockManager.like(old))
-    with pytest.raises(ValueError, match="pools"):
-        engine.replace_block_manager(NoSharingBlockManager(BLOCK_SIZE, 16, 0))
     assert engine.block_manager is old and engine.scheduler.block_manager is old
     while engine.has_unfinished_requests():
         engine.step()
+    with pytest.raises(ValueError, match="pools"):
+        engine.replace_block_manager(NoSharingBlockManager(BLOCK_SIZE, 16, 0))
+    assert engine.block_manager is old and engine.scheduler.block_manager is old
     new = NoSharingBlockManager.like(old)
     engine.replace_block_manager(new)
     assert engine.block_manager is new and engine.scheduler.block_manager is new
