@@ -9,7 +9,7 @@ search need with block sharing and without it: 6-30 % fewer blocks for parallel 
 prompts run twice, and ``stats.peak_gpu_blocks_used`` (the most GPU blocks held at once) is
 compared.
 
-What "sharing disabled" means here (``BlockSpaceManager.share_blocks = False``): no sequence
+What "sharing disabled" means here (``lab.no_sharing.NoSharingBlockManager``): no sequence
 ever holds a block another sequence holds, as in an engine that keeps one contiguous KV copy per
 sample or beam. The prompt is still computed once: it is written into blocks shared for that
 one step, and at the next step every sequence gets private copies (real data copies through
@@ -34,7 +34,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
+from minipaged.core.block_manager import BlockSpaceManager  # noqa: E402
 from minipaged.engine.llm_engine import EngineStats  # noqa: E402
+from minipaged.lab.no_sharing import NoSharingBlockManager  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_description  # noqa: E402
@@ -66,7 +68,9 @@ def make_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
 
 def run(llm: LLM, prompts, params: SamplingParams, share: bool):
     engine = llm.llm_engine
-    engine.block_manager.share_blocks = share
+    # A fresh manager each run: what one run's prefix cache named, the next run overwrites.
+    manager_class = BlockSpaceManager if share else NoSharingBlockManager
+    engine.replace_block_manager(manager_class.like(engine.block_manager))
     engine.stats = EngineStats()
     t0 = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -154,7 +158,7 @@ def record(table: str, args, prompts, total_s: float) -> None:
         f"- command: `python benchmarks/memory_sharing.py {' '.join(sys.argv[1:])}`\n"
         f"- \"no sharing\": every sequence holds private copies of all its blocks from the step "
         f"after its prompt is computed or its beam is forked (real copies through "
-        f"`blocks_to_copy`, `BlockSpaceManager.share_blocks = False`); both runs generate the "
+        f"`blocks_to_copy`, `NoSharingBlockManager`); both runs generate the "
         f"same tokens (checked). \"analytic\" is the sum over sequences of ceil(cached tokens / "
         f"block size) at the last step.\n"
         f"- the paper (PagedAttention, section 6.3) reports 6-30 % for parallel sampling and "

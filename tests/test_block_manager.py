@@ -1,7 +1,8 @@
 """Lesson 02: the allocator's free list and ref counts, and the block manager's tables."""
 import pytest
 
-from minipaged.core.block import BlockAllocator, Device, LogicalTokenBlock
+from minipaged.core.allocator import FreeListAllocator
+from minipaged.core.block import Device, LogicalTokenBlock
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -17,7 +18,7 @@ def make_group(request_id, seq_id, num_tokens, block_size=4, best_of=1):
 
 
 def test_allocator_hands_out_each_block_once_and_takes_it_back():
-    alloc = BlockAllocator(Device.GPU, block_size=4, num_blocks=3)
+    alloc = FreeListAllocator(Device.GPU, block_size=4, num_blocks=3)
     blocks = [alloc.allocate() for _ in range(3)]
     assert sorted(b.block_number for b in blocks) == [0, 1, 2]
     assert all(b.ref_count == 1 for b in blocks)
@@ -30,7 +31,7 @@ def test_allocator_hands_out_each_block_once_and_takes_it_back():
 
 
 def test_allocator_double_free_raises():
-    alloc = BlockAllocator(Device.GPU, block_size=4, num_blocks=2)
+    alloc = FreeListAllocator(Device.GPU, block_size=4, num_blocks=2)
     block = alloc.allocate()
     alloc.free(block)
     with pytest.raises(ValueError, match="double free"):
@@ -39,7 +40,7 @@ def test_allocator_double_free_raises():
 
 
 def test_shared_block_returns_to_free_list_only_at_ref_count_zero():
-    alloc = BlockAllocator(Device.GPU, block_size=4, num_blocks=2)
+    alloc = FreeListAllocator(Device.GPU, block_size=4, num_blocks=2)
     block = alloc.allocate()
     block.ref_count += 1  # a second table holds it
     alloc.free(block)

@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minipaged.core.block import Device
 from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.lab.no_sharing import NoSharingBlockManager
 from minipaged.sampling_params import SamplingParams
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -46,17 +47,16 @@ ACTIONS = st.lists(st.tuples(st.sampled_from(["go", "go", "go", "finish", "fork"
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    share_blocks = True
+    manager_class = BlockSpaceManager
     enable_caching = False
     hash_fn = None  # a colliding hash function, for the collision test
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockSpaceManager(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark=0.05,
-                                    enable_caching=self.enable_caching)
-        self.bm.share_blocks = self.share_blocks
+        self.bm = self.manager_class(BLOCK_SIZE, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark=0.05,
+                                     enable_prefix_caching=self.enable_caching)
         if self.hash_fn is not None:
-            self.bm.prefix_cache.hash_fn = type(self).hash_fn
+            self.bm.gpu_allocator.hash_fn = type(self).hash_fn
         # The scheduler's _append_slots is the code that turns appends into blocks_to_copy.
         self.scheduler = Scheduler(SchedulerConfig(), self.bm)
         self.groups: list[SequenceGroup] = []  # every group not yet aborted
@@ -176,7 +176,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(table) == len(seq.logical_token_blocks)
             # The block about to be written belongs to this sequence alone (copy-on-write).
             assert table[-1].ref_count == 1
-            if not self.share_blocks:
+            if self.manager_class is NoSharingBlockManager:
                 assert all(b.ref_count == 1 for b in table)
             self._write(seq, seq.get_len() - 1)
             seq.num_computed_tokens = seq.get_len()
@@ -327,7 +327,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 class NoSharingMachine(BlockManagerMachine):
     """The memory benchmark's baseline: every sequence gets private copies of shared blocks."""
 
-    share_blocks = False
+    manager_class = NoSharingBlockManager
 
 
 class PrefixCachingMachine(BlockManagerMachine):

@@ -52,7 +52,7 @@ def test_chunked_prompts_give_transformers_tokens_for_any_budget(cases, kind, bu
         assert [o.outputs[0].token_ids for o in again] == refs
         assert engine.stats.num_cached_prompt_tokens > 0
     else:
-        assert engine.block_manager.prefix_cache is None
+        assert not engine.block_manager.enable_prefix_caching
         assert engine.stats.num_cached_prompt_tokens == 0
     # Prompts longer than the budget were split: more prefill steps than prompts.
     prefill_steps = sum(any(s.prompt_run) for s in snapshots)

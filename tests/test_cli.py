@@ -71,13 +71,13 @@ def test_serve_flags_reach_the_engine(monkeypatch, tiny_dir):
     assert code == 0
     assert engine.block_manager.num_total_gpu_blocks == 40 and engine.block_size == 8
     assert engine.max_model_len == 200 and engine.seed == 5
-    assert engine.block_manager.prefix_cache is None
+    assert not engine.block_manager.enable_prefix_caching
     config = engine.scheduler_config
     assert (config.max_num_seqs, config.enable_chunked_prefill, config.preemption_mode) == \
         (3, False, "swap")
     code, engine = _serve_engine(monkeypatch, tiny_dir, "--num-gpu-blocks", "40",
                                  "--max-model-len", "200")
-    assert engine.block_manager.prefix_cache is not None  # on unless turned off
+    assert engine.block_manager.enable_prefix_caching  # on unless turned off
     assert engine.scheduler_config.enable_chunked_prefill
 
 

@@ -16,6 +16,7 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.kernels import ops
 from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.lab.no_sharing import NoSharingBlockManager
 from minipaged.worker.cache_engine import CacheEngine
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
@@ -213,7 +214,10 @@ def test_beam_search_forks_keep_every_beams_cache_exact(tiny_model, width):
 
 # -- sharing off: same tokens, more memory ------------------------------------------------------
 def _run(llm: LLM, prompts, params, share: bool):
-    llm.llm_engine.block_manager.share_blocks = share
+    engine = llm.llm_engine
+    manager_class = BlockSpaceManager if share else NoSharingBlockManager
+    engine.replace_block_manager(manager_class.like(engine.block_manager))
+    assert type(engine.block_manager) is manager_class
     llm.llm_engine.stats.peak_gpu_blocks_used = 0
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     return ([[(o.token_ids, round(o.cumulative_logprob, 4)) for o in r.outputs] for r in outs],
@@ -235,3 +239,22 @@ def test_without_sharing_the_tokens_are_the_same_and_the_blocks_more(tiny_llama,
     assert private_peak > shared_peak
     bm = llm.llm_engine.block_manager
     assert bm.get_num_free_gpu_blocks() == 128
+
+
+def test_the_block_manager_is_replaced_only_while_no_request_is_queued(tiny_llama):
+    path, _ = tiny_llama
+    engine = LLMEngine(path, block_size=BLOCK_SIZE, num_gpu_blocks=32, num_cpu_blocks=0,
+                       max_model_len=64)
+    old = engine.block_manager
+    engine.add_request("r", None, SamplingParams(max_tokens=2), prompt_token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="queued"):
+        engine.replace_block_manager(NoSharingBlockManager.like(old))
+    assert engine.block_manager is old and engine.scheduler.block_manager is old
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(ValueError, match="pools"):
+        engine.replace_block_manager(NoSharingBlockManager(BLOCK_SIZE, 16, 0))
+    assert engine.block_manager is old and engine.scheduler.block_manager is old
+    new = NoSharingBlockManager.like(old)
+    engine.replace_block_manager(new)
+    assert engine.block_manager is new and engine.scheduler.block_manager is new

@@ -102,7 +102,7 @@ def hash_of_the_sum(parent_hash, token_ids):
 
 
 def cached_tokens_with_the_last_block(prompt, cached_names, block_size):
-    from minipaged.core.prefix_cache import block_hash
+    from minipaged.core.prefix_caching_allocator import block_hash
     parent, count = None, 0
     for i in range(len(prompt) // block_size):  # takes the block of the last token too
         name = block_hash(parent, tuple(prompt[i * block_size:(i + 1) * block_size]))
@@ -113,7 +113,7 @@ def cached_tokens_with_the_last_block(prompt, cached_names, block_size):
 
 
 def cached_tokens_unchained(prompt, cached_names, block_size):
-    from minipaged.core.prefix_cache import block_hash
+    from minipaged.core.prefix_caching_allocator import block_hash
     blocks = range((len(prompt) - 1) // block_size)  # each block named on its own
     return block_size * sum(block_hash(None, tuple(prompt[i * block_size:(i + 1) * block_size]))
                             in cached_names for i in blocks)

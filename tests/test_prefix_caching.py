@@ -8,7 +8,7 @@ import torch
 
 from minipaged import LLMEngine, SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.core.prefix_cache import block_hash
+from minipaged.core.prefix_caching_allocator import block_hash
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from prefix_cache_invariants import check_prefix_cache
 
@@ -46,7 +46,7 @@ def test_block_hash_chains_every_token_before_the_block():
 
 
 def test_a_second_prompt_takes_the_cached_full_blocks_and_computes_the_rest():
-    bm = BlockSpaceManager(BS, 16, 0, watermark=0.0, enable_caching=True)
+    bm = BlockSpaceManager(BS, 16, 0, watermark=0.0, enable_prefix_caching=True)
     system = [5, 6, 7, 8, 9, 10, 11, 12]  # two full blocks
     first = make_group("a", system + [1, 2, 3])
     assert admit(bm, first) == {0: 0}
@@ -62,7 +62,7 @@ def test_a_second_prompt_takes_the_cached_full_blocks_and_computes_the_rest():
 
 
 def test_a_fully_cached_prompt_still_computes_the_block_of_its_last_token():
-    bm = BlockSpaceManager(BS, 16, 0, watermark=0.0, enable_caching=True)
+    bm = BlockSpaceManager(BS, 16, 0, watermark=0.0, enable_prefix_caching=True)
     prompt = list(range(10, 18))  # exactly two blocks
     admit(bm, make_group("a", prompt))
     # The last token gives the logits to sample from; its block is never a shared one.
@@ -73,45 +73,51 @@ def test_a_fully_cached_prompt_still_computes_the_block_of_its_last_token():
 
 
 def test_freed_cached_blocks_are_evictable_free_and_found_again():
-    bm = BlockSpaceManager(BS, 6, 0, watermark=0.0, enable_caching=True)
+    bm = BlockSpaceManager(BS, 6, 0, watermark=0.0, enable_prefix_caching=True)
     group = make_group("a", list(range(20, 29)))  # 2 full blocks + 1 partial
     admit(bm, group)
     finish(bm, group)
     # All blocks count as free; the two full ones stay cached (evictable), the partial one not.
     assert bm.get_num_free_gpu_blocks() == 6
-    assert len(bm.prefix_cache.evictable) == 2
+    assert len(bm.gpu_allocator.evictable) == 2
     snap = bm.snapshot()
     evictable = [b for b in snap["gpu_blocks"] if b["evictable"]]
     assert len(evictable) == 2 and all(b["block_hash"] is not None for b in evictable)
     assert snap["evictable_gpu_blocks"] == snap["free_gpu_blocks"][-2:]
     again = make_group("b", list(range(20, 29)), first_seq_id=1)
     assert admit(bm, again) == {1: 8}
-    assert not bm.prefix_cache.evictable and bm.prefix_cache.num_evictions == 0
+    assert not bm.gpu_allocator.evictable and bm.gpu_allocator.num_evictions == 0
     check_prefix_cache(bm)
 
 
 def test_evictable_blocks_are_evicted_least_recently_used_first_and_only_when_needed():
-    bm = BlockSpaceManager(BS, 4, 0, watermark=0.0, enable_caching=True)
+    bm = BlockSpaceManager(BS, 4, 0, watermark=0.0, enable_prefix_caching=True)
     old, new = make_group("old", list(range(30, 35))), make_group("new", list(range(40, 45)),
                                                                   first_seq_id=1)
     admit(bm, old)
     admit(bm, new)  # 4 blocks used: each holds 1 full (cached) + 1 partial block
     finish(bm, old)
     finish(bm, new)
-    assert bm.prefix_cache.num_evictions == 0  # two free blocks: nothing evicted yet
-    old_block = next(b for b in bm.gpu_allocator.blocks if b.token_ids == (30, 31, 32, 33))
+    assert bm.gpu_allocator.num_evictions == 0  # two free blocks: nothing evicted yet
+    cache = bm.gpu_allocator
+
+    def tokens_of(block):
+        contents = cache.contents.get(block.block_number)
+        return contents.token_ids if contents is not None else None
+
+    old_block = next(b for b in cache.blocks if tokens_of(b) == (30, 31, 32, 33))
     # A 3-block prompt needs the 2 free blocks and one evictable: the older one goes.
     admit(bm, make_group("c", list(range(50, 61)), first_seq_id=2))
-    assert bm.prefix_cache.num_evictions == 1
-    assert old_block.token_ids == (50, 51, 52, 53) or old_block.token_ids is None
-    assert bm.prefix_cache.lookup(None, (40, 41, 42, 43)) is not None  # the newer one stays
-    assert bm.prefix_cache.lookup(None, (30, 31, 32, 33)) is None
+    assert bm.gpu_allocator.num_evictions == 1
+    assert tokens_of(old_block) == (50, 51, 52, 53) or tokens_of(old_block) is None
+    assert bm.gpu_allocator.lookup(None, (40, 41, 42, 43)) is not None  # the newer one stays
+    assert bm.gpu_allocator.lookup(None, (30, 31, 32, 33)) is None
     check_prefix_cache(bm)
 
 
 def test_a_hash_collision_is_caught_by_the_token_ids():
-    bm = BlockSpaceManager(BS, 16, 0, watermark=0.0, enable_caching=True)
-    bm.prefix_cache.hash_fn = lambda parent_hash, token_ids: 7  # every block has the same name
+    bm = BlockSpaceManager(BS, 16, 0, watermark=0.0, enable_prefix_caching=True)
+    bm.gpu_allocator.hash_fn = lambda parent_hash, token_ids: 7  # every block has the same name
     admit(bm, make_group("a", [1, 2, 3, 4, 5]))
     assert admit(bm, make_group("b", [9, 9, 9, 9, 5], first_seq_id=1)) == {1: 0}
     # Same first block, but the second block follows another parent: no hit past the first.
@@ -121,7 +127,7 @@ def test_a_hash_collision_is_caught_by_the_token_ids():
 
 
 def test_a_swapped_in_block_is_found_again_by_hash_instead_of_copied():
-    bm = BlockSpaceManager(BS, 16, 16, watermark=0.0, enable_caching=True)
+    bm = BlockSpaceManager(BS, 16, 16, watermark=0.0, enable_prefix_caching=True)
     system = list(range(60, 68))
     keeper = make_group("keep", system + [1])
     admit(bm, keeper)
@@ -158,7 +164,7 @@ def run(path, prompts, params, hash_fn=None, **kwargs):
     # max_model_len: what the small pools (16 blocks of 8 tokens) hold, not the model's 256.
     engine = LLMEngine(path, block_size=8, max_model_len=128, **kwargs)
     if hash_fn is not None:
-        engine.block_manager.prefix_cache.hash_fn = hash_fn
+        engine.block_manager.gpu_allocator.hash_fn = hash_fn
     # Some requests arrive after the first ones have run, when their prefix is cached.
     late = prompts[len(prompts) // 2:]
     for i, prompt in enumerate(prompts[:len(prompts) // 2]):
@@ -173,7 +179,7 @@ def run(path, prompts, params, hash_fn=None, **kwargs):
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = [(o.token_ids, o.finish_reason) for o in out.outputs]
-        if engine.block_manager.prefix_cache is not None:
+        if engine.block_manager.enable_prefix_caching:
             check_prefix_cache(engine.block_manager)
         steps += 1
     bm = engine.block_manager

@@ -167,7 +167,7 @@ def random_cached_runs(seed: int, steps: int):
     mode = rng.choice(["swap", "recompute"])
     traffic = RandomTraffic(rng, block_size, num_gpu_blocks, preemption_mode=mode)
     traffic.block_manager = traffic.bm = BlockSpaceManager(
-        block_size, num_gpu_blocks, 4 * num_gpu_blocks, watermark=0.0, enable_caching=True)
+        block_size, num_gpu_blocks, 4 * num_gpu_blocks, watermark=0.0, enable_prefix_caching=True)
     traffic.scheduler = Scheduler(SchedulerConfig(preemption_mode=mode), traffic.bm)
     systems = [[rng.randrange(1000) for _ in range(rng.randint(1, 3) * block_size)]
                for _ in range(2)]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from minipaged.core.block import BlockAllocator, Device, PhysicalTokenBlock
-from minipaged.core.prefix_cache import PrefixCache
+from minipaged.core.allocator import BlockAllocator, FreeListAllocator
+from minipaged.core.block import Device, PhysicalTokenBlock
+from minipaged.core.block_snapshot import snapshot_block_manager
+from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]
@@ -25,33 +27,30 @@ class BlockSpaceManager:
         num_cpu_blocks: size of the CPU pool (swap space).
         watermark: fraction of GPU blocks kept free when admitting new prompts, so that running
             sequences can still grow for a while without being preempted at once.
-        enable_caching: keep full computed blocks named by their hash chain, so that a prompt
-            starting with the same tokens takes them instead of computing them (lesson 07).
+        enable_prefix_caching: keep full computed blocks named by their hash chain, so that a
+            prompt starting with the same tokens takes them instead of computing them (lesson
+            07): the GPU pool gets a ``PrefixCachingAllocator`` instead of a
+            ``FreeListAllocator``. Nothing else here depends on which it is.
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 watermark: float = 0.01, enable_caching: bool = False) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark = watermark
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks)
-        self.prefix_cache: PrefixCache | None = None
-        if enable_caching:
-            # Same interface as the plain allocator; frees keep cached blocks as evictable.
-            self.prefix_cache = self.gpu_allocator = PrefixCache(self.gpu_allocator)
+        self.enable_prefix_caching = enable_prefix_caching
+        gpu_allocator_class = (PrefixCachingAllocator if enable_prefix_caching
+                               else FreeListAllocator)
+        self.gpu_allocator: BlockAllocator = gpu_allocator_class(Device.GPU, block_size,
+                                                                 num_gpu_blocks)
+        self.cpu_allocator: BlockAllocator = FreeListAllocator(Device.CPU, block_size,
+                                                               num_cpu_blocks)
         self.num_cached_tokens = 0  # prompt tokens taken from the cache instead of computed
-        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}  # seq_id -> its physical blocks
         self.seqs: dict[int, Sequence] = {}  # seq_id -> sequence, for snapshots
         self.seq_request: dict[int, str] = {}  # seq_id -> request id, for snapshots
-        # NOTE: the memory benchmark sets this to False to measure what sharing saves. Blocks are
-        # then still shared for the one step in which a prompt is computed (or a beam forked),
-        # but the next ``unshare`` gives every sequence a private copy of every block, as an
-        # engine without paging would hold one full KV copy per sample or beam. The tokens
-        # generated are the same; only the memory differs.
-        self.share_blocks = True
         self._listeners: list[Callable[[dict], None]] = []
 
     # -- observing ------------------------------------------------------------------------------
@@ -62,11 +61,22 @@ class BlockSpaceManager:
     def remove_listener(self, fn: Callable[[dict], None]) -> None:
         self._listeners.remove(fn)
 
+    def record_preemption(self, seq_group: SequenceGroup, mode: str) -> None:
+        """Tell the listeners that the scheduler preempted ``seq_group`` ("recompute" or
+        "swap"); its blocks were already freed or swapped out through this manager."""
+        self._emit("preempt", request_id=seq_group.request_id, mode=mode)
+
     def _emit(self, op: str, **details) -> None:
         if self._listeners:
             event = {"op": op, **details}
             for fn in list(self._listeners):
                 fn(event)
+
+    @classmethod
+    def like(cls, other: BlockSpaceManager) -> BlockSpaceManager:
+        """A new, empty manager of this class with ``other``'s pools and settings."""
+        return cls(other.block_size, other.num_total_gpu_blocks, other.num_total_cpu_blocks,
+                   other.watermark, other.enable_prefix_caching)
 
     # -- admitting a prompt ----------------------------------------------------------------------
     def prompt_layout(self, seq_group: SequenceGroup) -> tuple[list[Sequence], int, bool]:
@@ -77,9 +87,6 @@ class BlockSpaceManager:
         they share the full blocks of their common prefix (at least the prompt's full blocks),
         ``shared_len`` tokens, and each has private blocks for the rest.
         """
-        # NOTE: sharing is used even when share_blocks is off: the prompt is computed once into
-        # shared blocks and copied at the next step (see unshare), so that both settings sample
-        # from the same rows and generate the same tokens.
         seqs = seq_group.get_seqs(SequenceStatus.WAITING)
         token_lists = [s.get_token_ids() for s in seqs]
         first = token_lists[0]
@@ -98,15 +105,13 @@ class BlockSpaceManager:
     def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
         """For each waiting sequence, the cached blocks its tokens start with (lesson 07)."""
         seqs, _, identical = self.prompt_layout(seq_group)
-        if self.prefix_cache is None:
-            return {s.seq_id: [] for s in seqs}
         # NOTE: the block holding a sequence's last token is never taken from the cache: that
         # token is always computed (a fresh prompt samples from its logits; a recomputed group
         # computes it in its first decode), and its K/V must not be written into a shared block.
         found = {}
         for seq in seqs if not identical else seqs[:1]:
-            found[seq.seq_id] = self.prefix_cache.longest_cached_prefix(
-                seq.get_token_ids(), (seq.get_len() - 1) // self.block_size, self.block_size)
+            found[seq.seq_id] = self.gpu_allocator.longest_cached_prefix(
+                seq.get_token_ids(), (seq.get_len() - 1) // self.block_size)
         return {s.seq_id: found[seqs[0].seq_id] if identical else found[s.seq_id] for s in seqs}
 
     def num_blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
@@ -146,10 +151,10 @@ class BlockSpaceManager:
         # Cached blocks are taken first: a new allocation may evict an evictable block.
         for block in shared_hits:
             for _ in seqs:
-                self.prefix_cache.acquire(block)
+                self.gpu_allocator.acquire(block)
         for hits in own_hits.values():
             for block in hits:
-                self.prefix_cache.acquire(block)
+                self.gpu_allocator.acquire(block)
         shared = shared_hits + [self.gpu_allocator.allocate()
                                 for _ in range(num_shared - len(shared_hits))]
         for block in shared[len(shared_hits):]:
@@ -176,16 +181,9 @@ class BlockSpaceManager:
         earlier, so a block found by hash is always computed before (or, in the same step, in
         the same layer as) anyone reads it: every layer writes all K/V before attending.
         """
-        if self.prefix_cache is None:
-            return
-        table = self.block_tables[seq.seq_id]
         num_full = num_tokens // self.block_size
-        first = num_full  # blocks before it already have a name
-        while first > 0 and table[first - 1].content_id is None:
-            first -= 1
-        for i in range(first, num_full):
-            self.prefix_cache.name_block(table[i], table[i - 1] if i else None,
-                                         tuple(seq.logical_token_blocks[i].token_ids))
+        self.gpu_allocator.name_blocks(self.block_tables[seq.seq_id][:num_full],
+                                       [b.token_ids for b in seq.logical_token_blocks[:num_full]])
 
     def _register(self, seq: Sequence, seq_group: SequenceGroup, table: BlockTable) -> None:
         self.block_tables[seq.seq_id] = table
@@ -196,10 +194,14 @@ class BlockSpaceManager:
     def can_append_slot(self, seq_group: SequenceGroup) -> bool:
         """Can every running sequence of the group get a slot for its next token?"""
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-        return self._num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
+        return self.num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
 
-    def _num_blocks_to_append(self, seqs: list[Sequence]) -> int:
-        """GPU blocks that ``append_slot`` (and ``unshare``) will take for these sequences."""
+    def num_blocks_to_append(self, seqs: list[Sequence]) -> int:
+        """GPU blocks that ``reserve_slot`` will take for these sequences (one group's).
+
+        Args:
+            seqs: the running sequences of one group, about to decode.
+        """
         # A sequence needs a new block when its newest token opened a new logical block, or
         # when its last block is shared (copy-on-write); otherwise the slot is already there.
         num_needed = 0
@@ -209,23 +211,26 @@ class BlockSpaceManager:
             if seq.num_computed_tokens == 0:
                 continue  # a prefill run: its blocks were allocated for all its tokens
             table = self.block_tables[seq.seq_id]
-            if not self.share_blocks:
-                shared.update((id(b), b) for b in table if b.ref_count > 1)
-                num_needed += len(table) < len(seq.logical_token_blocks)
-            elif len(table) < len(seq.logical_token_blocks):
+            if len(table) < len(seq.logical_token_blocks):
                 num_needed += 1
             elif table[-1].ref_count > 1:
                 shared[id(table[-1])] = table[-1]
                 writers[id(table[-1])] = writers.get(id(table[-1]), 0) + 1
-        if not self.share_blocks:
-            # unshare copies each shared block for all holders but the last; the holders of a
-            # block are always sequences of this same group.
-            return num_needed + sum(b.ref_count - 1 for b in shared.values())
         for key, block in shared.items():
             # Copy-on-write copies the block for each writer; if every holder writes, the last
             # one finds itself alone (ref count 1) and keeps the block.
             num_needed += writers[key] - (writers[key] == block.ref_count)
         return num_needed
+
+    def reserve_slot(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make room for the sequence's newest token; returns the ``(src, dst)`` block copies the
+        cache engine must make before the model writes it (the scheduler's ``blocks_to_copy``).
+
+        Args:
+            seq: a running sequence whose newest token is not in the cache yet.
+        """
+        cow = self.append_slot(seq)
+        return [cow] if cow is not None else []
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room in the cache for the sequence's newest token.
@@ -257,24 +262,6 @@ class BlockSpaceManager:
             self.cache_blocks(seq, seq.get_len())
         return last.block_number, new_block.block_number
 
-    def unshare(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Give the sequence a private copy of every shared block (only with share_blocks off).
-
-        Returns the ``(src, dst)`` pairs to copy. The scheduler calls it before ``append_slot``.
-        """
-        table = self.block_tables[seq.seq_id]
-        pairs = []
-        for i, block in enumerate(table):
-            if block.ref_count > 1:
-                assert block.device is Device.GPU
-                table[i] = self.gpu_allocator.allocate()
-                table[i].copy_contents_from(block)  # a private copy of the same KV
-                self.gpu_allocator.free(block)
-                pairs.append((block.block_number, table[i].block_number))
-        if pairs:
-            self._emit("unshare", seq_id=seq.seq_id, pairs=pairs)
-        return pairs
-
     # -- sharing ---------------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child starts with the parent's block table; every block gains one reference."""
@@ -301,7 +288,7 @@ class BlockSpaceManager:
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
         num_required = len(self._physical_blocks(seq_group, SequenceStatus.SWAPPED))
         if not seq_group.pending_chunks:  # it decodes in the step that swaps it in
-            num_required += self._num_blocks_to_append(seqs)
+            num_required += self.num_blocks_to_append(seqs)
         return self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
@@ -313,8 +300,7 @@ class BlockSpaceManager:
 
         With prefix caching, a block whose KV is still cached on the GPU (found by its name) is
         taken from there and left out of the returned moves."""
-        return self._move(seq_group, SequenceStatus.SWAPPED, self.cpu_allocator,
-                          self.gpu_allocator, "swap_in")
+        return self._move(seq_group, SequenceStatus.SWAPPED, self._swap_in_block, "swap_in")
 
     def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the group's GPU blocks to the CPU pool. Returns {gpu block: cpu block}."""
@@ -324,10 +310,27 @@ class BlockSpaceManager:
                 f"{len(self._physical_blocks(seq_group, SequenceStatus.RUNNING))} CPU blocks, "
                 f"{self.cpu_allocator.get_num_free_blocks()} are free; raise swap_space or "
                 f"use preemption_mode='recompute'")
-        return self._move(seq_group, SequenceStatus.RUNNING, self.gpu_allocator,
-                          self.cpu_allocator, "swap_out")
+        return self._move(seq_group, SequenceStatus.RUNNING, self._swap_out_block, "swap_out")
 
-    def _move(self, seq_group, status, src_alloc: BlockAllocator, dst_alloc: BlockAllocator,
+    def _swap_out_block(self, gpu_block: PhysicalTokenBlock) -> tuple[PhysicalTokenBlock, bool]:
+        """A CPU block for ``gpu_block``'s KV, and True: its data must be moved."""
+        cpu_block = self.cpu_allocator.allocate()
+        self.gpu_allocator.copy_contents(gpu_block, cpu_block)
+        return cpu_block, True
+
+    def _swap_in_block(self, cpu_block: PhysicalTokenBlock) -> tuple[PhysicalTokenBlock, bool]:
+        """A GPU block for ``cpu_block``'s KV, and whether its data must be moved (not when the
+        prefix cache still holds the same KV on the GPU: that block is taken instead)."""
+        gpu_block = self.gpu_allocator.find_equal(cpu_block)
+        if gpu_block is not None:
+            self.gpu_allocator.acquire(gpu_block)
+            return gpu_block, False
+        gpu_block = self.gpu_allocator.allocate()
+        self.gpu_allocator.adopt(gpu_block, cpu_block)
+        return gpu_block, True
+
+    def _move(self, seq_group: SequenceGroup, status: SequenceStatus,
+              new_block: Callable[[PhysicalTokenBlock], tuple[PhysicalTokenBlock, bool]],
               op: str) -> dict[int, int]:
         mapping: dict[int, PhysicalTokenBlock] = {}  # src block number -> dst block
         numbers: dict[int, int] = {}  # the blocks whose data must move
@@ -338,28 +341,18 @@ class BlockSpaceManager:
                     dst = mapping[src.block_number]
                     dst.ref_count += 1  # a block shared inside the group stays shared
                 else:
-                    dst = self._cached_copy(src, dst_alloc)
-                    if dst is None:
-                        dst = dst_alloc.allocate()
-                        dst.copy_contents_from(src)
+                    dst, moves = new_block(src)
+                    if moves:
                         numbers[src.block_number] = dst.block_number
-                        if dst_alloc is self.prefix_cache:
-                            self.prefix_cache.adopt(dst)
                     mapping[src.block_number] = dst
                 new_table.append(dst)
-                src_alloc.free(src)
+                self._allocator_of(src).free(src)
             self.block_tables[seq.seq_id] = new_table
         self._emit(op, request_id=seq_group.request_id, mapping=numbers)
         return numbers
 
-    def _cached_copy(self, src: PhysicalTokenBlock, dst_alloc) -> PhysicalTokenBlock | None:
-        """Swapping in: the GPU block that still holds ``src``'s KV (taken), or None."""
-        if self.prefix_cache is None or dst_alloc is not self.prefix_cache:
-            return None
-        block = self.prefix_cache.find_equal(src)
-        if block is not None:
-            self.prefix_cache.acquire(block)
-        return block
+    def _allocator_of(self, block: PhysicalTokenBlock) -> BlockAllocator:
+        return self.gpu_allocator if block.device is Device.GPU else self.cpu_allocator
 
     # -- freeing ---------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
@@ -370,8 +363,7 @@ class BlockSpaceManager:
         # NOTE: freed last block first, so that with prefix caching the tail of a sequence is
         # the least recently used and is evicted before the prefix other prompts share.
         for block in reversed(table):
-            allocator = self.gpu_allocator if block.device is Device.GPU else self.cpu_allocator
-            allocator.free(block)
+            self._allocator_of(block).free(block)
         self.seqs.pop(seq.seq_id, None)
         self.seq_request.pop(seq.seq_id, None)
         self._emit("free", seq_id=seq.seq_id, blocks=[b.block_number for b in table])
@@ -390,45 +382,12 @@ class BlockSpaceManager:
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
 
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cached blocks evicted for room so far (lesson 07; 0 without prefix caching)."""
+        return self.gpu_allocator.num_evictions
+
     def snapshot(self) -> dict:
-        """Plain data describing every table and block, for the visualizer and tests."""
-        sequences = []
-        owners = {Device.GPU: {}, Device.CPU: {}}
-        for seq_id, table in self.block_tables.items():
-            seq = self.seqs[seq_id]
-            device = table[0].device if table else Device.GPU
-            sequences.append({
-                "seq_id": seq_id,
-                "request_id": self.seq_request.get(seq_id),
-                "status": seq.status.name,
-                "device": device.value,
-                "num_tokens": seq.get_len(),
-                "logical_blocks": [
-                    {"index": b.block_number, "num_filled": b.num_tokens,
-                     "token_ids": list(b.token_ids)} for b in seq.logical_token_blocks],
-                "block_table": [b.block_number for b in table],
-            })
-            for block in table:
-                owners[block.device].setdefault(block.block_number, []).append(seq_id)
-
-        def pool(allocator) -> list[dict]:
-            return [{"block_number": b.block_number, "ref_count": b.ref_count,
-                     "owners": owners[allocator.device].get(b.block_number, []),
-                     "block_hash": b.block_hash, "cached": b.cached,
-                     "evictable": b.cached and b.ref_count == 0}
-                    for b in allocator.blocks]
-
-        return {
-            "block_size": self.block_size,
-            "watermark_blocks": self.watermark_blocks,
-            "sequences": sequences,
-            "gpu_blocks": pool(self.gpu_allocator),
-            "cpu_blocks": pool(self.cpu_allocator),
-            "free_gpu_blocks": self.gpu_allocator.free_block_numbers(),
-            "free_cpu_blocks": self.cpu_allocator.free_block_numbers(),
-            # Cached blocks nobody holds, next to be evicted first (they are in the free list
-            # too, after the truly free blocks).
-            "evictable_gpu_blocks": (list(self.prefix_cache.evictable)
-                                     if self.prefix_cache is not None else []),
-            "prefix_caching": self.prefix_cache is not None,
-        }
+        """Plain data describing every table and block, for the visualizer and tests (see
+        ``block_snapshot.py`` for its keys)."""
+        return snapshot_block_manager(self)

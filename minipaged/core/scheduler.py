@@ -141,8 +141,7 @@ class Scheduler:
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
-        self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
-        self.aborted: list[SequenceGroup] = []  # groups the scheduler had to give up on
+        self._aborted: list[SequenceGroup] = []  # given up on, not yet taken by the engine
         self.forced_mode = (PreemptionMode(config.preemption_mode)
                             if config.preemption_mode else None)
 
@@ -161,6 +160,23 @@ class Scheduler:
                         self.block_manager.free(seq)
                     return seq_group
         return None
+
+    def give_up(self, seq_group: SequenceGroup, reason: str) -> None:
+        """Abort a group that can never run: free its blocks, record ``reason`` as its error,
+        and hand it out by the next ``take_aborted()``.
+
+        Args:
+            seq_group: a group in one of the queues.
+            reason: why it can never run (the request's error message).
+        """
+        seq_group.error = reason
+        self.abort_seq_group(seq_group.request_id)
+        self._aborted.append(seq_group)
+
+    def take_aborted(self) -> list[SequenceGroup]:
+        """Groups the scheduler gave up on since the last call."""
+        aborted, self._aborted = self._aborted, []
+        return aborted
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -350,11 +366,7 @@ class Scheduler:
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
             if seq.num_computed_tokens == 0:
                 continue  # a prefill run: its blocks were allocated for all its tokens
-            copies = [] if self.block_manager.share_blocks else self.block_manager.unshare(seq)
-            cow = self.block_manager.append_slot(seq)
-            if cow is not None:
-                copies.append(cow)
-            for src, dst in copies:
+            for src, dst in self.block_manager.reserve_slot(seq):
                 blocks_to_copy.setdefault(src, []).append(dst)
 
     # -- preemption ------------------------------------------------------------------------------
@@ -383,6 +395,5 @@ class Scheduler:
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq_group)
-        self.block_manager._emit("preempt", request_id=seq_group.request_id, mode=mode.value)
-        self.num_preemptions[mode] += 1
+        self.block_manager.record_preemption(seq_group, mode.value)
         return seq_group.request_id, mode.value

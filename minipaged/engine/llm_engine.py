@@ -475,8 +475,7 @@ class LLMEngine:
         used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
         self.stats.peak_gpu_blocks_used = max(self.stats.peak_gpu_blocks_used, used)
         self.stats.num_cached_prompt_tokens = bm.num_cached_tokens
-        if bm.prefix_cache is not None:
-            self.stats.num_evicted_blocks = bm.prefix_cache.num_evictions
+        self.stats.num_evicted_blocks = bm.num_evicted_blocks
 
         inputs = prepare_inputs(outs, self.block_manager, self.block_size, self.device)
         t2 = time.perf_counter()
@@ -569,7 +568,7 @@ class LLMEngine:
             self._generators.pop(seq.seq_id, None)
 
     def _collect_aborted(self) -> list[SequenceGroup]:
-        aborted, self.scheduler.aborted = self.scheduler.aborted, []
+        aborted = self.scheduler.take_aborted()
         for group in aborted:
             self.stats.num_aborted_by_engine += 1
             self._forget(group)
@@ -588,15 +587,13 @@ class LLMEngine:
             return []
         group = queue[0]
         where = "swapped" if queue is sched.swapped else "waiting"
-        group.error = (f"request {group.request_id} can never be scheduled: it is {where} and "
-                       f"needs more KV blocks than the pool of "
-                       f"{self.block_manager.num_total_gpu_blocks} has free "
-                       f"({self.block_manager.get_num_free_gpu_blocks()}) while nothing else "
-                       f"runs")
+        reason = (f"request {group.request_id} can never be scheduled: it is {where} and "
+                  f"needs more KV blocks than the pool of "
+                  f"{self.block_manager.num_total_gpu_blocks} has free "
+                  f"({self.block_manager.get_num_free_gpu_blocks()}) while nothing else runs")
         logger.warning("aborting a request the scheduler can never run (an engine bug): %s",
-                       group.error)
-        sched.abort_seq_group(group.request_id)
-        sched.aborted.append(group)
+                       reason)
+        sched.give_up(group, reason)
         return self._collect_aborted()
 
     def _notify(self, outs: SchedulerOutputs, finished: list[SequenceGroup]) -> None:
@@ -616,3 +613,25 @@ class LLMEngine:
         )
         for fn in list(self._observers):
             fn(snap)
+
+    def replace_block_manager(self, block_manager: BlockSpaceManager) -> None:
+        """Run the next requests with another block manager (lesson 03 and the memory benchmark
+        measure ``lab.no_sharing.NoSharingBlockManager`` this way).
+
+        Args:
+            block_manager: a new, empty manager with this engine's block size and pools
+                (``type(m).like(engine.block_manager)``). NOTE: what the old manager's prefix
+                cache knew is not carried over; the KV in the cache tensors is simply unnamed.
+
+        Raises:
+            ValueError: while a request is queued or running, or if the pools differ.
+        """
+        if self.scheduler.has_unfinished_seqs():
+            raise ValueError("replace_block_manager: requests are still queued or running")
+        old = self.block_manager
+        if (block_manager.block_size, block_manager.num_total_gpu_blocks,
+                block_manager.num_total_cpu_blocks) != (
+                old.block_size, old.num_total_gpu_blocks, old.num_total_cpu_blocks):
+            raise ValueError("replace_block_manager: the new manager's block size and pools "
+                             "must match the cache engine's")
+        self.block_manager = self.scheduler.block_manager = block_manager

@@ -6,18 +6,18 @@
         changes (the parent's name stands for every token before the block)
     cached_tokens(prompt, cached_names, block_size) -> int
         how many of the prompt's first tokens a new request takes from the cache, where
-        ``cached_names`` is the set of block names (``prefix_cache.block_hash``) the cache holds:
+        ``cached_names`` is the set of block names (``block_hash``) the cache holds:
         the longest run of full blocks from the start whose names are cached. The block holding
         the prompt's last token is never taken (that token is computed, to sample from it).
 
 Expected answers: properties any good name must have (many names are right) for the first; a
-real ``PrefixCache`` filled with random earlier prompts for the second.
+real ``PrefixCachingAllocator`` filled with random earlier prompts for the second.
 """
 from __future__ import annotations
 
-from minipaged.core.block import BlockAllocator, Device
+from minipaged.core.block import Device
+from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.core.prefix_cache import PrefixCache
 
 
 def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> str:
@@ -55,15 +55,14 @@ def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> str:
     return passed(learner, num_cases)
 
 
-def _cache_with_prompts(rng, prompts: list[list[int]], block_size: int) -> PrefixCache:
+def _cache_with_prompts(rng, prompts: list[list[int]],
+                        block_size: int) -> PrefixCachingAllocator:
     """A real prefix cache whose blocks hold the full blocks of ``prompts``."""
-    cache = PrefixCache(BlockAllocator(Device.GPU, block_size, 512))
+    cache = PrefixCachingAllocator(Device.GPU, block_size, 512)
     for prompt in prompts:
-        parent = None
-        for i in range(len(prompt) // block_size):
-            block = cache.allocate()
-            cache.name_block(block, parent, tuple(prompt[i * block_size:(i + 1) * block_size]))
-            parent = block
+        token_ids = [prompt[i * block_size:(i + 1) * block_size]
+                     for i in range(len(prompt) // block_size)]
+        cache.name_blocks([cache.allocate() for _ in token_ids], token_ids)
     return cache
 
 
@@ -82,7 +81,7 @@ def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
                            + prompt[2 * block_size:])
         cache = _cache_with_prompts(rng, earlier, block_size)
         expected = block_size * len(cache.longest_cached_prefix(
-            prompt, (len(prompt) - 1) // block_size, block_size))
+            prompt, (len(prompt) - 1) // block_size))
         names = set(cache.by_hash)
         got = learner(list(prompt), set(names), block_size)
         if got != expected:
@@ -90,7 +89,7 @@ def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
                     "block_hash(name of the block before, its tokens), and stop at the first "
                     "name not in the cache")
             if got == block_size * len(cache.longest_cached_prefix(
-                    prompt, len(prompt) // block_size, block_size)):
+                    prompt, len(prompt) // block_size)):
                 hint = ("the block holding the prompt's last token is never taken from the "
                         "cache: that token must be computed to have logits to sample from")
             elif got > expected:

@@ -139,7 +139,7 @@ def block_hash(parent_hash, token_ids):
 
 
 def cached_tokens(prompt, cached_names, block_size):
-    from minipaged.core.prefix_cache import block_hash as name_of
+    from minipaged.core.prefix_caching_allocator import block_hash as name_of
 
     parent, count = None, 0
     for i in range((len(prompt) - 1) // block_size):  # never the block of the last token
