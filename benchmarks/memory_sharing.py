@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
-from minipaged.engine.llm_engine import EngineStats  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_description  # noqa: E402
@@ -67,7 +66,7 @@ def make_prompts(tokenizer, num: int, seed: int) -> list[list[int]]:
 def run(llm: LLM, prompts, params: SamplingParams, share: bool):
     engine = llm.llm_engine
     engine.block_manager.share_blocks = share
-    engine.stats = EngineStats()
+    engine.stats.reset()
     t0 = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
