@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from minipaged.kernels.build import start_background_build
 from minipaged.worker.cache_engine import CacheEngine
 from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
 from minipaged.worker.model_runner import ModelRunner, PreparedInputs
@@ -101,6 +102,9 @@ class LocalWorker(Worker):
                  device: torch.device) -> None:
         self.device = device
         self.dtype = dtype
+        # NOTE: before the weights load: the attention op for this device compiles in the
+        # background meanwhile, so the first request does not wait for the compiler.
+        start_background_build(device)
         self.model = build_model(hf_config, source, load_format, dtype, device)
         self.model_runner = ModelRunner(self.model)
         self.cache_engine: CacheEngine | None = None  # init_cache creates it
