@@ -35,7 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.core.block_manager import BlockSpaceManager  # noqa: E402
-from minipaged.engine.llm_engine import EngineStats  # noqa: E402
 from minipaged.lab.no_sharing import NoSharingBlockManager  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -71,7 +70,7 @@ def run(llm: LLM, prompts, params: SamplingParams, share: bool):
     # A fresh manager each run: what one run's prefix cache named, the next run overwrites.
     manager_class = BlockSpaceManager if share else NoSharingBlockManager
     engine.replace_block_manager(manager_class.like(engine.block_manager))
-    engine.stats = EngineStats()
+    engine.stats.reset()
     t0 = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     elapsed = time.perf_counter() - t0

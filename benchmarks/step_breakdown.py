@@ -141,7 +141,7 @@ def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4) -> 
     engine.step()  # one decode to warm up
     parts = ("schedule", "prepare", "model", "sample", "update")
     before = {p: getattr(engine.stats, f"time_{p}") for p in parts}
-    tools = _Instruments(engine.model, engine.device)
+    tools = _Instruments(engine.worker.model, engine.device)
     try:
         t0 = time.perf_counter()
         for _ in range(num_steps):

@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     print("  " + format_decode_breakdown(breakdown, peak), flush=True)
     mp_results = {n: r["minipaged"] for n, r in runs.items()}
     # Our weights go to transformers: same weights, and the KV pool is freed first.
-    state = {k: v for k, v in engine.model.state_dict().items()}
+    state = {k: v for k, v in engine.worker.model.state_dict().items()}
     del llm, engine
     gc.collect()
     if device.type == "cuda":

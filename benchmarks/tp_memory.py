@@ -3,8 +3,8 @@
     python benchmarks/tp_memory.py            # the embedded SmolLM2-135M-Instruct on the CPU
     python benchmarks/tp_memory.py --record   # and append the table to RESULTS.md
 
-Measured on the tensors (``minipaged.worker.mp_workers.memory_per_rank``): N = 1 runs the model in this
-process; N > 1 starts the worker processes and asks each rank for its own bytes. A size that does
+Measured on the tensors (``Worker.memory_per_rank``, ``minipaged/worker/worker.py``): N = 1 runs
+the model in this process; N > 1 starts the worker processes and asks each rank for its own bytes. A size that does
 not divide the heads is refused by the engine, and the table says so. Each N > 1 is run twice:
 with the same number of blocks as N = 1 (the memory per rank shrinks) and with the default KV
 budget per rank (the pool holds N times the blocks).
@@ -20,7 +20,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM  # noqa: E402
-from minipaged.worker.mp_workers import memory_per_rank  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_description  # noqa: E402
@@ -35,7 +34,7 @@ def measure(model, size: int, num_gpu_blocks: int | None) -> dict:
     llm = LLM(model, tensor_parallel_size=size, swap_space=0.01, **kwargs)
     started = time.perf_counter() - start
     engine = llm.llm_engine
-    ranks = memory_per_rank(engine)
+    ranks = engine.worker.memory_per_rank()
     row = {"weights": max(r["weights"] for r in ranks), "kv": max(r["kv_cache"] for r in ranks),
            "blocks": engine.block_manager.num_total_gpu_blocks,
            "per_token": engine.block_bytes // engine.block_size, "started": started}

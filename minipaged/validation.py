@@ -1,9 +1,10 @@
-"""Checks on what users pass in, before anything is queued: engine settings and token ids.
+"""Parsers for what users pass in: integers, finite numbers, token ids (lesson 06).
 
-A bad value gets a ValueError that names it and says what is allowed (the engine's rule: bad
-input never hangs the engine or reaches the middle of a step). Request-level checks that need the
-engine's model and pool (``LLMEngine.validate_request``) and ``SamplingParams.verify`` use the
-same style.
+Each turns numpy and torch scalars into Python numbers and says None (or raises a ValueError that
+names the value) when the input is not of the kind asked for. The checks built on them live with
+what they check: engine settings in ``minipaged/config.py``, sampling values in
+``SamplingParams.verify``, requests in ``minipaged/engine/validation.py``. The rule they serve:
+bad input never hangs the engine or reaches the middle of a step.
 """
 from __future__ import annotations
 
@@ -71,60 +72,3 @@ def shown(value) -> str:
         digits = str(abs(value))
         return f"{'-' if value < 0 else ''}{digits[:4]}...{digits[-3:]} ({len(digits)} digits)"
     return text
-
-
-def check_settings(**settings) -> dict:
-    """Engine settings: numbers of the right kind and range, or a ValueError naming them.
-
-    Returns the settings with numpy scalars turned into Python numbers."""
-    number, integer = as_number, as_int
-
-    def mode(v):  # a PreemptionMode member counts as its name
-        v = getattr(v, "value", v)
-        return v if isinstance(v, str) and v in ("recompute", "swap") else None
-
-    def device(v) -> bool:
-        import torch
-
-        try:
-            d = torch.device(v)
-        except (RuntimeError, TypeError):
-            return False
-        return d.type in ("cpu", "cuda")
-
-    rules = {  # name: (convert -> None when bad, check on the converted value, allowed)
-        "block_size": (integer, lambda v: v in (1, 2, 4, 8, 16, 32, 64, 128),
-                       "a power of two from 1 to 128"),
-        "gpu_memory_utilization": (number, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        "kv_cache_bytes": (number, lambda v: v > 0, "None or a number of bytes > 0"),
-        "swap_space": (number, lambda v: v >= 0, "a finite number of GiB >= 0"),
-        "num_gpu_blocks": (integer, lambda v: v >= 1, "None or an integer >= 1"),
-        "num_cpu_blocks": (integer, lambda v: v >= 0, "None or an integer >= 0"),
-        "max_num_seqs": (integer, lambda v: v >= 1, "an integer >= 1"),
-        "max_num_batched_tokens": (integer, lambda v: v >= 1, "None or an integer >= 1"),
-        "max_model_len": (integer, lambda v: v >= 2, "None or an integer >= 2"),
-        "watermark": (number, lambda v: 0 <= v < 1, "a number in [0, 1)"),
-        "seed": (integer, lambda v: True, "an integer"),
-        "tensor_parallel_size": (integer, lambda v: v >= 1, "an integer >= 1"),
-        "worker_timeout": (number, lambda v: v > 0, "a number of seconds > 0"),
-        "enable_prefix_caching": (lambda v: v if isinstance(v, bool) else None, lambda v: True,
-                                  "True or False"),
-        "enable_chunked_prefill": (lambda v: v if isinstance(v, bool) else None,
-                                   lambda v: True, "True or False"),
-        "preemption_mode": (mode, lambda v: True, "None, 'recompute' or 'swap'"),
-        "device": (lambda v: v if v == "auto" or device(v) else None, lambda v: True,
-                   "'auto', 'cpu', 'cuda' or 'cuda:N'"),
-    }
-    may_be_none = {"kv_cache_bytes", "num_gpu_blocks", "num_cpu_blocks",
-                   "max_num_batched_tokens", "max_model_len", "preemption_mode"}
-    checked = {}
-    for name, value in settings.items():
-        convert, check, allowed = rules[name]
-        if value is None and name in may_be_none:
-            checked[name] = None
-            continue
-        converted = convert(value)
-        if converted is None or not check(converted):
-            raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
-        checked[name] = converted
-    return checked

@@ -128,7 +128,7 @@ def _engine_kv(engine: LLMEngine, seq: Sequence, length: int):
     table = engine.block_manager.get_block_table(seq)
     tables = torch.tensor([table], dtype=torch.int32)
     result = []
-    for key_cache, value_cache in engine.cache_engine.gpu_cache:
+    for key_cache, value_cache in engine.worker.cache_engine.gpu_cache:
         k, v = ops.gather_kv(key_cache, value_cache, tables)  # (1, kv_heads, L', D)
         result.append((k[0, :, :length], v[0, :, :length]))
     return result
@@ -182,7 +182,7 @@ def test_parallel_sampling_copies_the_prompts_last_block_and_keeps_the_original(
     # Each sequence's own new token went into its own block.
     assert _check_every_running_sequence(engine, model, group) == 2
     slot = len(prompt) % BLOCK_SIZE
-    key_cache = engine.cache_engine.gpu_cache[0][0]
+    key_cache = engine.worker.cache_engine.gpu_cache[0][0]
     assert not torch.equal(key_cache[table_a[1], :, :, slot], key_cache[table_b[1], :, :, slot])
 
     while engine.has_unfinished_requests():

@@ -2,7 +2,7 @@
 import pytest
 
 from minipaged import LLM, SamplingParams
-from tiny_models import greedy_reference, pick_prompts
+from tiny_models import config_with_eos, greedy_reference, pick_prompts
 
 pytestmark = pytest.mark.lesson06
 
@@ -95,7 +95,8 @@ def test_eos_stops_a_request_and_frees_its_blocks(tiny_llama):
     tokens = free_run[0].outputs[0].token_ids
     # Treat the 5th generated token as EOS: generation must stop right there, EOS included.
     eos = tokens[4]
-    llm.llm_engine.eos_token_ids = {eos}
+    llm = LLM(path, hf_config=config_with_eos(path, eos), block_size=BLOCK, num_gpu_blocks=64)
+    assert llm.llm_engine.eos_token_ids == {eos}
     out = llm.generate(prompt_token_ids=[prompt],
                        sampling_params=SamplingParams(temperature=0, max_tokens=20),
                        use_tqdm=False)[0].outputs[0]

@@ -21,8 +21,8 @@ def teacher_forced_logits(engine, prompts, num_prefill, block_size, seed=0):
     rest one token per step, all sequences decoding together. Each sequence's blocks are a
     shuffled, non-contiguous set of physical blocks. Returns logits (len, vocab) per prompt."""
     rng = random.Random(seed)
-    caches = engine.cache_engine.gpu_cache
-    free = list(range(engine.cache_engine.num_gpu_blocks))
+    caches = engine.worker.cache_engine.gpu_cache
+    free = list(range(engine.worker.cache_engine.num_gpu_blocks))
     rng.shuffle(free)
     tables = []
     for p in prompts:
@@ -32,7 +32,7 @@ def teacher_forced_logits(engine, prompts, num_prefill, block_size, seed=0):
     def slot(i, pos):
         return tables[i][pos // block_size] * block_size + pos % block_size
 
-    model = engine.model
+    model = engine.worker.model
     ids, pos, slots = [], [], []
     for i, p in enumerate(prompts):
         ids += p[:num_prefill]

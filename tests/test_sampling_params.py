@@ -17,7 +17,7 @@ from minipaged import LLM, SamplingParams
 from minipaged.worker.model_runner import Row
 from minipaged.worker.sampler import apply_penalties
 from minipaged.sequence import Sequence, SequenceGroup
-from tiny_models import VOCAB, greedy_reference, pick_prompts
+from tiny_models import VOCAB, config_with_eos, greedy_reference, pick_prompts
 
 pytestmark = pytest.mark.lesson03
 
@@ -240,11 +240,11 @@ def test_eos_stops_unless_ignored_and_max_tokens_caps(tiny_llama):
     path, model = tiny_llama
     prompt, = pick_prompts(model, [7], 12, seed=41)
     greedy = greedy_reference(model, prompt, 12)
-    llm = LLM(path, block_size=4, num_cpu_blocks=0)
     # Pretend the 4th greedy token is the end-of-sequence token (it must not occur earlier).
     eos = greedy[3]
     assert eos not in greedy[:3]
-    llm.llm_engine.eos_token_ids = {eos}
+    llm = LLM(path, hf_config=config_with_eos(path, eos), block_size=4, num_cpu_blocks=0)
+    assert llm.llm_engine.eos_token_ids == {eos}
 
     def run(**kw):
         return llm.generate(prompt_token_ids=[prompt], use_tqdm=False,

@@ -17,7 +17,7 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.models.gpt2 import GPT2Attention
 from minipaged.models.parallel_layers import copy_shard_from, tensor_parallel_state
-from minipaged.worker.mp_workers import WorkerError, memory_per_rank, shard_weight_bytes
+from minipaged.worker.mp_workers import WorkerError, shard_weight_bytes
 from tiny_models import make_config, pick_prompts, save_tiny_model
 
 NEW_TOKENS = 10
@@ -160,7 +160,7 @@ def test_gpt2_on_three_ranks_matches_one_rank(gpt2_runs):
     single, reference, parallel, outputs, _ = gpt2_runs
     _assert_same_outputs(reference, outputs)
     assert parallel.llm_engine.stats.num_preemptions_swap > 0
-    memory = parallel.llm_engine.workers.memory_per_rank()
+    memory = parallel.llm_engine.worker.memory_per_rank()
     config = parallel.llm_engine.hf_config
     assert [m["weights"] for m in memory] == [shard_weight_bytes(config, 3, r) for r in range(3)]
 
@@ -176,22 +176,21 @@ def test_gpt2_on_two_ranks_matches_one_rank_with_recompute_preemption(gpt2_two_r
     assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
     assert stats.num_preemptions_recompute == single_stats.num_preemptions_recompute
     assert stats.num_steps == single_stats.num_steps
-    memory = parallel.llm_engine.workers.memory_per_rank()
+    memory = parallel.llm_engine.worker.memory_per_rank()
     config = parallel.llm_engine.hf_config
     assert [m["weights"] for m in memory] == [shard_weight_bytes(config, 2, r) for r in range(2)]
     # each rank holds every block, for half of the heads
     assert [m["kv_cache"] for m in memory] == [ENGINE["num_gpu_blocks"]
                                                * parallel.llm_engine.block_bytes] * 2
     assert 2 * parallel.llm_engine.block_bytes == single.llm_engine.block_bytes
-    assert memory_per_rank(parallel.llm_engine) == memory
-    assert memory_per_rank(single.llm_engine) == [{  # one rank: the whole model, every head
+    assert single.llm_engine.worker.memory_per_rank() == [{  # one rank: the whole model, every head
         "weights": shard_weight_bytes(config, 1, 0),
         "kv_cache": ENGINE["num_gpu_blocks"] * single.llm_engine.block_bytes}]
 
 
 def test_a_killed_worker_raises_instead_of_hanging(gpt2_runs):
     _, _, parallel, _, (prompts, params) = gpt2_runs
-    workers = parallel.llm_engine.workers
+    workers = parallel.llm_engine.worker
     os.kill(workers.pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"worker 1 .*died.*SIGKILL"):
@@ -206,7 +205,7 @@ def test_a_killed_worker_raises_instead_of_hanging(gpt2_runs):
 
 def test_a_hung_worker_times_out_and_is_stopped(llama_runs):
     _, _, parallel, _, (prompts, params) = llama_runs
-    workers = parallel.llm_engine.workers
+    workers = parallel.llm_engine.worker
     workers.timeout = 3.0
     os.kill(workers.pids[0], signal.SIGSTOP)  # alive, but never answers
     start = time.monotonic()
@@ -226,13 +225,13 @@ def test_embedded_smollm2_on_three_ranks_matches_one_rank_and_ends_with_del():
     parallel = LLM(tensor_parallel_size=3, **small_pool)
     _assert_same_outputs(reference, parallel.chat(chat, params, use_tqdm=False))
     engine = parallel.llm_engine
-    memory = engine.workers.memory_per_rank()
+    memory = engine.worker.memory_per_rank()
     assert [m["weights"] for m in memory] == [shard_weight_bytes(engine.hf_config, 3, r)
                                               for r in range(3)]
     # each rank's pool: every block, one kv head of three
     assert [m["kv_cache"] for m in memory] == [engine.block_manager.num_total_gpu_blocks
                                                * engine.block_bytes] * 3
-    pids = engine.workers.pids
+    pids = engine.worker.pids
     del parallel, engine
     gc.collect()
     assert _gone(pids)
@@ -243,7 +242,7 @@ def test_workers_end_with_the_interpreter(tiny_llama):
     """A script that never shuts its engine down: its workers end with it."""
     script = ("import sys; from minipaged import LLM; "
               "llm = LLM(sys.argv[1], tensor_parallel_size=2); "
-              "print(*llm.llm_engine.workers.pids, flush=True)")
+              "print(*llm.llm_engine.worker.pids, flush=True)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", script, tiny_llama[0]], capture_output=True,

@@ -117,7 +117,7 @@ def test_line_chart_has_clean_labels(seed):
 def test_timeline_and_flat_batch_views_have_clean_labels(seed):
     import torch
 
-    from minipaged.worker.model_runner import prepare_inputs
+    from minipaged.lab.batch_inputs import prepare_inputs_for_groups
     from visualizer.flat_batch import render_flat_batch
     from visualizer.timeline import render_timeline
 
@@ -125,8 +125,8 @@ def test_timeline_and_flat_batch_views_have_clean_labels(seed):
     for step, (traffic, info) in enumerate(random_runs(seed, 14), start=1):
         sched = traffic.scheduler
         groups = sched.running
-        batch = prepare_inputs([g for g in groups], traffic.bm, traffic.block_size,
-                               torch.device("cpu"))
+        batch = prepare_inputs_for_groups([g for g in groups], traffic.bm, traffic.block_size,
+                                          torch.device("cpu"))
         if batch.rows:
             assert_clean_layout(render_flat_batch(batch, traffic.block_size, title="a step"),
                                 "flat batch")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 VOCAB = 256
 EOS = 1
@@ -44,6 +44,13 @@ def save_tiny_model(kind: str, path, seed: int = 0, **overrides):
 
 
 @torch.no_grad()
+def config_with_eos(path, eos: int):
+    """The saved model's config with ``eos`` as its end-of-sequence token (pass as hf_config=)."""
+    config = AutoConfig.from_pretrained(path)
+    config.eos_token_id = eos
+    return config
+
+
 def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers generate on one prompt alone, greedy, fixed length."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,

@@ -2,6 +2,9 @@
 
     render_flat_batch(prepare_inputs(...), block_size, names={seq_id: "req 0"})
 
+(``prepare_inputs`` of ``minipaged/worker/model_runner.py`` on the scheduler's outputs, or
+``prepare_inputs_for_groups`` of ``minipaged/lab/batch_inputs.py`` on groups made by hand.)
+
 A column per token of the step: which sequence it belongs to, prefill or decode, its token id,
 its position, and its slot (``slot_mapping``) as physical block and offset. Under the table, the
 physical blocks the step writes, with the slots written this step filled in the sequence's

@@ -1,1 +1,2 @@
-"""The engine: one step of continuous batching, the async loop, validation, detokenizing."""
+"""The engine: one step of continuous batching, the async loop, request validation, output
+processing, stats and snapshots, detokenizing."""

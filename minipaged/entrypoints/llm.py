@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from minipaged.engine.llm_engine import LLMEngine, as_token_ids
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
+from minipaged.validation import as_token_ids
 
 
 class LLM:

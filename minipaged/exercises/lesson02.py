@@ -6,7 +6,7 @@
         the sequence now holds ``num_tokens`` tokens (the newest was just appended); if the
         newest token has no block yet, call ``allocate()`` and append the block number it returns
 
-Expected answers: the ``slot_mapping`` of ``model_runner.prepare_inputs`` on block tables that a
+Expected answers: the ``slot_mapping`` of the flat batch (``lab.batch_inputs``) on block tables that a
 real ``BlockSpaceManager`` scrambled, and the tables of ``BlockSpaceManager.append_slot``.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from minipaged import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.worker.model_runner import prepare_inputs
+from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -40,7 +40,7 @@ def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> str:
         for seq in rng.sample(seqs, 2):
             bm.free(seq)
         seq, group = _admit(bm, 9, rng.randint(1, 6 * block_size), block_size)
-        batch = prepare_inputs([group], bm, block_size, torch.device("cpu"))
+        batch = prepare_inputs_for_groups([group], bm, block_size, torch.device("cpu"))
         table = bm.get_block_table(seq)
         for position, expected in enumerate(batch.meta.slot_mapping.tolist()):
             got = learner(list(table), position, block_size)

@@ -8,8 +8,8 @@ are computed this step); any other computes only its newest token (a decode).
     slot_mapping(seqs, block_size) -> list[int]
         for each token of that flat batch, the cache slot its key and value are written to
 
-Expected answers: ``model_runner.prepare_inputs`` on random steps of a real ``Scheduler``, mixing
-new prompts, decodes and preempted requests.
+Expected answers: ``lab.batch_inputs.prepare_inputs_for_groups`` on random steps of a real
+``Scheduler``, mixing new prompts, decodes and preempted requests.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from minipaged.exercises.checking import Learner, fail, passed, rng_for
 from minipaged.lab.dry_run import RandomTraffic
-from minipaged.worker.model_runner import prepare_inputs
+from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.sequence import SequenceStatus
 
 
@@ -38,14 +38,15 @@ def _random_batches(rng, num_cases):
         for _ in range(rng.randint(4, 20)):
             traffic.arrive(rng.choice([0, 1, 1, 2]))
             outs = traffic.scheduler.schedule()
-            # Any order of the groups is a valid input of prepare_inputs: mix them up, so that
-            # "prompts first" is something the answer has to do.
+            # Any order of the groups is a valid input of prepare_inputs_for_groups: mix them
+            # up, so that "prompts first" is something the answer has to do.
             groups = rng.sample(outs.scheduled_seq_groups, len(outs.scheduled_seq_groups))
             seqs = [SeqView(s.get_token_ids(), s.num_computed_tokens,
                             traffic.bm.get_block_table(s))
                     for g in groups for s in g.get_seqs(SequenceStatus.RUNNING)]
             if seqs:
-                batch = prepare_inputs(groups, traffic.bm, block_size, torch.device("cpu"))
+                batch = prepare_inputs_for_groups(groups, traffic.bm, block_size,
+                                                  torch.device("cpu"))
                 yield seqs, block_size, batch
                 cases += 1
             traffic.after_model(outs)

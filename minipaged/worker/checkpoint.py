@@ -1,4 +1,7 @@
-"""Finding a model's config, weights and tokenizer (lesson 06).
+"""Finding and reading checkpoints: a model's config, state dict and tokenizer (lesson 06).
+
+This module reads files and knows nothing of devices or dtypes; ``model_loader.py`` builds the
+model from what it reads.
 
 ``model`` may be a Hugging Face id, a local directory written by ``save_pretrained`` (with or
 without tokenizer files), or the embedded default: SmolLM2-135M-Instruct, shipped as a GGUF file

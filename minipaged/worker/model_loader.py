@@ -1,7 +1,9 @@
-"""Building the engine's model: the device, the dtype, the weights, and the KV pool's size.
+"""Building the model: its device, its dtype, its weights loaded, and the KV pool it leaves.
 
-Shared by the engine (one process) and the tensor-parallel workers (``parallel.py``: each builds
-its own shard with the same functions).
+The checkpoint's files are found and read by ``checkpoint.py``; here they become our model on a
+device (``build_model``), and a profiled forward pass says how much GPU memory is left for KV
+blocks (``profile_num_gpu_blocks``). Used by ``LocalWorker`` (``worker.py``), in the engine's
+process or in each tensor-parallel worker process (``mp_workers.py``, which builds its shard).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
                 device: torch.device) -> torch.nn.Module:
     """Our model for ``hf_config`` on ``device``, weights from ``source`` or random ("dummy").
 
-    Under tensor parallelism (a worker, ``parallel.py``) this builds and loads the rank's shard.
+    Under tensor parallelism (a worker, ``mp_workers.py``) this builds and loads the rank's shard.
     """
     model_class = get_model_class(hf_config)
     previous = torch.get_default_dtype()

@@ -38,38 +38,23 @@ class PreparedInputs:
     chunks: list[PrefillChunk] = field(default_factory=list)  # the prefill part, in batch order
 
 
-def _work_of_groups(seq_groups: list[SequenceGroup], block_manager: BlockSpaceManager):
-    """Chunks and decodes of groups outside the scheduler (lessons): every fresh prompt whole."""
-    chunks, decode_groups = [], []
-    for group in seq_groups:
-        todo = [s for s in group.get_seqs(SequenceStatus.RUNNING) if s.num_computed_tokens == 0]
-        if not todo:
-            decode_groups.append(group)
-            continue
-        by_table: dict[tuple, list[Sequence]] = {}  # sequences sharing one table: computed once
-        for seq in todo:
-            key = tuple(block_manager.get_block_table(seq))
-            by_table.setdefault(key, []).append(seq)
-        for seqs in by_table.values():
-            chunks.append(PrefillChunk(group, seqs[0], 0, seqs[0].get_len(),
-                                       [s.seq_id for s in seqs]))
-    return chunks, decode_groups
-
-
 def _pad(tables: list[list[int]]) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in tables]
     return torch.tensor(padded, dtype=torch.int32).view(len(padded), width)
 
 
-def prepare_inputs(scheduled: SchedulerOutputs | list[SequenceGroup],
-                   block_manager: BlockSpaceManager, block_size: int,
-                   device: torch.device) -> PreparedInputs:
-    """The flat batch of one step, from the scheduler's outputs (or a list of groups)."""
-    if isinstance(scheduled, SchedulerOutputs):
-        chunks, decode_groups = scheduled.prefill_chunks, scheduled.decode_seq_groups
-    else:
-        chunks, decode_groups = _work_of_groups(scheduled, block_manager)
+def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager,
+                   block_size: int, device: torch.device) -> PreparedInputs:
+    """The flat batch of one step, from the scheduler's outputs.
+
+    Args:
+        scheduled: the step's prefill chunks and decoding groups.
+        block_manager: gives each sequence's block table.
+        block_size: tokens per block.
+        device: where the tensors go (the worker's ``device``).
+    """
+    chunks, decode_groups = scheduled.prefill_chunks, scheduled.decode_seq_groups
     # Prompts from scratch first, then chunks that read a cached context.
     chunks = [c for c in chunks if c.start == 0] + [c for c in chunks if c.start > 0]
 
@@ -150,10 +135,10 @@ def prepare_inputs(scheduled: SchedulerOutputs | list[SequenceGroup],
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
+    """Runs the model on a prepared batch and keeps the rows that produce a next token."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.block_size = block_size
-        self.device = device
 
     @torch.inference_mode()
     def execute_model(self, inputs: PreparedInputs, kv_caches) -> torch.Tensor:

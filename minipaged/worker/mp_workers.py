@@ -44,6 +44,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from minipaged.models.parallel_layers import tensor_parallel_state
+from minipaged.worker.worker import Worker
 
 DEFAULT_TIMEOUT_S = 120.0  # one step; loading the model may take STARTUP_FACTOR times longer
 STARTUP_FACTOR = 5
@@ -87,18 +88,6 @@ def shard_weight_bytes(hf_config, world_size: int, rank: int, dtype=torch.float3
     return sum(p.numel() for p in model.parameters()) * element
 
 
-def memory_per_rank(engine) -> list[dict[str, int]]:
-    """Bytes of weights and of the (GPU) KV pool on each rank, measured on the tensors.
-
-    One entry per worker, or a single one when the engine runs the model itself (N = 1)."""
-    if engine.workers is not None:
-        return engine.workers.memory_per_rank()
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    kv_cache = sum(t.numel() * t.element_size() for kv in engine.cache_engine.gpu_cache
-                   for t in kv)
-    return [{"weights": weights, "kv_cache": kv_cache}]
-
-
 @dataclass
 class WorkerSpec:
     """What a worker needs to build its shard (pickled to the spawned process)."""
@@ -138,10 +127,9 @@ def _serve(rank, world_size, conn, init_method, spec: WorkerSpec) -> None:
 
     import torch.distributed as dist
 
-    from minipaged.worker.cache_engine import CacheEngine
-    from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
-    from minipaged.worker.model_runner import ModelRunner, PreparedInputs
     from minipaged.models.parallel_layers import set_tensor_parallel_state
+    from minipaged.worker.model_runner import PreparedInputs
+    from minipaged.worker.worker import LocalWorker
 
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -153,11 +141,10 @@ def _serve(rank, world_size, conn, init_method, spec: WorkerSpec) -> None:
                             rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=spec.timeout))
     set_tensor_parallel_state(rank, world_size)
-    model = build_model(spec.hf_config, spec.source, spec.load_format, spec.dtype, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # This rank's shard, its cache and its runner: one process's worker, as with N = 1.
+    worker = LocalWorker(spec.hf_config, spec.source, spec.load_format, spec.dtype, device)
     reply = lambda value: conn.send_bytes(pickle.dumps(("ok", value)))  # noqa: E731
-    reply(weight_bytes)
-    cache = runner = None
+    reply(worker.memory_per_rank()[0]["weights"])
     try:
         while True:
             request = pickle.loads(conn.recv_bytes())
@@ -165,18 +152,17 @@ def _serve(rank, world_size, conn, init_method, spec: WorkerSpec) -> None:
             if kind == "shutdown":
                 return
             if kind == "profile":
-                reply(profile_num_gpu_blocks(model, device, *request[1:]))
+                reply(worker.profile_num_gpu_blocks(*request[1:]))
             elif kind == "init_cache":
-                cache = CacheEngine(*request[1:], spec.dtype, device)
-                runner = ModelRunner(model, cache.block_size, device)
-                reply(sum(k.numel() * k.element_size() * 2 for k, _ in cache.gpu_cache))
+                worker.init_cache(*request[1:])
+                reply(worker.memory_per_rank()[0]["kv_cache"])
             elif kind == "step":
                 _, cache_ops, (input_ids, positions, meta, sample_indices) = request
                 for op, arg in cache_ops:  # swap_out, swap_in, copy: in the driver's order
-                    getattr(cache, op)(arg)
+                    getattr(worker, op)(arg)
                 inputs = PreparedInputs(input_ids.to(device), positions.to(device),
                                         _meta_to(meta, device), [], sample_indices.to(device), [])
-                logits = runner.execute_model(inputs, cache.gpu_cache)  # (R, vocab), all ranks
+                logits = worker.execute_model(inputs)  # (R, vocab), all ranks
                 reply(logits.cpu() if rank == 0 else None)
             else:
                 raise ValueError(f"unknown request {kind!r}")
@@ -227,17 +213,18 @@ def _stop_workers(processes, conns, outboxes, rendezvous_dir, graceful: bool) ->
     shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
-class TensorParallelWorkers:
-    """The driver's handle on N workers; stands in for the CacheEngine and the ModelRunner.
+class TensorParallelWorkers(Worker):
+    """The driver's handle on N worker processes: the ``Worker`` interface (``worker.py``).
+
+    The driver's own tensors (inputs, logits, sampling) stay on the CPU (``device``); the
+    caches live in the workers.
 
     Args:
         world_size: N, the number of worker processes.
-        hf_config, source, load_format: the model to build (see ``model_setup.build_model``).
+        hf_config, source, load_format: the model to build (see ``model_loader.build_model``).
         dtype, device: "cpu" (gloo) or "cuda" (NCCL, worker r on ``cuda:r``).
         timeout: seconds to wait for the workers' answer to one request.
     """
-
-    gpu_cache = None  # the caches live in the workers
 
     def __init__(self, world_size: int, hf_config, source, load_format: str,
                  dtype: torch.dtype, device: torch.device,
@@ -246,7 +233,8 @@ class TensorParallelWorkers:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"worker_timeout must be a number of seconds > 0, got {timeout!r}")
         self.world_size = world_size
-        self.device = device
+        self.device = torch.device("cpu")
+        self.worker_device = device
         self.timeout = float(timeout)
         self._error: str | None = None
         self._cache_ops: list[tuple[str, dict]] = []
@@ -264,8 +252,8 @@ class TensorParallelWorkers:
         for rank in range(world_size):
             ours, theirs = socket.socketpair()
             process = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from minipaged.worker.mp_workers import worker_main;"
-                 " worker_main(int(sys.argv[1]))", str(theirs.fileno())],
+                [sys.executable, "-c", "import sys; from minipaged.worker.mp_workers import "
+                 "worker_main; worker_main(int(sys.argv[1]))", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
             theirs.close()
             conn = multiprocessing.connection.Connection(ours.detach())
@@ -283,9 +271,13 @@ class TensorParallelWorkers:
         return [p.pid for p in self.processes]
 
     # -- what the engine calls -------------------------------------------------------------------
-    def profile_num_gpu_blocks(self, *args) -> int:
+    def profile_num_gpu_blocks(self, max_num_batched_tokens: int, max_model_len: int,
+                               gpu_memory_utilization: float, block_bytes: int) -> int | None:
         """CUDA: each rank profiles its own GPU; the pool is what the tightest rank allows."""
-        return min(self._call(("profile", *args), "profiling"))
+        if self.worker_device.type != "cuda":
+            return None
+        return min(self._call(("profile", max_num_batched_tokens, max_model_len,
+                               gpu_memory_utilization, block_bytes), "profiling"))
 
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int) -> None:
@@ -303,9 +295,9 @@ class TensorParallelWorkers:
     def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
         self._cache_ops.append(("copy", {k: list(v) for k, v in src_to_dsts.items()}))
 
-    def execute_model(self, inputs, kv_caches=None) -> torch.Tensor:
+    def execute_model(self, inputs) -> torch.Tensor:
         """Logits (R, vocab) of one step; the cache operations queued since the last step go
-        first. ``kv_caches`` is unused: each worker reads its own."""
+        first."""
         cache_ops, self._cache_ops = self._cache_ops, []
         small = (inputs.input_ids.cpu(), inputs.positions.cpu(), _meta_to(inputs.meta, "cpu"),
                  inputs.sample_indices.cpu())

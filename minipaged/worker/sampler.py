@@ -6,6 +6,7 @@ candidates of all beams of a group compete, and each surviving candidate names i
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,25 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     while probs[token] <= 0:  # only rounding at the very top can land here
         token -= 1
     return token
+
+
+def sequence_generators(request_seed: int | str, seq_ids: list[int]) -> dict[int, torch.Generator]:
+    """One generator per sequence of a request, seeded from the request's seed and the
+    sequence's index: its draws do not depend on the other sequences, the batch or preemption.
+
+    Args:
+        request_seed: the request's ``seed``, or a string naming the engine's seed and the
+            request id when it brings none.
+        seq_ids: the request's sequences, in order (index 0, 1, ...).
+    """
+    generators = {}
+    for index, seq_id in enumerate(seq_ids):
+        # NOTE: a hash, not Python's hash(): the same 64-bit seed in every process.
+        digest = hashlib.sha256(f"{request_seed}/{index}".encode()).digest()
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(int.from_bytes(digest[:8], "little"))
+        generators[seq_id] = generator
+    return generators
 
 
 class Sampler:

@@ -51,8 +51,8 @@ def test_float16_engine_matches_transformers_float16(half_case, dtype):
     llm = LLM(path, dtype=dtype, device="cuda", gpu_memory_utilization=0.3)
     engine = llm.llm_engine
     assert engine.dtype == torch.float16  # "auto" on CUDA means half precision
-    assert engine.cache_engine.gpu_cache[0][0].dtype == torch.float16
-    assert next(engine.model.parameters()).dtype == torch.float16
+    assert engine.worker.cache_engine.gpu_cache[0][0].dtype == torch.float16
+    assert next(engine.worker.model.parameters()).dtype == torch.float16
     outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
                         sampling_params=SamplingParams(temperature=0, max_tokens=MAX_NEW,
                                                        ignore_eos=True))
@@ -98,7 +98,7 @@ def test_swapping_uses_pinned_memory_and_changes_nothing(half_case):
     big = LLM(path, dtype="float16", device="cuda", num_gpu_blocks=512, num_cpu_blocks=64)
     small = LLM(path, dtype="float16", device="cuda", num_gpu_blocks=14, num_cpu_blocks=128,
                 watermark=0.0, max_model_len=224)  # (14 blocks of 16 tokens)
-    assert small.llm_engine.cache_engine.cpu_cache[0][0].is_pinned()
+    assert small.llm_engine.worker.cache_engine.cpu_cache[0][0].is_pinned()
     a = big.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     b = small.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in a] == \
@@ -118,7 +118,7 @@ def test_dummy_weights_build_on_the_gpu(tmp_path):
                 bos_token_id=0, eos_token_id=1).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), load_format="dummy", dtype="float16", device="cuda",
               gpu_memory_utilization=0.2)
-    assert next(llm.llm_engine.model.parameters()).is_cuda
+    assert next(llm.llm_engine.worker.model.parameters()).is_cuda
     out = llm.generate(prompt_token_ids=[[3, 4, 5]], use_tqdm=False,
                        sampling_params=SamplingParams(temperature=0, max_tokens=5,
                                                       ignore_eos=True))

@@ -1,0 +1,246 @@
+"""The engine's settings, checked once, and the two decisions they lead to (lesson 06).
+
+``EngineConfig`` holds every keyword of ``LLMEngine``; building it checks each one (a
+ValueError names the setting and what is allowed; numpy scalars become Python numbers). Two steps
+come later, once the model and the worker are known, because they need the model's size:
+
+- ``kv_pool_blocks``: how many KV blocks the GPU and CPU pools get;
+- ``fit_max_model_len``: the longest request the engine accepts; it refuses a pool or budget that
+  cannot run one request of that length, or lowers the length (with a warning) when the engine
+  sized the pool itself.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+
+from minipaged.validation import as_int, as_number, shown
+
+GiB = 1 << 30
+DEFAULT_KV_CACHE_BYTES = GiB  # the CPU pool's budget when no kv_cache_bytes is given
+logger = logging.getLogger("minipaged")
+
+
+def _mode(v):  # a PreemptionMode member counts as its name
+    v = getattr(v, "value", v)
+    return v if isinstance(v, str) and v in ("recompute", "swap") else None
+
+
+def _device(v):
+    import torch  # NOTE: imported here: only this one check needs torch
+
+    if v == "auto":
+        return v
+    try:
+        d = torch.device(v)
+    except (RuntimeError, TypeError):
+        return None
+    return v if d.type in ("cpu", "cuda") else None
+
+
+def _flag(v):
+    return v if isinstance(v, bool) else None
+
+
+# name: (convert -> None when bad, check on the converted value, what is allowed)
+_RULES = {
+    "block_size": (as_int, lambda v: v in (1, 2, 4, 8, 16, 32, 64, 128),
+                   "a power of two from 1 to 128"),
+    "gpu_memory_utilization": (as_number, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "kv_cache_bytes": (as_number, lambda v: v > 0, "None or a number of bytes > 0"),
+    "swap_space": (as_number, lambda v: v >= 0, "a finite number of GiB >= 0"),
+    "num_gpu_blocks": (as_int, lambda v: v >= 1, "None or an integer >= 1"),
+    "num_cpu_blocks": (as_int, lambda v: v >= 0, "None or an integer >= 0"),
+    "max_num_seqs": (as_int, lambda v: v >= 1, "an integer >= 1"),
+    "max_num_batched_tokens": (as_int, lambda v: v >= 1, "None or an integer >= 1"),
+    "max_model_len": (as_int, lambda v: v >= 2, "None or an integer >= 2"),
+    "watermark": (as_number, lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "seed": (as_int, lambda v: True, "an integer"),
+    "tensor_parallel_size": (as_int, lambda v: v >= 1, "an integer >= 1"),
+    "worker_timeout": (as_number, lambda v: v > 0, "a number of seconds > 0"),
+    "enable_prefix_caching": (_flag, lambda v: True, "True or False"),
+    "enable_chunked_prefill": (_flag, lambda v: True, "True or False"),
+    "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
+    "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
+}
+_MAY_BE_NONE = {"kv_cache_bytes", "num_gpu_blocks", "num_cpu_blocks", "max_num_batched_tokens",
+                "max_model_len", "preemption_mode"}
+
+
+@dataclass
+class EngineConfig:
+    """Every ``LLMEngine`` keyword, checked (the defaults are ``LLMEngine``'s).
+
+    Building one checks the settings in ``_RULES`` (the model, tokenizer, dtype and load format
+    are checked where they are loaded); a bad value raises ValueError naming it and what is
+    allowed. Numbers come out as Python ints and floats, ``preemption_mode`` as its name.
+
+    Fields:
+        model: a Hugging Face id, a local ``save_pretrained`` directory, or None for the
+            embedded SmolLM2-135M-Instruct.
+        tokenizer: where to load the tokenizer from, if not from ``model``.
+        dtype: "auto" (float32 on CPU, the checkpoint's half type on CUDA) or a dtype name.
+        device: "auto", "cpu" or "cuda".
+        block_size: tokens per KV block.
+        seed: seeds requests that bring no seed of their own.
+        gpu_memory_utilization: on CUDA, the fraction of GPU memory for weights, activations and
+            the KV pool; the pool gets what a profiled forward pass leaves.
+        kv_cache_bytes: on CPU, the byte budget of the KV pool (default 1 GiB).
+        swap_space: GiB of CPU memory for swapped-out blocks.
+        num_gpu_blocks, num_cpu_blocks: explicit pool sizes, overriding the budgets.
+        max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits.
+        preemption_mode: None (recompute single sequences, swap groups), "recompute" or "swap".
+        watermark: fraction of the GPU pool kept free when admitting prompts.
+        enable_chunked_prefill: each step's budget (``max_num_batched_tokens``) goes to the
+            decodes first; prompts fill what is left, split over several steps when needed.
+            False: a prompt runs whole in one step, so it must fit the budget.
+        load_format: "auto" (read the checkpoint) or "dummy" (random weights from the config).
+        tensor_parallel_size: N > 1 splits the model over N worker processes (lesson 09,
+            ``worker/mp_workers.py``); the pool sizes and budgets are then per rank.
+        worker_timeout: seconds a tensor-parallel step may take before the engine gives up.
+        enable_prefix_caching: keep computed full blocks named by their hash chain, so a prompt
+            that starts like an earlier one takes its blocks instead of computing them
+            (lesson 07). Outputs are the same either way.
+        hf_config: a transformers config to use instead of the one of ``model``.
+    """
+
+    model: str | None
+    tokenizer: str | None
+    dtype: object
+    device: str
+    block_size: int
+    seed: int
+    gpu_memory_utilization: float
+    kv_cache_bytes: int | None
+    swap_space: float
+    num_gpu_blocks: int | None
+    num_cpu_blocks: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    max_model_len: int | None
+    preemption_mode: str | None
+    watermark: float
+    enable_chunked_prefill: bool
+    load_format: str
+    hf_config: object
+    tensor_parallel_size: int
+    worker_timeout: float
+    enable_prefix_caching: bool
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name not in _RULES:
+                continue
+            value = getattr(self, f.name)
+            if value is None and f.name in _MAY_BE_NONE:
+                continue
+            convert, check, allowed = _RULES[f.name]
+            converted = convert(value)
+            if converted is None or not check(converted):
+                raise ValueError(f"{f.name} must be {allowed}, got {shown(value)}")
+            setattr(self, f.name, converted)
+
+    def batch_budget(self, max_model_len: int) -> int:
+        """``max_num_batched_tokens``, or by default enough for one whole prompt (and 4096)."""
+        return self.max_num_batched_tokens or max(4096, max_model_len)
+
+
+def kv_pool_blocks(config: EngineConfig, block_bytes: int, max_model_len: int,
+                   profiled_gpu_blocks: int | None) -> tuple[int, int]:
+    """(GPU blocks, CPU blocks) of the KV pools.
+
+    Args:
+        config: the settings; explicit ``num_gpu_blocks``/``num_cpu_blocks`` win.
+        block_bytes: bytes of one block (all layers, K and V; per rank under tensor parallel).
+        max_model_len: the length before fitting; caps a pool at what ``max_num_seqs``
+            sequences of that length could ever use.
+        profiled_gpu_blocks: what profiling found free on a GPU, or None on the CPU (the pool
+            then gets ``kv_cache_bytes``).
+    """
+    blocks_cap = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
+    num_gpu_blocks = config.num_gpu_blocks
+    if num_gpu_blocks is None:
+        num_gpu_blocks = profiled_gpu_blocks
+    if num_gpu_blocks is None:
+        budget = (config.kv_cache_bytes if config.kv_cache_bytes is not None
+                  else DEFAULT_KV_CACHE_BYTES)
+        num_gpu_blocks = min(int(budget // block_bytes), blocks_cap)
+    num_cpu_blocks = config.num_cpu_blocks
+    if num_cpu_blocks is None:
+        num_cpu_blocks = min(int(config.swap_space * GiB // block_bytes), blocks_cap)
+    if num_gpu_blocks < 1:
+        raise ValueError(f"the KV pool has no room for a single block of "
+                         f"{block_bytes} bytes; give more memory or num_gpu_blocks")
+    return num_gpu_blocks, num_cpu_blocks
+
+
+def fit_max_model_len(config: EngineConfig, model_max_len: int, num_gpu_blocks: int,
+                      max_num_batched_tokens: int) -> tuple[int, str]:
+    """The engine's max_model_len, and why: refuse, or LOWER it, when one request cannot fit.
+
+    Two things must hold (vLLM refuses both too): the pool, less the blocks the watermark
+    keeps free, holds ``max_model_len`` tokens; and without chunked prefill, where a prompt
+    runs whole in one step, ``max_num_batched_tokens >= max_model_len``. Otherwise a
+    ValueError names the numbers and what to pass instead.
+
+    NOTE: one exception. When the engine sized the pool itself (from ``kv_cache_bytes`` on
+    the CPU, from ``gpu_memory_utilization`` on CUDA) and no ``max_model_len`` was given,
+    the model's own limit is lowered to what the pool holds, with a warning: ``LLM(model)``
+    with no settings should run on a laptop even when the model allows 8k-128k positions,
+    and the user asked for no particular length or pool. Given explicitly, a pool
+    (``num_gpu_blocks``), a budget (``max_num_batched_tokens``) or a ``max_model_len``
+    that cannot run the model's length is a mistake, and is refused.
+
+    Args:
+        config: the settings (``max_model_len``, ``block_size``, ``watermark``, ...).
+        model_max_len: the model's own limit (its position embeddings).
+        num_gpu_blocks: the GPU pool's size.
+        max_num_batched_tokens: the scheduler's budget per step.
+
+    Returns:
+        (max_model_len, the reason an error message gives for it).
+    """
+    explicit_len = config.max_model_len is not None
+    pool_sized_by_engine = config.num_gpu_blocks is None
+    max_model_len = min(config.max_model_len or model_max_len, model_max_len)
+    bs, watermark = config.block_size, config.watermark
+    watermark_blocks = int(watermark * num_gpu_blocks)  # as BlockSpaceManager counts it
+    usable = num_gpu_blocks - watermark_blocks
+    pool_tokens = usable * bs
+    # Without chunked prefill a prompt runs whole in one step: the budget caps its length.
+    chunked = config.enable_chunked_prefill
+    budget_tokens = pool_tokens if chunked else max_num_batched_tokens
+    fits = min(pool_tokens, budget_tokens)  # the longest request this engine can run
+    if fits >= max_model_len:
+        return max_model_len, ("max_model_len" if explicit_len else "the model's maximum length")
+    if not chunked and max_num_batched_tokens < max_model_len:
+        # (never by default: the default budget is at least max_model_len)
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
+            f"max_model_len ({max_model_len}), and without chunked prefill a prompt "
+            f"runs whole in one step, so a long prompt could never be scheduled; pass "
+            f"max_model_len={fits}, max_num_batched_tokens={max_model_len} or "
+            f"enable_chunked_prefill=True")
+    need = math.ceil(max_model_len / bs)
+    pool_needed = need  # the smallest pool whose usable part holds ``need`` blocks
+    while pool_needed - int(watermark * pool_needed) < need:
+        pool_needed += 1
+    if fits >= 2 and pool_sized_by_engine and not explicit_len:
+        logger.warning(
+            "max_model_len lowered from %d to %d tokens: the KV pool the engine sized from "
+            "its memory budget has %d blocks of %d tokens (%d usable after the "
+            "watermark); pass max_model_len=, or more memory, to choose",
+            max_model_len, fits, num_gpu_blocks, bs, usable)
+        return fits, (f"what the KV pool of {num_gpu_blocks} blocks holds, "
+                      f"sized from the memory budget")
+    larger = f"num_gpu_blocks >= {pool_needed}"
+    if pool_sized_by_engine:
+        larger = f"more kv_cache_bytes or gpu_memory_utilization, or {larger}"
+    raise ValueError(
+        f"the KV pool cannot hold one request of max_model_len ({max_model_len}) "
+        f"tokens: it needs {need} blocks of {bs} tokens, the pool has {num_gpu_blocks} "
+        f"blocks of which {usable} are usable (watermark {watermark} keeps "
+        f"{watermark_blocks} free), {pool_tokens} tokens; "
+        + (f"pass max_model_len={fits} or a larger pool ({larger})" if fits >= 2
+           else f"give a larger pool ({larger})"))

@@ -1,0 +1,125 @@
+"""What the engine counts and what its observers see after each step (lessons 04, 06, 07).
+
+``EngineStats`` are the counters tests, lessons and benchmarks read (``llm.llm_engine.stats``);
+a ``StepSnapshot`` is the plain data an observer receives after every step (the visualizer draws
+it).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.scheduler import Scheduler, SchedulerOutputs
+from minipaged.sequence import SequenceGroup
+
+
+@dataclass
+class EngineStats:
+    """Counters the tests and lessons read (``llm.llm_engine.stats``)."""
+
+    num_steps: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_blocks_copied: int = 0
+    num_blocks_swapped_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0  # tokens run through decode steps (one per sequence)
+    num_sampled_tokens: int = 0  # tokens sampled, a prompt's first one included
+    num_aborted_by_engine: int = 0
+    peak_gpu_blocks_used: int = 0
+    # Prefix caching (lesson 07): prompt tokens whose KV came from the cache and were not
+    # computed (num_prompt_tokens counts the computed ones), and cached blocks evicted.
+    num_cached_prompt_tokens: int = 0
+    num_evicted_blocks: int = 0
+    # Where a step's time goes, in seconds, summed over all steps.
+    time_schedule: float = 0.0
+    time_prepare: float = 0.0
+    time_model: float = 0.0
+    time_sample: float = 0.0
+    time_update: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def reset(self) -> None:
+        """Every counter back to zero (a benchmark measuring one run after a warm-up)."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def count_schedule(self, outs: SchedulerOutputs, block_manager: BlockSpaceManager) -> None:
+        """Count a step's preemptions and cache operations, and the pool's state after them.
+
+        Args:
+            outs: what the scheduler decided for the step.
+            block_manager: the pool, after the step's allocations.
+        """
+        for _, mode in outs.preempted:
+            if mode == "recompute":
+                self.num_preemptions_recompute += 1
+            elif mode == "swap":
+                self.num_preemptions_swap += 1
+        self.num_blocks_swapped_out += len(outs.blocks_to_swap_out)
+        self.num_blocks_swapped_in += len(outs.blocks_to_swap_in)
+        self.num_blocks_copied += sum(len(d) for d in outs.blocks_to_copy.values())
+        bm = block_manager
+        used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
+        self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used, used)
+        # NOTE: the block manager counts these; the stats show its counts as of this step.
+        self.num_cached_prompt_tokens = bm.num_cached_tokens
+        self.num_evicted_blocks = bm.num_evicted_blocks
+
+    def count_times(self, t: list[float]) -> None:
+        """Add one step's times; ``t`` holds six clock readings, one between each phase."""
+        self.num_steps += 1
+        self.time_schedule += t[1] - t[0]
+        self.time_prepare += t[2] - t[1]
+        self.time_model += t[3] - t[2]
+        self.time_sample += t[4] - t[3]
+        self.time_update += t[5] - t[4]
+
+
+@dataclass
+class StepSnapshot:
+    """What an observer sees after each step: plain data only."""
+
+    step: int
+    scheduled: list[str]
+    prompt_run: list[bool]
+    blocks_to_swap_in: dict[int, int]
+    blocks_to_swap_out: dict[int, int]
+    blocks_to_copy: dict[int, list[int]]
+    preempted: list[tuple[str, str]]
+    finished: list[str]
+    block_manager: dict
+    scheduler: dict
+    stats: dict = field(default_factory=dict)
+    num_batched_tokens: int = 0  # tokens the model computed in this step
+
+    @classmethod
+    def of_step(cls, outs: SchedulerOutputs, finished: list[SequenceGroup],
+                block_manager: BlockSpaceManager, scheduler: Scheduler,
+                stats: EngineStats) -> StepSnapshot:
+        """The snapshot after a step: copies, so that later steps do not change it.
+
+        Args:
+            outs: the step's scheduler outputs.
+            finished: the groups that ended in the step (finished or aborted).
+            block_manager: gives the pool.
+            scheduler: gives the queues.
+            stats: the engine's counters after the step.
+        """
+        return cls(
+            step=stats.num_steps,
+            scheduled=[g.request_id for g in outs.scheduled_seq_groups],
+            prompt_run=list(outs.prompt_run),
+            blocks_to_swap_in=dict(outs.blocks_to_swap_in),
+            blocks_to_swap_out=dict(outs.blocks_to_swap_out),
+            blocks_to_copy={k: list(v) for k, v in outs.blocks_to_copy.items()},
+            preempted=list(outs.preempted),
+            finished=[g.request_id for g in finished],
+            block_manager=block_manager.snapshot(),
+            scheduler=scheduler.snapshot(),
+            stats=stats.as_dict(),
+            num_batched_tokens=outs.num_batched_tokens,
+        )

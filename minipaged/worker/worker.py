@@ -1,0 +1,141 @@
+"""What runs the model for the engine: one ``Worker`` interface, two implementations (lesson 06).
+
+The engine (``engine/llm_engine.py``) keeps the bookkeeping: scheduler, block manager, sampler.
+Everything that holds tensors of the model or of the KV cache sits behind a ``Worker``:
+
+- ``LocalWorker``: the model, its ``CacheEngine`` and a ``ModelRunner`` in this process;
+- ``TensorParallelWorkers`` (``worker/mp_workers.py``, lesson 09): N processes, one shard each,
+  every one of them running a ``LocalWorker`` on its shard.
+
+The engine calls only the methods below, in this order: ``profile_num_gpu_blocks`` (may be
+skipped), ``init_cache`` once, then per step the cache operations and ``execute_model``, and
+``shutdown`` at the end. A new back-end (several machines, say) implements these and nothing
+else.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from minipaged.kernels.build import start_background_build
+from minipaged.worker.cache_engine import CacheEngine
+from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
+from minipaged.worker.model_runner import ModelRunner, PreparedInputs
+
+
+class Worker(ABC):
+    """The engine's handle on whatever holds the model and the KV cache.
+
+    ``device`` is where the engine builds each step's inputs (``prepare_inputs``) and receives
+    the logits: the model's device for a ``LocalWorker``, the CPU for workers in other
+    processes.
+    """
+
+    device: torch.device
+
+    @abstractmethod
+    def profile_num_gpu_blocks(self, max_num_batched_tokens: int, max_model_len: int,
+                               gpu_memory_utilization: float, block_bytes: int) -> int | None:
+        """How many KV blocks fit in the GPU memory a profiled forward pass leaves.
+
+        Args:
+            max_num_batched_tokens: tokens of the largest step the scheduler allows.
+            max_model_len: the longest prompt of that step.
+            gpu_memory_utilization: the fraction of GPU memory the engine may use.
+            block_bytes: bytes of one KV block (per rank).
+
+        Returns:
+            The number of blocks, or None when the model runs on the CPU (nothing to profile).
+        """
+
+    @abstractmethod
+    def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
+                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the KV pools (once, before the first step).
+
+        Args:
+            num_layers, num_kv_heads, head_size: the model's shape (all kv heads: a
+                tensor-parallel worker keeps its share).
+            block_size: tokens per block.
+            num_gpu_blocks, num_cpu_blocks: the pools' sizes, the same on every rank.
+        """
+
+    @abstractmethod
+    def swap_in(self, src_to_dst: dict[int, int]) -> None:
+        """CPU blocks -> GPU blocks, before the next ``execute_model`` reads the cache."""
+
+    @abstractmethod
+    def swap_out(self, src_to_dst: dict[int, int]) -> None:
+        """GPU blocks -> CPU blocks, before the next ``execute_model`` reads the cache."""
+
+    @abstractmethod
+    def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
+        """Copy-on-write of GPU blocks, before the next ``execute_model`` reads the cache."""
+
+    @abstractmethod
+    def execute_model(self, inputs: PreparedInputs) -> torch.Tensor:
+        """Run the model on one step's flat batch; logits (R, vocab) in float32 on ``device``.
+
+        Args:
+            inputs: the step's batch, from ``prepare_inputs`` (its tensors on ``device``).
+        """
+
+    @abstractmethod
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        """Bytes of weights and of the GPU KV pool, measured on the tensors, one dict a rank."""
+
+    def shutdown(self) -> None:
+        """Release what the worker holds (processes, memory); nothing to do for one process."""
+
+
+class LocalWorker(Worker):
+    """The model, its KV cache and its runner, in this process.
+
+    Args:
+        hf_config, source, load_format: the model to build (``model_loader.build_model``).
+        dtype: the weights' and the cache's dtype.
+        device: where the model and the GPU pool live.
+    """
+
+    def __init__(self, hf_config, source: str | None, load_format: str, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.device = device
+        self.dtype = dtype
+        # NOTE: before the weights load: the attention op for this device compiles in the
+        # background meanwhile, so the first request does not wait for the compiler.
+        start_background_build(device)
+        self.model = build_model(hf_config, source, load_format, dtype, device)
+        self.model_runner = ModelRunner(self.model)
+        self.cache_engine: CacheEngine | None = None  # init_cache creates it
+
+    def profile_num_gpu_blocks(self, max_num_batched_tokens: int, max_model_len: int,
+                               gpu_memory_utilization: float, block_bytes: int) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        return profile_num_gpu_blocks(self.model, self.device, max_num_batched_tokens,
+                                      max_model_len, gpu_memory_utilization, block_bytes)
+
+    def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
+                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
+                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+
+    def swap_in(self, src_to_dst: dict[int, int]) -> None:
+        self.cache_engine.swap_in(src_to_dst)
+
+    def swap_out(self, src_to_dst: dict[int, int]) -> None:
+        self.cache_engine.swap_out(src_to_dst)
+
+    def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
+        self.cache_engine.copy(src_to_dsts)
+
+    def execute_model(self, inputs: PreparedInputs) -> torch.Tensor:
+        return self.model_runner.execute_model(inputs, self.cache_engine.gpu_cache)
+
+    def memory_per_rank(self) -> list[dict[str, int]]:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv_cache = (0 if self.cache_engine is None else
+                    sum(t.numel() * t.element_size() for kv in self.cache_engine.gpu_cache
+                        for t in kv))
+        return [{"weights": weights, "kv_cache": kv_cache}]
