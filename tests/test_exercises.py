@@ -3,7 +3,8 @@
 A checker that passed everything would teach nothing; one that failed the solution would block
 the learner. Each wrong answer below is a mistake a learner makes (off by one, forgetting K or
 V, forgetting shared blocks, preempting the wrong group, ...), and the checker must stop at it
-with a hint. Unanswered exercises raise ``NotDone`` unless MINIPAGED_SOLUTIONS=1.
+with a short message and a hint, without raising. Unanswered exercises say "not done yet"
+(the solution is used only when MINIPAGED_SOLUTIONS=1).
 """
 import pytest
 
@@ -215,16 +216,24 @@ CHECKS = [pytest.param(*case, id=case[0].__name__,
 def test_checker_passes_the_solution_on_other_seeds(check, solution, wrong, monkeypatch):
     monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
     for seed in (0, 1, 2):
-        assert "✓" in check(solution, seed=seed)
+        result = check(solution, seed=seed)
+        assert result.passed and "✓" in result
 
 
 @pytest.mark.parametrize("check, solution, wrong", CHECKS)
-def test_checker_fails_a_plausible_wrong_answer_with_a_hint(check, solution, wrong):
+def test_checker_fails_a_plausible_wrong_answer_with_a_short_message(check, solution, wrong,
+                                                                   capsys):
+    """A wrong answer is told in a few lines (the case, yours, expected, a hint), printed once,
+    with no traceback and none of the checker's source (which would show the answer)."""
     for fn in wrong:
-        with pytest.raises(ExerciseFailed) as info:
-            check(fn)
-        message = str(info.value)
+        capsys.readouterr()
+        result = check(fn)  # does not raise: Run All goes on
+        assert result.status == "failed" and not result.passed
+        message = str(result)
         assert "case" in message and "hint:" in message and "expected:" in message
+        assert "yours:" in message and len(message.splitlines()) <= 6
+        assert capsys.readouterr().out == message + "\n"
+        assert "Traceback" not in message and "def " not in message
 
 
 @pytest.mark.parametrize("check, solution, wrong", CHECKS)
@@ -234,10 +243,40 @@ def test_unanswered_exercise_says_not_done_unless_solutions_are_allowed(check, s
         not_done()
 
     monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
-    with pytest.raises(NotDone, match="not done yet"):
-        check(unanswered)
+    result = check(unanswered)  # does not raise: Run All goes on
+    assert result.status == "not done" and "not done yet" in result
     monkeypatch.setenv("MINIPAGED_SOLUTIONS", "1")
     assert "solution was used" in check(unanswered)
+
+
+def test_a_check_cell_shows_its_message_once(capsys, monkeypatch):
+    """The checker prints its message; as a cell's last value it adds nothing (no second tick)."""
+    from IPython.core.formatters import DisplayFormatter
+
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+    result = lesson01.check_bytes_per_token(S.bytes_per_token)
+    assert capsys.readouterr().out.count("✓") == 1
+    assert DisplayFormatter().format(result) == ({}, {})
+
+
+@pytest.mark.parametrize("module, name", [(lesson07, "block_hash"), (lesson08, "metric_value")])
+def test_later_cells_use_the_package_function_until_the_learners_passes(module, name,
+                                                                       monkeypatch):
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+    check = getattr(module, f"check_{name}")
+
+    def unanswered(*args):
+        not_done()
+
+    def mine(*args):
+        return getattr(S, name)(*args)
+
+    assert module.usable(unanswered) is not unanswered  # not done: the package's own
+    assert module.usable(mine) is not mine  # not checked yet
+    assert check(mine).passed
+    assert module.usable(mine) is mine
+    check(unanswered)  # a later check that does not pass withdraws the earlier pass
+    assert module.usable(mine) is not mine
 
 
 def test_a_learner_error_is_not_hidden_by_the_solution(monkeypatch):

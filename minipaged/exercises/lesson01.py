@@ -14,11 +14,12 @@ from collections import Counter
 from minipaged import SamplingParams
 from minipaged.lab import kv_memory
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.sequence import Sequence, SequenceGroup
 
 
-def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("bytes_per_token", fn)
     rng = rng_for(seed)
     shapes = [(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes)
@@ -46,7 +47,8 @@ def _contiguous_kinds(request: kv_memory.Request, step: int) -> dict[str, int]:
     return {kind: counts.get(kind, 0) for kind in ("used", "reserved", "internal")}
 
 
-def check_reservation_slots(fn, num_cases: int = 150, seed: int | None = 0) -> str:
+@exercise
+def check_reservation_slots(fn, num_cases: int = 150, seed: int | None = 0) -> CheckResult:
     learner = Learner("reservation_slots", fn)
     rng = rng_for(seed)
     trace = kv_memory.request_trace(num_cases, seed=rng.randrange(1 << 30),
@@ -76,7 +78,8 @@ def _paged_expected(num_tokens: int, block_size: int) -> tuple[int, int]:
     return held, held * block_size - num_tokens
 
 
-def check_paged_slots(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_paged_slots(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("paged_slots", fn)
     rng = rng_for(seed)
     cases = [(16, 16), (17, 16), (1, 1), (1, 16)]

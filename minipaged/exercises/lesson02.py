@@ -15,7 +15,7 @@ import torch
 
 from minipaged import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.worker.model_runner import prepare_inputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -28,7 +28,8 @@ def _admit(bm, seq_id, num_tokens, block_size):
     return seq, group
 
 
-def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> str:
+@exercise
+def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
     learner = Learner("slot_of", fn)
     rng = rng_for(seed)
     checked = 0
@@ -58,7 +59,8 @@ def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> str:
     return passed(learner, checked)
 
 
-def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> str:
+@exercise
+def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
     learner = Learner("grow_block_table", fn)
     rng = rng_for(seed)
     checked = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from minipaged import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -56,7 +56,8 @@ class _Family:
         return "new block" if event["new_block"] else "in place"
 
 
-def check_fork(fn, num_cases: int = 80, seed: int | None = 0) -> str:
+@exercise
+def check_fork(fn, num_cases: int = 80, seed: int | None = 0) -> CheckResult:
     learner = Learner("fork", fn)
     rng = rng_for(seed)
     checked = 0
@@ -87,7 +88,8 @@ def check_fork(fn, num_cases: int = 80, seed: int | None = 0) -> str:
     return passed(learner, checked)
 
 
-def check_append_action(fn, num_cases: int = 80, seed: int | None = 0) -> str:
+@exercise
+def check_append_action(fn, num_cases: int = 80, seed: int | None = 0) -> CheckResult:
     learner = Learner("append_action", fn)
     rng = rng_for(seed)
     checked = 0

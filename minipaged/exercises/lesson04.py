@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab.dry_run import RandomTraffic
 
 
@@ -67,7 +67,8 @@ def _random_steps(rng, num_cases):
             traffic.after_model(outs)
 
 
-def check_schedule_running(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+@exercise
+def check_schedule_running(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
     learner = Learner("schedule_running", fn)
     for case, ((running, _, _, num_free), outs) in enumerate(_random_steps(rng_for(seed),
                                                                               num_cases)):
@@ -89,7 +90,8 @@ def check_schedule_running(fn, num_cases: int = 300, seed: int | None = 0) -> st
     return passed(learner, num_cases)
 
 
-def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+@exercise
+def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
     learner = Learner("resume_and_admit", fn)
     checked = 0
     for (running, swapped, waiting, num_free), outs in _random_steps(rng_for(seed), 3 * num_cases):

@@ -22,10 +22,11 @@ import torch
 
 from minipaged.kernels import emulator as emu
 from minipaged.worker.cache_engine import CacheEngine
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 
 
-def check_warp_reduce(fn, num_cases: int = 100, seed: int | None = 0) -> str:
+@exercise
+def check_warp_reduce(fn, num_cases: int = 100, seed: int | None = 0) -> CheckResult:
     learner = Learner("warp_reduce", fn)
     rng = np.random.default_rng(seed)
     for case in range(num_cases):
@@ -43,7 +44,8 @@ def check_warp_reduce(fn, num_cases: int = 100, seed: int | None = 0) -> str:
     return passed(learner, num_cases)
 
 
-def check_key_offset(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+@exercise
+def check_key_offset(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
     learner = Learner("key_offset", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -76,7 +78,8 @@ def _expected_lane_chunks(shape: emu.KernelShape, lane: int) -> tuple[int, list[
     return token, [load["chunk"][lane] for load in loads if load["address"][lane] is not None]
 
 
-def check_lane_key_chunks(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_lane_key_chunks(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("lane_key_chunks", fn)
     rng = rng_for(seed)
     for case in range(num_cases):

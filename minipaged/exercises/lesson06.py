@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from typing import NamedTuple
 
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab.dry_run import RandomTraffic
 from minipaged.worker.model_runner import prepare_inputs
 from minipaged.sequence import SequenceStatus
@@ -56,7 +56,8 @@ def _show(seqs) -> str:
                            f"{s.num_computed_tokens}, table {s.block_table})" for s in seqs) + "]"
 
 
-def check_flat_batch(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_flat_batch(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("flat_batch", fn)
     for case, (seqs, _, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
         expected = (batch.input_ids.tolist(), batch.positions.tolist())
@@ -75,7 +76,8 @@ def check_flat_batch(fn, num_cases: int = 200, seed: int | None = 0) -> str:
     return passed(learner, num_cases)
 
 
-def check_slot_mapping(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_slot_mapping(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("slot_mapping", fn)
     for case, (seqs, block_size, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
         expected = batch.meta.slot_mapping.tolist()

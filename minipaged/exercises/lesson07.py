@@ -16,11 +16,13 @@ real ``PrefixCache`` filled with random earlier prompts for the second.
 from __future__ import annotations
 
 from minipaged.core.block import BlockAllocator, Device
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
-from minipaged.core.prefix_cache import PrefixCache
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.core.prefix_cache import PrefixCache, block_hash
+from minipaged.exercises import checking
 
 
-def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("block_hash", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -67,7 +69,8 @@ def _cache_with_prompts(rng, prompts: list[list[int]], block_size: int) -> Prefi
     return cache
 
 
-def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
+@exercise
+def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> CheckResult:
     learner = Learner("cached_tokens", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -104,9 +107,10 @@ def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
     return passed(learner, num_cases)
 
 
-def usable(fn) -> Learner:
-    """The learner's ``block_hash`` as the engine can call it (the solution while not done)."""
-    return Learner("block_hash", fn)
+def usable(fn):
+    """``fn`` for the engine to name blocks with once its check passed; until then the package's
+    ``prefix_cache.block_hash``."""
+    return checking.usable("block_hash", fn, block_hash)
 
 
 __all__ = ["check_block_hash", "check_cached_tokens", "usable"]
