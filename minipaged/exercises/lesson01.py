@@ -32,7 +32,8 @@ def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> Che
         if got != expected:
             hint = ("you are off by a factor of 2: every token stores a key AND a value vector"
                     if got * 2 == expected else
-                    "multiply K-and-V (2) x layers x kv heads x head dim x bytes per element")
+                    "count what one token leaves behind in every layer: for each kv head, "
+                    "vectors of head_dim elements, each dtype_bytes long")
             fail(learner.name, i, "num_layers=%d, num_kv_heads=%d, head_dim=%d, dtype_bytes=%d"
                  % args, got, expected, hint)
     return passed(learner, len(shapes))
@@ -89,8 +90,8 @@ def check_paged_slots(fn, num_cases: int = 200, seed: int | None = 0) -> CheckRe
         expected = _paged_expected(num_tokens, block_size)
         got = learner(num_tokens, block_size)
         if tuple(got) != expected:
-            hint = ("blocks = ceil(num_tokens / block_size): a full last block needs no extra "
-                    "block, and one more token opens a new one")
+            hint = ("a block is held as soon as one token is in it: a full last block needs "
+                    "no extra block, and one more token opens a new one")
             fail(learner.name, i, f"num_tokens={num_tokens}, block_size={block_size}",
                  got, expected, hint)
     return passed(learner, len(cases))

@@ -52,8 +52,8 @@ def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
                 elif got == position:
                     hint = "the slot comes from the block TABLE, not from the position alone"
                 else:
-                    hint = ("logical block = position // block_size, offset = position % "
-                            "block_size; slot = block_table[logical block] * block_size + offset")
+                    hint = ("which logical block holds the position, and where in that block? "
+                            "the table says which physical block that logical block is")
                 fail(learner.name, case, f"block_table={table}, position={position}, "
                      f"block_size={block_size}", got, expected, hint)
     return passed(learner, checked)
@@ -85,9 +85,8 @@ def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> Che
             checked += 1
             if mine != expected:
                 new_block = len(expected) > len(before)
-                hint = ("a new block is needed exactly when the newest token is the first of "
-                        "a logical block, i.e. when the table has fewer blocks than "
-                        "ceil(num_tokens / block_size)") if new_block or calls else \
+                hint = ("the table grows only when the newest token does not fit in the "
+                        "blocks it already has") if new_block or calls else \
                     "append the block number that allocate() returns"
                 if len(calls) > 1:
                     hint = "call allocate() at most once per new token"

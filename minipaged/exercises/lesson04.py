@@ -78,13 +78,13 @@ def check_schedule_running(fn, num_cases: int = 300, seed: int | None = 0) -> Ch
         got = (list(got[0]), list(got[1]))
         if got != expected:
             if sorted(got[1]) == sorted(expected[1]):
-                hint = "the right groups, in the wrong order: list them in the order you decide"
+                hint = "the right groups, in the wrong order: list them in the order decided"
             elif any(rid != running[-1 - k].request_id for k, rid in enumerate(got[1])):
                 hint = ("the victim is always the newest group still running (the end of the "
                         "list), not the one that needs the block")
             else:
-                hint = ("a group needs a block only if needs_block; a preempted victim gives "
-                        "back all its blocks_held")
+                hint = ("count the free blocks as you go: who takes one, and what does a "
+                        "preempted victim give back?")
             fail(learner.name, case, f"running={running}, num_free={num_free}", got, expected,
                  hint)
     return passed(learner, num_cases)
@@ -109,12 +109,11 @@ def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> Ch
                 hint = ("while any group is still swapped out, nothing new is admitted: the "
                         "swapped groups came first and must get their memory back first")
             elif got[0] != expected[0]:
-                hint = ("a swapped group comes back only if blocks_held (+ 1 if needs_block) "
-                        "blocks are free; stop at the first one that does not fit (first come, "
-                        "first served)")
+                hint = ("a swapped group comes back with everything it held, and its newest "
+                        "token may need one more; first come, first served: nobody overtakes")
             else:
-                hint = ("admit while prompt_blocks <= free blocks, oldest first, and stop at the "
-                        "first that does not fit; remember what the swapped-in groups used")
+                hint = ("first come, first served for the waiting queue too; and the blocks "
+                        "the swapped-in groups took are no longer free")
             fail(learner.name, checked, f"swapped={swapped}, waiting={waiting}, "
                  f"num_free={num_free}", got, expected, hint)
         checked += 1

@@ -33,8 +33,8 @@ def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> CheckRes
         name = learner(parent, tuple(tokens))
         if not isinstance(name, int) or isinstance(name, bool):
             fail(learner.name, case, inputs, name, "an int",
-                 "return an int, e.g. Python's hash() of a tuple of everything that names the "
-                 "block (a list cannot be hashed: turn token_ids into a tuple)")
+                 "a name is an int; Python turns any hashable value into one (a list is not "
+                 "hashable)")
         if learner(parent, list(tokens)) != name:
             fail(learner.name, case, inputs + " (as a list)", learner(parent, list(tokens)), name,
                  "the same tokens must get the same name whether they come as a list or a tuple")
@@ -89,9 +89,8 @@ def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> Check
         names = set(cache.by_hash)
         got = learner(list(prompt), set(names), block_size)
         if got != expected:
-            hint = ("walk the prompt's full blocks from the first, naming each with "
-                    "block_hash(name of the block before, its tokens), and stop at the first "
-                    "name not in the cache")
+            hint = ("the cache knows a block only by its name, and a block's name stands "
+                    "for every token before it too")
             if got == block_size * len(cache.longest_cached_prefix(
                     prompt, len(prompt) // block_size, block_size)):
                 hint = ("the block holding the prompt's last token is never taken from the "
@@ -100,8 +99,8 @@ def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> Check
                 hint = ("stop at the first block whose name is not cached: a later block's name "
                         "only counts after every block before it")
             elif got < expected:
-                hint = ("each block's name is block_hash(the name of the block before it, its "
-                        "tokens); the first block's parent is None")
+                hint = ("the names form a chain: each block is named after its parent's name "
+                        "and its own tokens, and the first block has no parent")
             fail(learner.name, case, f"prompt={prompt}, cached_names=<{len(names)} names>, "
                  f"block_size={block_size}", got, expected, hint)
     return passed(learner, num_cases)
