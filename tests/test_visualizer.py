@@ -283,6 +283,23 @@ def test_butterfly_view_draws_each_lane_exchange_of_each_mask():
 
 
 @pytest.mark.lesson05
+def test_butterfly_team_colours_are_unique_per_team():
+    """In every column, two lanes share a colour exactly when they are in one team (lanes 0 and
+    10 after mask 16 are two teams: they must not look like one)."""
+    trace = []
+    emu.butterfly_reduce(np.arange(32, dtype=np.float32), "max", trace=trace, phase="max")
+    root = parse(render_butterfly(butterfly_steps(trace)))
+    for column in range(1, 6):
+        cells = by_class(root, "lane-value", column=column)
+        fill_of_team = {}
+        for cell in cells:
+            fill_of_team.setdefault(cell.get("data-team"), set()).add(cell.get("data-fill"))
+        assert all(len(fills) == 1 for fills in fill_of_team.values())
+        fills = [next(iter(f)) for f in fill_of_team.values()]
+        assert len(set(fills)) == len(fills) == 32 >> column, (column, fills)
+
+
+@pytest.mark.lesson05
 def test_butterfly_steps_picks_one_reduction_out_of_a_kernel_trace():
     rng = np.random.default_rng(0)
     block_size, x, head_size = 16, 4, 64

@@ -137,6 +137,14 @@ def test_timeline_and_flat_batch_views_have_clean_labels(seed):
                                            "prompt_run": info["prompt_run"],
                                            "preempted": info["preempted"], "finished": []}))
     assert_clean_layout(render_timeline(snapshots, arrivals, title="timeline"), "timeline")
+    # Two runs drawn on one step axis (lesson 06: static against continuous batching) have
+    # the same columns and width, even when one run is shorter and started at another step.
+    short = [type("Snap", (), dict(vars(s), step=s.step + 100)) for s in snapshots[:6]]
+    later = {rid: step + 100 for rid, step in arrivals.items() if step <= 6}
+    both = [ET.fromstring(render_timeline(run, arr, title=name, num_steps=len(snapshots)))
+            for run, arr, name in ((snapshots, arrivals, "long"), (short, later, "short"))]
+    assert len({(r.get("width"), r.get("data-num-steps")) for r in both}) == 1
+    assert [t.text for t in both[1].iter(NS + "text") if t.get("class") == "tick"][0] == "1"
 
 
 def test_show_source_keeps_listings_to_40_lines(monkeypatch):

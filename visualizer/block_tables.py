@@ -23,8 +23,8 @@ wraps into rows of ``BLOCKS_PER_ROW`` blocks, and the free list shows what fits,
 """
 from __future__ import annotations
 
-from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, shorten, svg_root,
-                            text, to_string)
+from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, caption, colour, el, shorten,
+                            svg_root, text, to_string)
 
 ROW_H = 18  # one logical block per row
 BLOCK_W, BLOCK_H, BLOCK_GAP = 70, 38, 6  # one physical block: '#1455' and 'ref 12' side by side
@@ -140,7 +140,7 @@ def render_block_tables(snapshot: dict, title: str | None = None,
                     data_num_cpu_blocks=len(snapshot["cpu_blocks"]),
                     data_num_free_cpu_blocks=len(snapshot["free_cpu_blocks"]))
     if title:
-        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 18, title)
     text(root, X_LOGICAL, top - 6, "logical blocks", weight="bold")
     text(root, X_TABLE, top - 6, "block table", weight="bold")
     text(root, X_POOL, gpu_y - 4, f"GPU pool: {len(snapshot['gpu_blocks'])} blocks of "
