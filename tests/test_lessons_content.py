@@ -66,3 +66,13 @@ def test_lesson_06_titles_fit_the_drawings():
         root = ET.fromstring(svg.data)
         title = next(t for t in root.iter() if t.get("class") == "caption")
         assert 10 + 0.6 * 13 * len(title.text) <= float(root.get("width")) <= 800, title.text
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "lessons").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_each_lesson_says_what_vllm_did_then_does_now_and_minipaged_does_here(path):
+    cells = json.loads(path.read_text())["cells"]
+    box = next(("".join(c["source"]) for c in cells
+                if "".join(c["source"]).startswith("## vLLM then, now, and here")), None)
+    assert box is not None, "no 'vLLM then, now, and here' box"
+    assert all(f"**{part}.**" in box for part in ("Then", "Now", "Here"))
+    assert "v0.1" in box and ("V1" in box or "today" in box)  # versions named

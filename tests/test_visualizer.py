@@ -391,6 +391,10 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
     assert text.splitlines()[0].startswith("request 0: prompt of 5 tokens")
     assert len(text.splitlines()) == len(nodes)
     assert fork_tree_dot(nodes).count("->") == len(nodes) - 1
+    # A legend says what the looks and the names (seq 4b) mean, one entry per kind of node.
+    dot = fork_tree_dot(nodes)
+    assert "cluster_legend" in dot and "seq 4b: seq 4's second life" in dot
+    assert all(f"legend_{kind} " in dot for kind in ("root", "live", "final", "dropped"))
     if render_fork_tree(nodes) is not None:  # graphviz's dot is installed
         assert ET.fromstring(render_fork_tree(nodes)).tag == NS + "svg"
 
@@ -399,7 +403,9 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
     show_fork_tree(recorder, "0")
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "graphviz's `dot` program is not installed: showing the fork tree as text"
-    assert "\n".join(out[1:]) == text
+    tree_lines = len(text.splitlines())
+    assert "\n".join(out[1:1 + tree_lines]) == text
+    assert "seq 4b: seq 4's second life" in "\n".join(out[1 + tree_lines:])  # then the legend
 
 
 # ----------------------------------------------------------------------------------------------
