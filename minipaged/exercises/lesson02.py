@@ -48,7 +48,7 @@ def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
             checked += 1
             if got != expected:
                 if got == table[position // block_size] + position % block_size:
-                    hint = "a block number counts blocks, not slots: multiply it by block_size"
+                    hint = "a block number counts blocks, not slots: how many slots lie before it?"
                 elif got == position:
                     hint = "the slot comes from the block TABLE, not from the position alone"
                 else:
