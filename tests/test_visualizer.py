@@ -283,6 +283,23 @@ def test_butterfly_view_draws_each_lane_exchange_of_each_mask():
 
 
 @pytest.mark.lesson05
+def test_butterfly_team_colours_are_unique_per_team():
+    """In every column, two lanes share a colour exactly when they are in one team (lanes 0 and
+    10 after mask 16 are two teams: they must not look like one)."""
+    trace = []
+    emu.butterfly_reduce(np.arange(32, dtype=np.float32), "max", trace=trace, phase="max")
+    root = parse(render_butterfly(butterfly_steps(trace)))
+    for column in range(1, 6):
+        cells = by_class(root, "lane-value", column=column)
+        fill_of_team = {}
+        for cell in cells:
+            fill_of_team.setdefault(cell.get("data-team"), set()).add(cell.get("data-fill"))
+        assert all(len(fills) == 1 for fills in fill_of_team.values())
+        fills = [next(iter(f)) for f in fill_of_team.values()]
+        assert len(set(fills)) == len(fills) == 32 >> column, (column, fills)
+
+
+@pytest.mark.lesson05
 def test_butterfly_steps_picks_one_reduction_out_of_a_kernel_trace():
     rng = np.random.default_rng(0)
     block_size, x, head_size = 16, 4, 64
@@ -374,6 +391,10 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
     assert text.splitlines()[0].startswith("request 0: prompt of 5 tokens")
     assert len(text.splitlines()) == len(nodes)
     assert fork_tree_dot(nodes).count("->") == len(nodes) - 1
+    # A legend says what the looks and the names (seq 4b) mean, one entry per kind of node.
+    dot = fork_tree_dot(nodes)
+    assert "cluster_legend" in dot and "seq 4b: seq 4's second life" in dot
+    assert all(f"legend_{kind} " in dot for kind in ("root", "live", "final", "dropped"))
     if render_fork_tree(nodes) is not None:  # graphviz's dot is installed
         assert ET.fromstring(render_fork_tree(nodes)).tag == NS + "svg"
 
@@ -382,7 +403,9 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
     show_fork_tree(recorder, "0")
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "graphviz's `dot` program is not installed: showing the fork tree as text"
-    assert "\n".join(out[1:]) == text
+    tree_lines = len(text.splitlines())
+    assert "\n".join(out[1:1 + tree_lines]) == text
+    assert "seq 4b: seq 4's second life" in "\n".join(out[1 + tree_lines:])  # then the legend
 
 
 # ----------------------------------------------------------------------------------------------

@@ -137,6 +137,14 @@ def test_timeline_and_flat_batch_views_have_clean_labels(seed):
                                            "prompt_run": info["prompt_run"],
                                            "preempted": info["preempted"], "finished": []}))
     assert_clean_layout(render_timeline(snapshots, arrivals, title="timeline"), "timeline")
+    # Two runs drawn on one step axis (lesson 06: static against continuous batching) have
+    # the same columns and width, even when one run is shorter and started at another step.
+    short = [type("Snap", (), dict(vars(s), step=s.step + 100)) for s in snapshots[:6]]
+    later = {rid: step + 100 for rid, step in arrivals.items() if step <= 6}
+    both = [ET.fromstring(render_timeline(run, arr, title=name, num_steps=len(snapshots)))
+            for run, arr, name in ((snapshots, arrivals, "long"), (short, later, "short"))]
+    assert len({(r.get("width"), r.get("data-num-steps")) for r in both}) == 1
+    assert [t.text for t in both[1].iter(NS + "text") if t.get("class") == "tick"][0] == "1"
 
 
 def test_show_source_keeps_listings_to_40_lines(monkeypatch):
@@ -233,8 +241,9 @@ def test_cached_and_evictable_blocks_are_coloured_as_the_legend_says(seed):
                         None)
             if info["cached"]:
                 kind = "evictable" if info["evictable"] else "cached"
-                fill, stroke, _ = looks[kind]
-                assert _rect(block, "cached-outline").get("stroke") == stroke
+                fill, stroke, dash = looks[kind]
+                outline = _rect(block, "cached-outline")
+                assert (outline.get("stroke"), outline.get("stroke-dasharray")) == (stroke, dash)
                 assert mark is not None and mark.text == kind and mark.get("fill") == stroke
                 assert block.get("data-hash") == str(info["block_hash"])
                 if kind == "evictable":  # free, so filled like a free block, outlined in green
@@ -253,6 +262,34 @@ def test_cached_and_evictable_blocks_are_coloured_as_the_legend_says(seed):
                 checked["shared"] += 1
     assert looks["cached"][1] == looks["evictable"][1] != looks["free"][1]  # green, not grey
     assert all(checked.values()), checked
+
+
+def test_legend_swatches_of_different_states_differ():
+    """Cached, evictable, free and shared each look their own way (fill, outline, dashes)."""
+    traffic = next(random_cached_runs(0, 1))
+    looks = _looks_of_the_legend(ET.fromstring(render_block_tables(traffic.bm.snapshot())))
+    assert len(looks) == 4 and len(set(looks.values())) == 4, looks
+    assert looks["cached"][0] != looks["evictable"][0]  # coloured as its owners vs grey
+
+
+def test_a_compact_pool_still_draws_the_evictable_blocks():
+    """Lesson 07 draws 16 blocks of a 48-block pool after a request finished: the evictable
+    blocks it talks about stand last in the free list, but they are drawn."""
+    from minipaged import SamplingParams
+    from minipaged.core.block_manager import BlockSpaceManager
+    from minipaged.sequence import Sequence, SequenceGroup
+
+    bm = BlockSpaceManager(16, 48, 0, watermark=0.0, enable_caching=True)
+    seq = Sequence(0, None, list(range(90)), 16)
+    bm.allocate(SequenceGroup("0", [seq], SamplingParams(), arrival_time=0.0))
+    bm.cache_blocks(seq, 90)  # its prompt was computed: the 5 full blocks are named
+    bm.free(seq)  # the request finished
+    snap = bm.snapshot()
+    evictable = {b["block_number"] for b in snap["gpu_blocks"] if b["evictable"]}
+    assert len(evictable) == 5, evictable
+    root = ET.fromstring(render_block_tables(snap, max_pool_blocks=16))
+    drawn = {int(g.get("data-block")) for g in _blocks(root, "evictable-block")}
+    assert drawn == evictable
 
 
 def test_block_tables_fit_a_jupyterlab_output_area():

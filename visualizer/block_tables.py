@@ -23,8 +23,8 @@ wraps into rows of ``BLOCKS_PER_ROW`` blocks, and the free list shows what fits,
 """
 from __future__ import annotations
 
-from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, shorten, svg_root,
-                            text, to_string)
+from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, caption, colour, el, shorten,
+                            svg_root, text, to_string)
 
 ROW_H = 18  # one logical block per row
 BLOCK_W, BLOCK_H, BLOCK_GAP = 70, 38, 6  # one physical block: '#1455' and 'ref 12' side by side
@@ -61,9 +61,12 @@ def _blocks_to_draw(pool: list[dict], limit: int,
     returns (blocks, elided)."""
     if len(pool) <= limit:
         return pool, 0
-    held = [b for b in pool if b["ref_count"] > 0]
+    # Held blocks, and the evictable ones (free, but still findable by hash): the text about a
+    # prefix cache talks about them, and they stand last in the free list.
+    held = [b for b in pool if b["ref_count"] > 0 or b.get("cached")]
     by_number = {b["block_number"]: b for b in pool}
-    free = [by_number[n] for n in free_order[:max(0, limit - len(held))]]
+    held_numbers = {b["block_number"] for b in held}
+    free = [by_number[n] for n in free_order if n not in held_numbers][:max(0, limit - len(held))]
     chosen = sorted(held + free, key=lambda b: b["block_number"])
     return chosen, len(pool) - len(chosen)
 
@@ -137,7 +140,7 @@ def render_block_tables(snapshot: dict, title: str | None = None,
                     data_num_cpu_blocks=len(snapshot["cpu_blocks"]),
                     data_num_free_cpu_blocks=len(snapshot["free_cpu_blocks"]))
     if title:
-        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 18, title)
     text(root, X_LOGICAL, top - 6, "logical blocks", weight="bold")
     text(root, X_TABLE, top - 6, "block table", weight="bold")
     text(root, X_POOL, gpu_y - 4, f"GPU pool: {len(snapshot['gpu_blocks'])} blocks of "
@@ -210,12 +213,14 @@ def render_block_tables(snapshot: dict, title: str | None = None,
 
 
 # What the pool's blocks look like, for the legend and for the blocks themselves:
-# kind -> (label, fill, stroke, dashed)
+# kind -> (label, fill, stroke, dash pattern or None). A cached block is filled with its owners'
+# colours (the swatch with a light owner colour); an evictable one is grey like a free block,
+# with a dotted green outline, so the two never look alike.
 LOOKS = {
-    "cached": ("cached: findable by hash", "white", CACHED, False),  # filled as its owners
-    "evictable": ("evictable: free, keeps its KV", FREE_FILL, CACHED, False),
-    "free": ("free", FREE_FILL, "#bbbbbb", False),
-    "shared": ("shared: ref count > 1", "white", INK, True),
+    "cached": ("cached: findable by hash", "#cad7e5", CACHED, None),
+    "evictable": ("evictable: free, keeps its KV", FREE_FILL, CACHED, "2 2"),
+    "free": ("free", FREE_FILL, "#bbbbbb", None),
+    "shared": ("shared: ref count > 1", "white", INK, "4 2"),
 }
 LEGEND_H = 24
 
@@ -226,7 +231,7 @@ def _draw_legend(root, x, y):
     for kind, (label, fill, stroke, dashed) in LOOKS.items():
         entry = el(group, "g", class_="legend-entry", data_kind=kind)
         el(entry, "rect", x=x, y=y + 4, width=16, height=11, fill=fill, stroke=stroke,
-           stroke_width=1.5, stroke_dasharray="4 2" if dashed else None, class_="legend-swatch")
+           stroke_width=1.5, stroke_dasharray=dashed, class_="legend-swatch")
         text(entry, x + 21, y + 13, label, size=9)
         x += 21 + 0.6 * 9 * len(label) + 14
 
@@ -267,7 +272,7 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
                    fill=colour(owner) if owner is not None else "#cccccc", opacity=0.3)
             el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill="none",
                stroke=LOOKS["shared"][2] if shared else INK, stroke_width=2 if shared else 1,
-               stroke_dasharray="4 2" if shared else None, class_="block-outline")
+               stroke_dasharray=LOOKS["shared"][3] if shared else None, class_="block-outline")
         text(g, x + 3, y + 11, f"#{number}", size=10, weight="bold",
              fill=INK if ref else MUTED, class_="block-number")
         text(g, x + BLOCK_W - 3, y + 11, f"ref {ref}", size=9, anchor="end",
@@ -278,7 +283,8 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
             g.set("data-hash", str(b["block_hash"]))
             kind = "evictable" if ref == 0 else "cached"
             el(g, "rect", x=x - 1, y=y - 1, width=BLOCK_W + 2, height=BLOCK_H + 2, fill="none",
-               stroke=LOOKS[kind][2], stroke_width=1.5, class_="cached-outline")
+               stroke=LOOKS[kind][2], stroke_width=1.5, stroke_dasharray=LOOKS[kind][3],
+               class_="cached-outline")
             text(g, x + BLOCK_W - 3, y + 23, kind, size=8, anchor="end", fill=LOOKS[kind][2],
                  class_="cached-mark")
         # The slot strip: filled slots dark, the newest token of a sequence outlined in red.

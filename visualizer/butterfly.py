@@ -2,23 +2,29 @@
 
 Each column is the warp's 32 lanes after one shuffle step; a line goes from the lane that was
 read (``partner = lane ^ mask``) to the lane that read it. Cells are coloured by *team*: the
-lanes whose values have been combined so far. After the last mask every lane of a team holds the
-same result.
+lanes whose values have been combined so far, one colour per team in each column (at most 16
+teams after the first mask; before it every lane is alone, drawn grey). After the last mask every
+lane of a team holds the same result.
 
 Records come from ``minipaged.kernels.emulator`` (``butterfly_reduce(..., trace=[])`` or
 ``paged_attention(..., trace=[])``): dicts with ``phase``, ``step``, ``mask``, ``pairs``,
 ``values_before`` and ``values_after`` (see that module's docstring).
 
 Elements for tests: ``lane-value`` (``data-lane``, ``data-column``, ``data-value``) and
-``exchange`` (``data-step``, ``data-mask``, ``data-lane``, ``data-partner``).
+(``data-team``, ``data-fill``) and ``exchange`` (``data-step``, ``data-mask``, ``data-lane``, ``data-partner``).
 """
 from __future__ import annotations
 
 import math
 
-from visualizer.svg import INK, MUTED, colour, el, svg_root, text, to_string
+from visualizer.svg import FREE_FILL, INK, MUTED, caption, el, svg_root, text, to_string
 
 LANE_H, CELL_W, GAP = 16, 68, 70
+# 16 colours that stay apart at a glance (Tableau 20 without its greys and two near-repeats),
+# dark and light alternating so that neighbouring teams differ most.
+TEAM_COLOURS = ["#4e79a7", "#ffbe7d", "#59a14f", "#ff9d9a", "#b07aa1", "#86bcb6", "#f28e2b",
+                "#8cd17d", "#e15759", "#a0cbe8", "#b6992d", "#fabfd2", "#499894", "#f1ce63",
+                "#9d7660", "#d4a6c8"]
 _KEYS = ("phase", "stage", "seq", "head", "warp", "block", "slot")
 
 
@@ -65,7 +71,7 @@ def render_butterfly(records: list[dict], title: str | None = None) -> str:
                     data_num_steps=len(records),
                     data_masks=",".join(str(r["mask"]) for r in records))
     if title:
-        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 18, title)
 
     def col_x(c: int) -> float:
         return 50 + c * (CELL_W + GAP)
@@ -83,12 +89,15 @@ def render_butterfly(records: list[dict], title: str | None = None) -> str:
         text(root, x + CELL_W / 2, top - 8, header, size=10, anchor="middle", weight="bold")
         if c:
             combined |= records[c - 1]["mask"]
+        teams = sorted({lane & ~combined for lane in range(len(values))})
         for lane, v in enumerate(values):
             team = lane & ~combined
+            fill = (FREE_FILL if not combined or len(teams) > len(TEAM_COLOURS)
+                    else TEAM_COLOURS[teams.index(team)])
             cell = el(root, "g", class_="lane-value", data_lane=lane, data_column=c,
-                      data_value=_fmt(v))
+                      data_value=_fmt(v), data_team=team, data_fill=fill)
             el(cell, "rect", x=x, y=lane_y(lane) + 1, width=CELL_W, height=LANE_H - 2,
-               fill=colour(team), opacity=0.3)
+               fill=fill, opacity=0.55)
             text(cell, x + CELL_W / 2, lane_y(lane) + 11, _fmt(v), size=9, anchor="middle")
 
     for s, record in enumerate(records):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from visualizer.svg import INK, MUTED, colour, el, svg_root, text, to_string
+from visualizer.svg import INK, MUTED, caption, colour, el, svg_root, text, to_string
 
 PLOT_X, PLOT_W, PLOT_H = 70, 430, 200
 
@@ -59,7 +59,7 @@ def render_line_chart(series: dict[str, list[tuple[float, float]]], title: str |
     width = PLOT_X + PLOT_W + 30
     root = svg_root(width, height, "line-chart", data_log_y=log_y)
     if title:
-        text(root, 10, 20, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 20, title)
 
     def sx(x: float) -> float:
         if log_x:

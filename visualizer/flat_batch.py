@@ -16,7 +16,7 @@ Elements for tests: ``batch-token`` (``data-index``, ``data-seq``, ``data-kind``
 """
 from __future__ import annotations
 
-from visualizer.svg import FREE_FILL, INK, MUTED, colour, el, svg_root, text, to_string
+from visualizer.svg import FREE_FILL, INK, MUTED, caption, colour, el, svg_root, text, to_string
 
 COL_W, ROW_H, HEAD_W = 34, 17, 92
 ROWS = ("sequence", "kind", "token id", "position", "slot", "block.offset")
@@ -61,7 +61,7 @@ def render_flat_batch(prepared, block_size: int, title: str | None = None,
     height = blocks_y + block_rows * 34 + 10
     root = svg_root(width, height, "flat-batch", data_num_tokens=len(tokens))
     if title:
-        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 18, title)
     for r, label in enumerate(ROWS):
         text(root, 10, top + r * ROW_H + 12, label, size=10, weight="bold")
     for i, t in enumerate(tokens):

@@ -92,8 +92,18 @@ def fork_tree_text(nodes: list[ForkNode]) -> str:
     return "\n".join(lines)
 
 
+# What the tree's looks and names mean, drawn beside it and printed under its text version.
+LEGEND = [
+    ("root", "the prompt: its blocks are shared by every sequence"),
+    ("live", "seq N: a sequence from where it began (allocate, or a fork of another beam)"),
+    ("final", "finished: an output that was kept"),
+    ("dropped", "dropped: a beam that fell behind; its sequence was freed"),
+    ("name", "seq 4b: seq 4's second life (a freed id, reused by a later fork)"),
+]
+
+
 def fork_tree_dot(nodes: list[ForkNode]) -> str:
-    """Graphviz source of the tree."""
+    """Graphviz source of the tree, with a legend (nodes only: the tree's edges are its own)."""
     out = ["digraph fork_tree {", "  rankdir=LR;", '  node [shape=box, fontname="monospace",'
            ' fontsize=10];']
     styles = {"final": 'style="bold,filled", fillcolor="#d9ead3"',
@@ -107,7 +117,12 @@ def fork_tree_dot(nodes: list[ForkNode]) -> str:
     for node in nodes:
         for child in node.children:
             out.append(f"  n{node.key} -> n{child};")
-    out.append("}")
+    out += ['  subgraph cluster_legend {', '    label="legend"; fontname="monospace";'
+            ' fontsize=10; color="#bbbbbb";']
+    looks = dict(styles, root='style=filled, fillcolor="#eeeeee"', name="shape=plaintext")
+    for kind, meaning in LEGEND:
+        out.append(f'    legend_{kind} [label="{meaning}", {looks[kind] or "color=black"}];')
+    out += ["  }", "}"]
     return "\n".join(out)
 
 
@@ -129,6 +144,7 @@ def show_fork_tree(steps, request_id: str) -> None:
     if svg is None:
         print("graphviz's `dot` program is not installed: showing the fork tree as text")
         print(text)
+        print("\n" + "\n".join(f"  {meaning}" for _, meaning in LEGEND))
     else:
         from IPython.display import SVG, display
 

@@ -10,7 +10,7 @@ Elements for tests: ``waste-bar`` (``data-scheme``, ``data-waste``), ``segment``
 """
 from __future__ import annotations
 
-from visualizer.svg import INK, MUTED, el, svg_root, text, to_string
+from visualizer.svg import INK, MUTED, caption, el, svg_root, text, to_string
 
 KIND_COLOURS = {"used": "#59a14f", "reserved": "#edc948", "internal": "#f28e2b",
                 "external": "#e15759", "free": "#eeeeee"}
@@ -27,7 +27,7 @@ def render_memory_waste(*reports, title: str | None = None) -> str:
     height = top + section_h * len(reports) + 40
     root = svg_root(BAR_X + BAR_W + 20, height, "memory-waste")
     if title:
-        text(root, 10, 20, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 20, title)
     y = top
     for report in reports:
         bar = el(root, "g", class_="waste-bar", data_scheme=report.scheme,

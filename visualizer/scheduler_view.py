@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import textwrap
 
-from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, colour, el, shorten, svg_root, text,
-                            to_string)
+from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, caption, colour, el, shorten,
+                            svg_root, text, to_string)
 
 QUEUES = ("waiting", "running", "swapped")
 COL_W, BADGE_W, BADGE_H = 210, 190, 36
@@ -46,7 +46,7 @@ def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None
     height = pools_y + 2 * 34 + 16 * len(notes) + 10
     root = svg_root(width, height, "scheduler-view")
     if title:
-        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 18, title)
 
     for col, queue in enumerate(QUEUES):
         x = 10 + col * COL_W

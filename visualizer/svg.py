@@ -57,6 +57,24 @@ def svg_root(width: float, height: float, class_: str, **attrs) -> ET.Element:
     return root
 
 
+def caption(root: ET.Element, x: float, y: float, title: str) -> ET.Element:
+    """The drawing's title at (x, y), bold; the drawing widens when the title is longer than it
+    (an SVG shown in JupyterLab clips what lies past its width)."""
+    node = text(root, x, y, title, size=13, weight="bold", class_="caption")
+    needed = x + text_width(title, 13) + 10
+    if needed > float(root.get("width")):
+        height = root.get("height")
+        root.set("width", _attr_value(needed))
+        root.set("viewBox", f"0 0 {_attr_value(needed)} {height}")
+        root.find("rect").set("width", _attr_value(needed))
+    return node
+
+
+def text_width(content, size: float) -> float:
+    """About how wide ``content`` is in the drawings' monospace font (0.6 em per character)."""
+    return 0.6 * size * len(str(content))
+
+
 def text(parent, x, y, content, size=11, anchor="start", fill=INK, weight=None, **attrs):
     return el(parent, "text", content, x=x, y=y, font_size=size, text_anchor=anchor, fill=fill,
               font_weight=weight, **attrs)

@@ -10,7 +10,7 @@ prefill, decode, or preempted. Elements for tests: ``timeline-cell`` (``data-req
 """
 from __future__ import annotations
 
-from visualizer.svg import FREE_FILL, INK, MUTED, el, svg_root, text, to_string
+from visualizer.svg import FREE_FILL, INK, MUTED, caption, el, svg_root, text, to_string
 
 STATE_FILL = {"waiting": "#f2d7a0", "prefill": "#4e79a7", "decode": "#a0cbe8",
               "preempted": "#e15759"}
@@ -40,12 +40,18 @@ def timeline_states(snapshots, arrivals: dict[str, int]) -> dict[str, dict[int, 
     return states
 
 
-def render_timeline(snapshots, arrivals: dict[str, int], title: str | None = None) -> str:
-    """SVG: requests (rows) against engine steps (columns)."""
+def render_timeline(snapshots, arrivals: dict[str, int], title: str | None = None,
+                    num_steps: int | None = None) -> str:
+    """SVG: requests (rows) against the steps of the run (columns, counted from 1).
+
+    ``num_steps``: draw that many columns (at least the run's own), so that two runs drawn one
+    above the other share their step axis and their width.
+    """
     states = timeline_states(snapshots, arrivals)
     first = min((s.step for s in snapshots), default=1)
-    last = max((s.step for s in snapshots), default=first)
-    num_steps = last - first + 1
+    ran = max((s.step for s in snapshots), default=first) - first + 1
+    num_steps = max(ran, num_steps or 0)
+    last = first + num_steps - 1
     top = 40 if title else 22
     plot_w = num_steps * CELL_W
     width = max(LABEL_W + plot_w + 20, 420)
@@ -53,12 +59,12 @@ def render_timeline(snapshots, arrivals: dict[str, int], title: str | None = Non
     height = legend_y + 16 * len(STATE_FILL) + 6
     root = svg_root(width, height, "timeline", data_num_steps=num_steps)
     if title:
-        text(root, 10, 18, title, size=13, weight="bold", class_="caption")
+        caption(root, 10, 18, title)
     every = max(1, round(40 / CELL_W))  # a step number every ~40 px
     for step in range(first, last + 1):
         if (step - first) % every == 0:
-            text(root, LABEL_W + (step - first) * CELL_W, top + 8, step, size=8, fill=MUTED,
-                 class_="tick")
+            text(root, LABEL_W + (step - first) * CELL_W, top + 8, step - first + 1, size=8,
+                 fill=MUTED, class_="tick")
     for i, (rid, arrival) in enumerate(arrivals.items()):
         y = top + 16 + i * ROW_H
         steps = states[rid]
@@ -71,7 +77,7 @@ def render_timeline(snapshots, arrivals: dict[str, int], title: str | None = Non
             el(row, "rect", x=LABEL_W + (step - first) * CELL_W, y=y + 1, width=CELL_W - 1,
                height=ROW_H - 2, fill=STATE_FILL[state], class_="timeline-cell",
                data_request=rid, data_step=step, data_state=state)
-    text(root, LABEL_W, legend_y - 18, f"engine step → (steps {first} to {last})", size=9,
+    text(root, LABEL_W, legend_y - 18, f"step of the run → (the run took {ran} steps)", size=9,
          fill=MUTED)
     for k, (state, fill) in enumerate(STATE_FILL.items()):
         y = legend_y + 16 * k

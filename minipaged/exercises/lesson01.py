@@ -14,11 +14,12 @@ from collections import Counter
 from minipaged import SamplingParams
 from minipaged.lab import kv_memory
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.sequence import Sequence, SequenceGroup
 
 
-def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("bytes_per_token", fn)
     rng = rng_for(seed)
     shapes = [(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes)
@@ -31,7 +32,8 @@ def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> str
         if got != expected:
             hint = ("you are off by a factor of 2: every token stores a key AND a value vector"
                     if got * 2 == expected else
-                    "multiply K-and-V (2) x layers x kv heads x head dim x bytes per element")
+                    "count what one token leaves behind in every layer: for each kv head, "
+                    "vectors of head_dim elements, each dtype_bytes long")
             fail(learner.name, i, "num_layers=%d, num_kv_heads=%d, head_dim=%d, dtype_bytes=%d"
                  % args, got, expected, hint)
     return passed(learner, len(shapes))
@@ -46,7 +48,8 @@ def _contiguous_kinds(request: kv_memory.Request, step: int) -> dict[str, int]:
     return {kind: counts.get(kind, 0) for kind in ("used", "reserved", "internal")}
 
 
-def check_reservation_slots(fn, num_cases: int = 150, seed: int | None = 0) -> str:
+@exercise
+def check_reservation_slots(fn, num_cases: int = 150, seed: int | None = 0) -> CheckResult:
     learner = Learner("reservation_slots", fn)
     rng = rng_for(seed)
     trace = kv_memory.request_trace(num_cases, seed=rng.randrange(1 << 30),
@@ -76,7 +79,8 @@ def _paged_expected(num_tokens: int, block_size: int) -> tuple[int, int]:
     return held, held * block_size - num_tokens
 
 
-def check_paged_slots(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_paged_slots(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("paged_slots", fn)
     rng = rng_for(seed)
     cases = [(16, 16), (17, 16), (1, 1), (1, 16)]
@@ -86,8 +90,8 @@ def check_paged_slots(fn, num_cases: int = 200, seed: int | None = 0) -> str:
         expected = _paged_expected(num_tokens, block_size)
         got = learner(num_tokens, block_size)
         if tuple(got) != expected:
-            hint = ("blocks = ceil(num_tokens / block_size): a full last block needs no extra "
-                    "block, and one more token opens a new one")
+            hint = ("a block is held as soon as one token is in it: a full last block needs "
+                    "no extra block, and one more token opens a new one")
             fail(learner.name, i, f"num_tokens={num_tokens}, block_size={block_size}",
                  got, expected, hint)
     return passed(learner, len(cases))

@@ -15,7 +15,7 @@ import torch
 
 from minipaged import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -28,7 +28,8 @@ def _admit(bm, seq_id, num_tokens, block_size):
     return seq, group
 
 
-def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> str:
+@exercise
+def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
     learner = Learner("slot_of", fn)
     rng = rng_for(seed)
     checked = 0
@@ -47,18 +48,19 @@ def check_slot_of(fn, num_cases: int = 60, seed: int | None = 0) -> str:
             checked += 1
             if got != expected:
                 if got == table[position // block_size] + position % block_size:
-                    hint = "a block number counts blocks, not slots: multiply it by block_size"
+                    hint = "a block number counts blocks, not slots: how many slots lie before it?"
                 elif got == position:
                     hint = "the slot comes from the block TABLE, not from the position alone"
                 else:
-                    hint = ("logical block = position // block_size, offset = position % "
-                            "block_size; slot = block_table[logical block] * block_size + offset")
+                    hint = ("which logical block holds the position, and where in that block? "
+                            "the table says which physical block that logical block is")
                 fail(learner.name, case, f"block_table={table}, position={position}, "
                      f"block_size={block_size}", got, expected, hint)
     return passed(learner, checked)
 
 
-def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> str:
+@exercise
+def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
     learner = Learner("grow_block_table", fn)
     rng = rng_for(seed)
     checked = 0
@@ -83,9 +85,8 @@ def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> str
             checked += 1
             if mine != expected:
                 new_block = len(expected) > len(before)
-                hint = ("a new block is needed exactly when the newest token is the first of "
-                        "a logical block, i.e. when the table has fewer blocks than "
-                        "ceil(num_tokens / block_size)") if new_block or calls else \
+                hint = ("the table grows only when the newest token does not fit in the "
+                        "blocks it already has") if new_block or calls else \
                     "append the block number that allocate() returns"
                 if len(calls) > 1:
                     hint = "call allocate() at most once per new token"

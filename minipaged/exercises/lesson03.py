@@ -2,10 +2,11 @@
 
     fork(parent_table, ref_counts) -> child_table
         the child's block table; ``ref_counts`` (block number -> count) is updated in place
-    append_action(block_table, ref_counts, num_tokens, block_size) -> str
-        what ``append_slot`` must do for a sequence that now holds ``num_tokens`` tokens:
-        "new block" (the newest token opens a logical block that has no physical block yet),
-        "copy" (its last block is shared: copy-on-write) or "in place"
+    append_action(block_table, ref_counts, needs_new_block) -> str
+        what ``append_slot`` must do for the newest token of a sequence: "new block" (it opens a
+        logical block that has no physical block yet: ``needs_new_block``, lesson 02's rule,
+        is given), "copy" (it goes into the last block, which another sequence also holds:
+        copy-on-write) or "in place" (the last block is this sequence's alone)
 
 Expected answers: a real ``BlockSpaceManager`` driven through random forks and appends.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from minipaged import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -56,7 +57,8 @@ class _Family:
         return "new block" if event["new_block"] else "in place"
 
 
-def check_fork(fn, num_cases: int = 80, seed: int | None = 0) -> str:
+@exercise
+def check_fork(fn, num_cases: int = 80, seed: int | None = 0) -> CheckResult:
     learner = Learner("fork", fn)
     rng = rng_for(seed)
     checked = 0
@@ -78,8 +80,8 @@ def check_fork(fn, num_cases: int = 80, seed: int | None = 0) -> str:
             checked += 1
             if got != expected:
                 if got[0] == expected[0]:
-                    hint = ("the table is right; every block in it is now held by one more "
-                            "table: add 1 to its ref count (in place)")
+                    hint = ("the table is right, but the ref counts say how many tables hold "
+                            "each block: what changed for the blocks in the new table?")
                 else:
                     hint = ("fork copies the block TABLE (the list of numbers), not the blocks: "
                             "no block is allocated")
@@ -87,7 +89,8 @@ def check_fork(fn, num_cases: int = 80, seed: int | None = 0) -> str:
     return passed(learner, checked)
 
 
-def check_append_action(fn, num_cases: int = 80, seed: int | None = 0) -> str:
+@exercise
+def check_append_action(fn, num_cases: int = 80, seed: int | None = 0) -> CheckResult:
     learner = Learner("append_action", fn)
     rng = rng_for(seed)
     checked = 0
@@ -101,19 +104,19 @@ def check_append_action(fn, num_cases: int = 80, seed: int | None = 0) -> str:
                 continue
             table = fam.bm.get_block_table(seq)
             refs = _ref_counts(fam.bm)
-            num_tokens = seq.get_len() + 1
+            needs_new_block = len(table) * fam.block_size <= seq.get_len()
             inputs = (f"block_table={table}, ref_counts={ {b: refs[b] for b in table} }, "
-                      f"num_tokens={num_tokens}, block_size={fam.block_size}")
-            got = learner(list(table), dict(refs), num_tokens, fam.block_size)
+                      f"needs_new_block={needs_new_block}")
+            got = learner(list(table), dict(refs), needs_new_block)
             expected = fam.append(seq)
             checked += 1
             if got != expected:
                 if expected == "copy":
-                    hint = ("the last block has ref count > 1: other sequences read it, so "
-                            "writing into it would change their cache; copy it first")
+                    hint = ("who else reads the last block? writing into a block another "
+                            "sequence holds would change that sequence's cache")
                 elif expected == "new block":
-                    hint = ("the newest token is the first of a new logical block: it needs "
-                            "a fresh block whatever the ref counts say")
+                    hint = ("the newest token does not go into the last block at all, so who "
+                            "else holds that block does not matter")
                 else:
                     hint = "the last block has room and nobody else holds it: write in place"
                 fail(learner.name, case, inputs, got, expected, hint)

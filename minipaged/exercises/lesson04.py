@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab.dry_run import RandomTraffic
 
 
@@ -67,7 +67,8 @@ def _random_steps(rng, num_cases):
             traffic.after_model(outs)
 
 
-def check_schedule_running(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+@exercise
+def check_schedule_running(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
     learner = Learner("schedule_running", fn)
     for case, ((running, _, _, num_free), outs) in enumerate(_random_steps(rng_for(seed),
                                                                               num_cases)):
@@ -77,19 +78,20 @@ def check_schedule_running(fn, num_cases: int = 300, seed: int | None = 0) -> st
         got = (list(got[0]), list(got[1]))
         if got != expected:
             if sorted(got[1]) == sorted(expected[1]):
-                hint = "the right groups, in the wrong order: list them in the order you decide"
+                hint = "the right groups, in the wrong order: list them in the order decided"
             elif any(rid != running[-1 - k].request_id for k, rid in enumerate(got[1])):
                 hint = ("the victim is always the newest group still running (the end of the "
                         "list), not the one that needs the block")
             else:
-                hint = ("a group needs a block only if needs_block; a preempted victim gives "
-                        "back all its blocks_held")
+                hint = ("count the free blocks as you go: who takes one, and what does a "
+                        "preempted victim give back?")
             fail(learner.name, case, f"running={running}, num_free={num_free}", got, expected,
                  hint)
     return passed(learner, num_cases)
 
 
-def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+@exercise
+def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
     learner = Learner("resume_and_admit", fn)
     checked = 0
     for (running, swapped, waiting, num_free), outs in _random_steps(rng_for(seed), 3 * num_cases):
@@ -107,12 +109,11 @@ def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> st
                 hint = ("while any group is still swapped out, nothing new is admitted: the "
                         "swapped groups came first and must get their memory back first")
             elif got[0] != expected[0]:
-                hint = ("a swapped group comes back only if blocks_held (+ 1 if needs_block) "
-                        "blocks are free; stop at the first one that does not fit (first come, "
-                        "first served)")
+                hint = ("a swapped group comes back with everything it held, and its newest "
+                        "token may need one more; first come, first served: nobody overtakes")
             else:
-                hint = ("admit while prompt_blocks <= free blocks, oldest first, and stop at the "
-                        "first that does not fit; remember what the swapped-in groups used")
+                hint = ("first come, first served for the waiting queue too; and the blocks "
+                        "the swapped-in groups took are no longer free")
             fail(learner.name, checked, f"swapped={swapped}, waiting={waiting}, "
                  f"num_free={num_free}", got, expected, hint)
         checked += 1

@@ -22,10 +22,11 @@ import torch
 
 from minipaged.kernels import emulator as emu
 from minipaged.worker.cache_engine import CacheEngine
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 
 
-def check_warp_reduce(fn, num_cases: int = 100, seed: int | None = 0) -> str:
+@exercise
+def check_warp_reduce(fn, num_cases: int = 100, seed: int | None = 0) -> CheckResult:
     learner = Learner("warp_reduce", fn)
     rng = np.random.default_rng(seed)
     for case in range(num_cases):
@@ -34,16 +35,18 @@ def check_warp_reduce(fn, num_cases: int = 100, seed: int | None = 0) -> str:
         expected = emu.butterfly_reduce(values, op)
         got = np.asarray(learner(values.copy(), op), dtype=np.float32)
         if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-5, atol=1e-5):
-            hint = ("every lane must end with the result of ALL 32 lanes: masks 16, 8, 4, 2, 1, "
-                    "each step combining a lane's value with shfl_xor(values, mask)")
+            hint = ("every lane must end with the result of all 32 lanes: each butterfly "
+                    "step should double how many lanes a value has met")
             if got.shape == expected.shape and len(set(np.round(got, 4))) > 1:
-                hint = "the lanes disagree at the end: a mask is missing (16 to 1: five steps)"
+                hint = ("the lanes disagree at the end: some lanes never met; how many "
+                        "doublings cover 32 lanes?")
             fail(learner.name, case, f"values=<32 floats>, op={op!r}", got.tolist()[:4],
                  expected.tolist()[:4], hint)
     return passed(learner, num_cases)
 
 
-def check_key_offset(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+@exercise
+def check_key_offset(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
     learner = Learner("key_offset", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -59,9 +62,9 @@ def check_key_offset(fn, num_cases: int = 300, seed: int | None = 0) -> str:
         args = (block, head, dim, slot, num_kv_heads, head_size, block_size, x)
         got = learner(*args)
         if got != expected:
-            hint = ("the key layout is [blocks, kv heads, head_size // x, block_size, x]: the "
-                    "dimension is split into a chunk (dim // x) and a place in it (dim % x), and "
-                    "the slot comes BETWEEN them, so one token's x elements are contiguous")
+            hint = ("walk the key cache's shape from the outermost dimension in: the head "
+                    "dimension is split in two (which chunk, and where in it), and the slot "
+                    "sits BETWEEN the two parts, so one token's x elements are contiguous")
             fail(learner.name, case, "block=%d, head=%d, dim=%d, slot=%d, num_kv_heads=%d, "
                  "head_size=%d, block_size=%d, x=%d" % args, got, expected, hint)
     return passed(learner, num_cases)
@@ -76,7 +79,8 @@ def _expected_lane_chunks(shape: emu.KernelShape, lane: int) -> tuple[int, list[
     return token, [load["chunk"][lane] for load in loads if load["address"][lane] is not None]
 
 
-def check_lane_key_chunks(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_lane_key_chunks(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("lane_key_chunks", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -90,14 +94,14 @@ def check_lane_key_chunks(fn, num_cases: int = 200, seed: int | None = 0) -> str
         got = (got[0], list(got[1])) if isinstance(got, (tuple, list)) and len(got) == 2 else got
         if got != expected:
             G, n = shape.G, shape.NUM_K_CHUNKS
-            hint = (f"G = {G} lanes share a token (lane // G is the token); lane j of the group "
-                    f"takes chunks j, j + G, j + 2G, ... while they are below {n} "
-                    f"(head_size // x chunks in a key)")
+            hint = (f"G = {G} neighbouring lanes share a token and deal its {n} chunks "
+                    f"among themselves like cards, one round of G chunks per load")
             if isinstance(got, tuple) and got[0] != expected[0]:
-                hint = (f"the token: a warp covers one KV block, one group of G = {G} "
-                        f"neighbouring lanes per token, so lane l works on token l // G")
+                hint = (f"the token: a warp covers one KV block, with a group of G = {G} "
+                        f"neighbouring lanes per token")
             elif isinstance(got, tuple) and sorted(got[1]) == expected[1] and got[1] != expected[1]:
-                hint = "the right chunks in the wrong order: load k takes chunk j + k * G"
+                hint = ("the right chunks in the wrong order: list them in the order the "
+                        "lane loads them, one per round")
             elif isinstance(got, tuple) and len(got[1]) != len(expected[1]):
                 hint = (f"count the chunks: the key has {n} chunks of x = {x} elements; a lane "
                         f"whose next chunk would be {n} or more has no load left (the kernel's "

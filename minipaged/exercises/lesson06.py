@@ -5,8 +5,10 @@ are computed this step); any other computes only its newest token (a decode).
 
     flat_batch(seqs) -> (input_ids, positions)
         every prompt's tokens, packed one after another, then one token per decode
-    slot_mapping(seqs, block_size) -> list[int]
-        for each token of that flat batch, the cache slot its key and value are written to
+    sample_indices(seqs) -> list[int]
+        the rows of that flat batch whose hidden state becomes a next-token distribution: the
+        model computes one row per token, but only the last token of a prompt and the token of
+        a decode have a next token to sample; the rows in batch order
 
 Expected answers: ``lab.batch_inputs.prepare_inputs_for_groups`` on random steps of a real
 ``Scheduler``, mixing new prompts, decodes and preempted requests.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from typing import NamedTuple
 
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab.dry_run import RandomTraffic
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.sequence import SequenceStatus
@@ -57,7 +59,8 @@ def _show(seqs) -> str:
                            f"{s.num_computed_tokens}, table {s.block_table})" for s in seqs) + "]"
 
 
-def check_flat_batch(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_flat_batch(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("flat_batch", fn)
     for case, (seqs, _, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
         expected = (batch.input_ids.tolist(), batch.positions.tolist())
@@ -65,29 +68,31 @@ def check_flat_batch(fn, num_cases: int = 200, seed: int | None = 0) -> str:
         got = (list(map(int, got[0])), list(map(int, got[1])))
         if got != expected:
             if sorted(got[0]) == sorted(expected[0]) and got[0] != expected[0]:
-                hint = "all prompt tokens come first, then one token per decoding sequence"
+                hint = "the right tokens in the wrong order: the prompt runs come first"
             elif got[0] == expected[0]:
-                hint = ("positions count from 0 inside each sequence; a decode's newest token "
-                        "sits at position len(token_ids) - 1")
+                hint = ("a position is where the token stands in its own sequence, as the "
+                        "model saw it when the sequence was one long prompt")
             else:
-                hint = ("a prompt run (num_computed_tokens == 0) puts ALL its tokens in the "
-                        "batch; a decode puts only its newest token")
+                hint = ("which tokens does each sequence still need computed this step? a "
+                        "prompt run has none in the cache yet; a decode has all but one")
             fail(learner.name, case, _show(seqs), got, expected, hint)
     return passed(learner, num_cases)
 
 
-def check_slot_mapping(fn, num_cases: int = 200, seed: int | None = 0) -> str:
-    learner = Learner("slot_mapping", fn)
-    for case, (seqs, block_size, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
-        expected = batch.meta.slot_mapping.tolist()
-        got = list(map(int, learner(list(seqs), block_size)))
+@exercise
+def check_sample_indices(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
+    learner = Learner("sample_indices", fn)
+    for case, (seqs, _, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
+        expected = batch.sample_indices.tolist()
+        got = list(map(int, learner(list(seqs))))
         if got != expected:
             if len(got) != len(expected):
-                hint = (f"one slot per token of the flat batch: {len(expected)} here (all tokens "
-                        f"of each prompt, one per decode)")
+                hint = (f"one row per sequence ({len(expected)} here): a prompt's earlier tokens "
+                        f"already have their next token (it is the prompt's next token)")
+            elif sorted(got) == sorted(expected):
+                hint = "the right rows in the wrong order: follow the flat batch's order"
             else:
-                hint = ("slot = block_table[pos // block_size] * block_size + pos % block_size, "
-                        "with pos the token's position (lesson 02); prompts first")
-            fail(learner.name, case, f"{_show(seqs)}, block_size={block_size}", got, expected,
-                 hint)
+                hint = ("a row number counts tokens of the flat batch: where does each "
+                        "sequence's last token land once the prompts before it are packed?")
+            fail(learner.name, case, _show(seqs), got, expected, hint)
     return passed(learner, num_cases)

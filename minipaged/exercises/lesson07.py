@@ -16,11 +16,13 @@ real ``PrefixCachingAllocator`` filled with random earlier prompts for the secon
 from __future__ import annotations
 
 from minipaged.core.block import Device
-from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator, block_hash
+from minipaged.exercises import checking
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 
 
-def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> str:
+@exercise
+def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("block_hash", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -31,8 +33,8 @@ def check_block_hash(fn, num_cases: int = 200, seed: int | None = 0) -> str:
         name = learner(parent, tuple(tokens))
         if not isinstance(name, int) or isinstance(name, bool):
             fail(learner.name, case, inputs, name, "an int",
-                 "return an int, e.g. Python's hash() of a tuple of everything that names the "
-                 "block (a list cannot be hashed: turn token_ids into a tuple)")
+                 "a name is an int; Python turns any hashable value into one (a list is not "
+                 "hashable)")
         if learner(parent, list(tokens)) != name:
             fail(learner.name, case, inputs + " (as a list)", learner(parent, list(tokens)), name,
                  "the same tokens must get the same name whether they come as a list or a tuple")
@@ -66,7 +68,8 @@ def _cache_with_prompts(rng, prompts: list[list[int]],
     return cache
 
 
-def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
+@exercise
+def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> CheckResult:
     learner = Learner("cached_tokens", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -85,9 +88,8 @@ def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
         names = set(cache.by_hash)
         got = learner(list(prompt), set(names), block_size)
         if got != expected:
-            hint = ("walk the prompt's full blocks from the first, naming each with "
-                    "block_hash(name of the block before, its tokens), and stop at the first "
-                    "name not in the cache")
+            hint = ("the cache knows a block only by its name, and a block's name stands "
+                    "for every token before it too")
             if got == block_size * len(cache.longest_cached_prefix(
                     prompt, len(prompt) // block_size)):
                 hint = ("the block holding the prompt's last token is never taken from the "
@@ -96,16 +98,17 @@ def check_cached_tokens(fn, num_cases: int = 150, seed: int | None = 0) -> str:
                 hint = ("stop at the first block whose name is not cached: a later block's name "
                         "only counts after every block before it")
             elif got < expected:
-                hint = ("each block's name is block_hash(the name of the block before it, its "
-                        "tokens); the first block's parent is None")
+                hint = ("the names form a chain: each block is named after its parent's name "
+                        "and its own tokens, and the first block has no parent")
             fail(learner.name, case, f"prompt={prompt}, cached_names=<{len(names)} names>, "
                  f"block_size={block_size}", got, expected, hint)
     return passed(learner, num_cases)
 
 
-def usable(fn) -> Learner:
-    """The learner's ``block_hash`` as the engine can call it (the solution while not done)."""
-    return Learner("block_hash", fn)
+def usable(fn):
+    """``fn`` for the engine to name blocks with once its check passed; until then the package's
+    ``prefix_caching_allocator.block_hash``."""
+    return checking.usable("block_hash", fn, block_hash)
 
 
 __all__ = ["check_block_hash", "check_cached_tokens", "usable"]

@@ -20,7 +20,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from minipaged.engine.async_llm_engine import TextStreamer
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises import checking
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 
 _ALPHABET = "ab \n."
 
@@ -44,7 +45,8 @@ def _random_generation(rng):
     return stops, steps
 
 
-def check_stream_delta(fn, num_cases: int = 300, seed: int | None = 0) -> str:
+@exercise
+def check_stream_delta(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
     learner = Learner("stream_delta", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -109,7 +111,8 @@ def _questions(engine) -> list[tuple[str, float | None]]:
     ]
 
 
-def check_metric_value(fn, num_cases: int = 60, seed: int | None = 0) -> str:
+@exercise
+def check_metric_value(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
     from minipaged.entrypoints.api_server import prometheus_text
 
     learner = Learner("metric_value", fn)
@@ -136,9 +139,12 @@ def check_metric_value(fn, num_cases: int = 60, seed: int | None = 0) -> str:
     return passed(learner, num_cases)
 
 
-def usable(fn) -> Learner:
-    """The learner's ``metric_value`` as the lesson calls it (the solution while not done)."""
-    return Learner("metric_value", fn)
+def usable(fn):
+    """``fn`` for the lesson to read /metrics with once its check passed; until then the
+    package's reader (``solutions.metric_value``)."""
+    from minipaged.exercises import solutions
+
+    return checking.usable("metric_value", fn, solutions.metric_value)
 
 
 __all__ = ["check_stream_delta", "check_metric_value", "usable"]

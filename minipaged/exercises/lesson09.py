@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minipaged.exercises.checking import Learner, fail, passed, rng_for
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.models.parallel_layers import (ColumnParallelLinear, RowParallelLinear,
                                               tensor_parallel_state)
 
@@ -63,7 +63,8 @@ def _values(t) -> str:
                   + (" ..." if t.numel() > 6 else ""))
 
 
-def check_shard_weight(fn, num_cases: int = 120, seed: int | None = 0) -> str:
+@exercise
+def check_shard_weight(fn, num_cases: int = 120, seed: int | None = 0) -> CheckResult:
     learner = Learner("shard_weight", fn)
     rng = rng_for(seed)
     for case in range(num_cases):
@@ -100,7 +101,8 @@ def check_shard_weight(fn, num_cases: int = 120, seed: int | None = 0) -> str:
     return passed(learner, num_cases)
 
 
-def check_row_parallel(fn, num_cases: int = 80, seed: int | None = 0) -> str:
+@exercise
+def check_row_parallel(fn, num_cases: int = 80, seed: int | None = 0) -> CheckResult:
     learner = Learner("row_parallel", fn)
     rng = rng_for(seed)
     gen = torch.Generator().manual_seed(0 if seed is None else seed)

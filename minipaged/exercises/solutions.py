@@ -41,8 +41,8 @@ def fork(parent_table, ref_counts):
     return list(parent_table)
 
 
-def append_action(block_table, ref_counts, num_tokens, block_size):
-    if len(block_table) < -(-num_tokens // block_size):
+def append_action(block_table, ref_counts, needs_new_block):
+    if needs_new_block:
         return "new block"
     if ref_counts[block_table[-1]] > 1:
         return "copy"
@@ -102,8 +102,13 @@ def flat_batch(seqs):
     return [token for _, _, token in rows], [pos for _, pos, _ in rows]
 
 
-def slot_mapping(seqs, block_size):
-    return [slot_of(s.block_table, pos, block_size) for s, pos, _ in _flat_positions(seqs)]
+def sample_indices(seqs):
+    rows, end = [], 0
+    for s, pos, _ in _flat_positions(seqs):
+        end += 1
+        if pos == len(s.token_ids) - 1:  # the sequence's last token: the one sampled from
+            rows.append(end - 1)
+    return rows
 
 
 # ---- lesson 05 (prepared) --------------------------------------------------------------------
