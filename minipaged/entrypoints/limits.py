@@ -81,15 +81,15 @@ class ServerLimits:
             texts: its prompt text (or message contents), not yet tokenized.
             num_prompts: how many engine requests it becomes.
         """
-        chars = sum(len(t) for t in texts)
-        if chars > self.max_prompt_chars:
-            field = "messages" if hasattr(body, "messages") else "prompt"
-            raise APIError(400, f"the {field} is {chars} characters long; this server takes at "
-                                f"most {self.max_prompt_chars} (more cannot fit in the context)",
-                           field, code="context_length_exceeded")
         if num_prompts > self.max_waiting_requests:
             raise APIError(400, f"prompt holds {num_prompts} prompts; this server queues at most "
                                 f"{self.max_waiting_requests}", "prompt")
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_prompt_chars:
+            field = "messages" if hasattr(body, "messages") else "prompt"
+            raise APIError(400, f"{chars} characters of {field} text; this server takes at most "
+                                f"{self.max_prompt_chars} (more cannot fit in the context)",
+                           field, code="context_length_exceeded")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > self.max_stop_strings:
             raise APIError(400, f"stop holds {len(stops)} strings; at most "
