@@ -114,17 +114,17 @@ def test_the_default_chat_length_fits_three_sequences_in_the_default_pool():
     from dataclasses import replace
 
     from minipaged.engine.llm_engine import LLMEngine
-    from minipaged.entrypoints.api_server import _chat_prompt_ids, _max_tokens
+    from minipaged.entrypoints.prompts import chat_prompt_ids, max_tokens_for
 
     engine = LLMEngine()
-    ids = _chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "Hi!"}])
+    ids = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "Hi!"}])
     params = SamplingParams(n=3, temperature=0.7)
     left = engine.max_model_len - len(ids)
     with pytest.raises(ValueError, match="can never fit in the KV pool"):
         engine.validate_request(ids, replace(params, max_tokens=left))
-    max_tokens = _max_tokens(engine, None, None, len(ids), params, "messages")
+    max_tokens = max_tokens_for(engine, None, None, ids, params, "messages")
     assert left // 2 < max_tokens < left
     engine.validate_request(ids, replace(params, max_tokens=max_tokens))  # accepted
     with pytest.raises(ValueError, match="can never fit in the KV pool"):
         engine.validate_request(ids, replace(params, max_tokens=max_tokens + 1))  # the most
-    assert _max_tokens(engine, None, None, len(ids), SamplingParams(), "messages") == left
+    assert max_tokens_for(engine, None, None, ids, SamplingParams(), "messages") == left

@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (a step raised, or the engine was shut down)."""
 
 
+class QueueFullError(RuntimeError):
+    """Refused for now: ``max_waiting_requests`` requests already wait for their prompt to run."""
+
+
 @dataclass
 class PromptRequest:
     """One prompt to queue: text, token ids, or both (token ids win, as in ``add_request``)."""
@@ -74,13 +78,16 @@ class AsyncLLMEngine:
 
     Args:
         engine: the engine to drive; from now on only this object's thread may touch it.
+        max_waiting_requests: the most requests that may wait in the scheduler's waiting queue;
+            a call that would queue more raises ``QueueFullError``. None: no bound.
 
     Use it as ``async for request_id, output in async_engine.generate(prompts)`` or call
     ``add_requests`` / ``abort`` directly. ``start()`` launches the thread, ``shutdown()`` ends it.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
         self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._ids = itertools.count()
@@ -126,7 +133,8 @@ class AsyncLLMEngine:
 
         Every ``RequestOutput`` of these requests is put on ``outputs`` as ``(request_id,
         output)``; if the engine dies, ``(request_id, EngineDeadError)`` is put instead.
-        Raises ``ValueError`` for a bad request and ``EngineDeadError`` if the engine is down.
+        Raises ``ValueError`` for a bad request, ``QueueFullError`` if the waiting queue has no
+        room for them, and ``EngineDeadError`` if the engine is down.
         """
         self.check_health()
         loop = asyncio.get_running_loop()
@@ -212,6 +220,15 @@ class AsyncLLMEngine:
                 self._count_finished(output)
                 if sink is not None:
                     outbox.append((sink, (command.request_id, output)))
+            return
+        limit = self.max_waiting_requests
+        # NOTE: decided here, in the engine thread, against the waiting queue as it is now (a
+        # burst of adds is applied one by one), so the bound is exact. A request that leaves the
+        # queue -- scheduled, or aborted by a client that gave up -- frees its place at once.
+        if limit is not None and len(self.engine.scheduler.waiting) + len(command.prompts) > limit:
+            self._resolve(command.accepted, QueueFullError(
+                f"the server is busy: {len(self.engine.scheduler.waiting)} requests are waiting "
+                f"(at most {limit}); retry later"))
             return
         added = []
         try:

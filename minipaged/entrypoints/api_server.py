@@ -6,41 +6,70 @@
     GET  /health                 200 while the engine loop runs, 500 once it has died
     GET  /metrics                Prometheus text: queues, KV blocks, token and preemption counters
 
-Every request becomes one engine request per prompt, queued through ``AsyncLLMEngine``; the
-handler then waits on its own asyncio.Queue while the engine thread steps. A streamed response
-sends one ``data: {json}`` event per piece of new text and ends with ``data: [DONE]``. A client
-that disconnects -- while waiting, mid-stream, or before a non-streamed answer -- has its requests
-aborted, so their KV blocks return to the pool at the next step.
+A request passes, in order: the API key (``auth.py``), the body size (``limits.py``), pydantic's
+field checks (``openai_protocol.py``), the server's limits, tokenizing and the engine's own
+``validate_request`` in a worker thread (``prompts.py``), the waiting queue's bound
+(``AsyncLLMEngine``), and then it is answered whole or streamed (``responses.py``).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 import time
-import uuid
-from dataclasses import replace
-from typing import AsyncIterator
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
-from minipaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, PromptRequest, TextStreamer
+from minipaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from minipaged.entrypoints.auth import APIKeyAuth
+from minipaged.entrypoints.limits import BodySizeLimit, ServerLimits
+from minipaged.entrypoints.metrics import prometheus_text
 from minipaged.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, ChatFormat,
-                                       CompletionFormat, CompletionRequest, param_of, usage,
-                                       validation_error)
-from minipaged.outputs import RequestOutput
-from minipaged.sampling_params import SamplingParams
+                                                   CompletionFormat, CompletionRequest, describe,
+                                                   server_error, validation_error)
+from minipaged.entrypoints.prompts import chat_request, completion_requests
+from minipaged.entrypoints.responses import respond
 
 logger = logging.getLogger("minipaged.entrypoints.api_server")
+_ERROR_KINDS = {404: ("not_found_error", None), 413: ("invalid_request_error", "request_too_large")}
 
 
-def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine thread and stops it at shutdown."""
+@dataclass(frozen=True)
+class ServerOptions:
+    """What makes a server safe to expose.
+
+    Args:
+        api_key: the key every ``/v1`` route requires as ``Authorization: Bearer KEY``; None:
+            no key (anyone who reaches the port may use the engine).
+        metrics_public: leave ``/metrics`` open when there is a key.
+        limits: what one request may ask (``ServerLimits``).
+    """
+
+    api_key: str | None = None
+    metrics_public: bool = False
+    limits: ServerLimits = field(default_factory=ServerLimits)
+
+
+def build_app(async_engine: AsyncLLMEngine, served_model_name: str,
+              options: ServerOptions | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread and stops it at shutdown.
+
+    Args:
+        async_engine: the engine loop to serve; its ``max_waiting_requests`` is set from the
+            limits (an explicit limit wins, then the engine's own, then 4 x max_num_seqs).
+        served_model_name: the name clients pass as ``model``.
+        options: the API key and limits (the defaults when None).
+    """
+    options = options or ServerOptions()
+    engine = async_engine.engine
+    waiting = options.limits.max_waiting_requests or async_engine.max_waiting_requests
+    limits = replace(options.limits, max_waiting_requests=waiting).resolve(engine)
+    async_engine.max_waiting_requests = limits.max_waiting_requests
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -51,13 +80,18 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
             async_engine.shutdown()
 
     app = FastAPI(title="minipaged", lifespan=lifespan)
+    app.state.limits = limits
+    # (the last added runs first: the key, then the body size, then everything else)
     app.add_middleware(_UnexpectedErrorsAsJSON)
-    engine = async_engine.engine
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if options.api_key is not None:
+        app.add_middleware(APIKeyAuth, api_key=options.api_key,
+                           metrics_public=options.metrics_public)
     created = int(time.time())
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, exc: RequestValidationError):
@@ -66,16 +100,16 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind).body(),
-                            status_code=exc.status_code)
+        kind, code = _ERROR_KINDS.get(exc.status_code, ("invalid_request_error", None))
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind,
+                                     code=code).body(), status_code=exc.status_code)
 
     @app.get("/health")
     async def health():
         try:
             async_engine.check_health()
         except EngineDeadError as e:
-            return JSONResponse(_server_error(str(e)).body(), status_code=500)
+            return JSONResponse(server_error(str(e)).body(), status_code=500)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -98,30 +132,35 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         body.check_unsupported()
-        probe = body.sampling_params(1, body.logprobs)  # every field checked before any work
-        prompts = []
-        for p in body.prompt_list():
-            ids = _encode(engine, p) if isinstance(p, str) else p
-            max_tokens = _max_tokens(engine, body.max_tokens, 16, len(ids), probe, "prompt")
-            prompts.append(PromptRequest(p if isinstance(p, str) else None,
-                                         body.sampling_params(max_tokens, body.logprobs), ids))
-        return await _respond(async_engine, body, prompts, request, "cmpl", CompletionFormat(
+        prompts = body.prompt_list()
+        limits.check_request(body, [p for p in prompts if isinstance(p, str)], len(prompts))
+
+        def make_params(max_tokens: int):
+            return body.sampling_params(max_tokens, body.logprobs)
+
+        make_params(1)  # every field checked before any work
+        requests = await asyncio.to_thread(completion_requests, engine, prompts, make_params,
+                                           body.max_tokens)
+        return await respond(async_engine, body, requests, request, "cmpl", CompletionFormat(
             served_model_name, engine.tokenizer, body.n, body.logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         body.check_unsupported()
+        conversation = body.conversation()
+        limits.check_request(body, [m["content"] for m in conversation], 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        probe = body.sampling_params(1, logprobs)
-        ids = _chat_prompt_ids(engine.tokenizer, body.conversation())
+
+        def make_params(max_tokens: int):
+            return body.sampling_params(max_tokens, logprobs)
+
+        make_params(1)
         requested = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-        # as OpenAI: without max_tokens, as much as the context leaves (and the pool holds)
-        max_tokens = _max_tokens(engine, requested, None, len(ids), probe, "messages")
-        params = body.sampling_params(max_tokens, logprobs)
-        return await _respond(async_engine, body, [PromptRequest(None, params, ids)], request,
-                              "chatcmpl", ChatFormat(served_model_name, engine.tokenizer,
-                                                     body.n, logprobs))
+        prompt = await asyncio.to_thread(chat_request, engine, conversation, make_params,
+                                         requested)
+        return await respond(async_engine, body, [prompt], request, "chatcmpl", ChatFormat(
+            served_model_name, engine.tokenizer, body.n, logprobs))
 
     return app
 
@@ -152,265 +191,8 @@ class _UnexpectedErrorsAsJSON:
             if started:  # too late for a status: the server closes the connection
                 raise
             logger.exception("while handling %s %s", scope.get("method"), scope.get("path"))
-            response = JSONResponse(_server_error(_describe(exc)).body(), status_code=500)
+            response = JSONResponse(server_error(describe(exc)).body(), status_code=500)
             await response(scope, receive, send)
-
-
-# -- one request, start to end -----------------------------------------------------------------
-async def _respond(async_engine: AsyncLLMEngine, body, prompts: list[PromptRequest],
-                   request: Request, prefix: str, fmt):
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
-    request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
-    outputs: asyncio.Queue = asyncio.Queue()
-    try:
-        # NOTE: queued before the response starts, so a bad request is still a plain 400.
-        await async_engine.add_requests(request_ids, prompts, outputs)
-    except ValueError as e:
-        raise APIError(400, str(e), param_of(str(e))) from None
-    except EngineDeadError as e:
-        raise _server_error(str(e)) from None
-    stream = async_engine.stream_outputs(request_ids, outputs)
-
-    def abort_all() -> None:  # harmless for requests that finished
-        for request_id in request_ids:
-            async_engine.abort(request_id)
-
-    index_base = {rid: i * body.n for i, rid in enumerate(request_ids)}
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _sse_events(stream, fmt, response_id, index_base, prompts, include_usage)
-        return StreamingResponse(_abort_on_disconnect(events, request, abort_all),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
-    async def collect() -> dict[str, RequestOutput]:
-        final = {}
-        async for request_id, output in stream:
-            final[request_id] = output
-        return final
-
-    try:
-        final = await _until_disconnect(collect(), request)
-    except EngineDeadError as e:
-        raise _server_error(str(e)) from None
-    finally:
-        abort_all()
-    if final is None:  # the client is gone; nobody reads this answer
-        return JSONResponse({}, status_code=499)
-    results = [final[rid] for rid in request_ids]
-    for output in results:
-        if output.error:
-            raise _server_error(output.error)
-    choices = [fmt.choice(index_base[o.request_id] + c.index, c.text, c.token_ids, c.logprobs,
-                          c.finish_reason)
-               for o in results for c in o.outputs]
-    return {"id": response_id, "object": fmt.object, "created": int(time.time()),
-            "model": fmt.model, "choices": choices, "usage": usage(results)}
-
-
-async def _sse_events(stream, fmt, response_id: str, index_base: dict[str, int],
-                      prompts: list[PromptRequest], include_usage: bool) -> AsyncIterator[str]:
-    created = int(time.time())
-    streamers: dict[int, TextStreamer] = {}
-    final: dict[str, RequestOutput] = {}
-
-    def event(choices, usage_body=None) -> str:
-        chunk = {"id": response_id, "object": fmt.chunk_object, "created": created,
-                 "model": fmt.model, "choices": choices}
-        if include_usage:
-            chunk["usage"] = usage_body
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    try:
-        for index in sorted(index_base.values()):  # the chat format's opening role chunks
-            for i in range(index, index + fmt.n):
-                if (first := fmt.first_delta(i)) is not None:
-                    yield event([first])
-        async for request_id, output in stream:
-            if output.finished:
-                final[request_id] = output
-                if output.error:
-                    raise _server_error(output.error)
-            choices = []
-            for c in output.outputs:
-                index = index_base[request_id] + c.index
-                streamer = streamers.setdefault(
-                    index, TextStreamer(prompts[0].sampling_params.stop_strings))
-                delta, ids, logprobs = streamer.update(c)
-                # (new tokens without new text still carry their logprobs to the client)
-                if delta or (ids and logprobs) or c.finish_reason is not None:
-                    choices.append(fmt.delta(index, delta, ids, logprobs, c.finish_reason))
-            if choices:
-                yield event(choices)
-        if include_usage:
-            yield event([], usage(list(final.values())))
-    except Exception as e:  # the response has started: the error goes in an event
-        error = e if isinstance(e, APIError) else _server_error(
-            str(e) if isinstance(e, EngineDeadError) else _describe(e))
-        yield f"data: {json.dumps(error.body())}\n\n"
-    yield "data: [DONE]\n\n"
-
-
-# -- disconnects -------------------------------------------------------------------------------
-async def _wait_for_disconnect(request: Request) -> None:
-    # The body was read already, so the next ASGI message is the client going away.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(coro, request: Request):
-    """Await ``coro``; return None instead if the client leaves first (``coro`` is cancelled)."""
-    work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()  # its requests are aborted as the cancellation unwinds it
-    if not work.done() or work.cancelled():
-        return None
-    return work.result()
-
-
-async def _abort_on_disconnect(events: AsyncIterator[str], request: Request, abort_all):
-    """Pass events through; stop as soon as the client leaves, and then abort the requests.
-
-    Starlette notices a disconnect only when a write fails or, on some servers, by listening
-    itself; watching here too covers a client that leaves while its request still waits.
-    NOTE: the clean-up calls no ``await``: it may run while the task is being cancelled."""
-    gone = asyncio.ensure_future(_wait_for_disconnect(request))
-    nxt = None
-    try:
-        while True:
-            nxt = asyncio.ensure_future(anext(events))
-            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                return
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        abort_all()
-        gone.cancel()
-        if nxt is not None:
-            nxt.cancel()
-
-
-# -- prompts ---------------------------------------------------------------------------------------
-def _encode(engine, text: str) -> list[int]:
-    try:
-        return engine.encode(text)
-    except ValueError as e:  # e.g. a model directory without a tokenizer
-        raise APIError(400, str(e), "prompt") from None
-
-
-def _max_tokens(engine, requested: int | None, default: int | None, prompt_len: int,
-                params: SamplingParams, prompt_field: str) -> int:
-    """The max_tokens of one prompt: the client's, if the context holds it; else a default.
-
-    Args:
-        requested: the client's max_tokens, or None.
-        default: the endpoint's default (16 for completions), or None for "what the context
-            leaves" (chat, as OpenAI).
-        params: the request's SamplingParams (for best_of; their max_tokens is ignored).
-        prompt_field: "prompt" or "messages", for the error.
-    """
-    context = engine.max_model_len
-    if requested is not None:
-        if requested >= 1 and prompt_len + requested > context:  # (< 1: SamplingParams says so)
-            raise APIError(
-                400, f"This model's maximum context length is {context} tokens. However, you "
-                     f"requested {prompt_len + requested} tokens ({prompt_len} in the "
-                     f"{prompt_field}, {requested} in the completion). Please reduce the length "
-                     f"of the {prompt_field} or completion.", prompt_field,
-                code="context_length_exceeded")
-        return requested
-    limit = context - prompt_len if default is None else min(default, context - prompt_len)
-    if limit < 1:
-        return 1  # the prompt alone fills the context: validate_request says so
-    # NOTE: the default is capped to what the KV pool can hold for best_of sequences of this
-    # prompt. "What the context leaves" may be far more than that: the embedded SmolLM2 on the
-    # CPU leaves 8,162 tokens after a short chat prompt, and n = 3 such sequences need 1,534
-    # blocks where the pool has 1,442 usable; validate_request would then refuse a request
-    # the client never gave a length for. A max_tokens the client gives is never capped.
-    bm = engine.block_manager
-    room = bm.num_total_gpu_blocks - bm.watermark_blocks
-
-    def fits(max_tokens: int) -> bool:
-        return engine.max_blocks_needed(prompt_len, replace(params, max_tokens=max_tokens)) <= room
-
-    if fits(limit):
-        return limit
-    if not fits(1):
-        return 1  # nothing fits: validate_request says why
-    low, high = 1, limit  # fits(low), not fits(high)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
-
-
-def _chat_prompt_ids(tokenizer, conversation: list[dict]) -> list[int]:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                       "messages")
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                             tokenize=False)
-    except Exception as e:  # the template itself refuses (e.g. roles in an order it forbids)
-        raise APIError(400, f"the chat template refused these messages: {e}", "messages")
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _server_error(message: str) -> APIError:
-    return APIError(500, message, type="server_error", code="internal_error")
-
-
-def _describe(exc: BaseException) -> str:
-    return f"internal error while handling the request: {type(exc).__name__}: {exc}"
-
-
-# -- /metrics -----------------------------------------------------------------------------------
-_GAUGES = [
-    ("num_requests_running", "Requests in the running queue."),
-    ("num_requests_waiting", "Requests waiting for their prompt to be scheduled."),
-    ("num_requests_swapped", "Requests whose KV blocks were swapped out to the CPU pool."),
-    ("gpu_blocks_used", "KV cache blocks in use in the GPU pool."),
-    ("gpu_blocks_total", "KV cache blocks in the GPU pool."),
-    ("cpu_blocks_used", "KV cache blocks in use in the CPU swap pool."),
-    ("cpu_blocks_total", "KV cache blocks in the CPU swap pool."),
-]
-_COUNTERS = [
-    ("prompt_tokens", "Prompt tokens computed (again after a preemption by recompute)."),
-    ("generation_tokens", "Tokens generated (sampled), every sequence of best_of and every "
-                          "beam counted."),
-    ("num_steps", "Engine steps run."),
-]
-
-
-def prometheus_text(async_engine: AsyncLLMEngine) -> str:
-    m = async_engine.metrics
-    lines = []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP minipaged_{name} {help_text}", f"# TYPE minipaged_{name} {kind}"])
-        lines.extend(f"minipaged_{name}{labels} {value}" for labels, value in samples)
-
-    for key, help_text in _GAUGES:
-        metric(key, "gauge", help_text, [("", m[key])])
-    for key, help_text in _COUNTERS:
-        metric(f"{key}_total", "counter", help_text, [("", m[key])])
-    metric("preemptions_total", "counter", "Requests preempted to free KV blocks.",
-           [('{mode="recompute"}', m["preemptions_recompute"]),
-            ('{mode="swap"}', m["preemptions_swap"])])
-    metric("requests_finished_total", "counter", "Requests finished, by finish reason.",
-           [(f'{{finish_reason="{k}"}}', v) for k, v in sorted(m["requests_finished"].items())])
-    metric("engine_healthy", "gauge", "1 while the engine loop runs, 0 once it has died.",
-           [("", int(async_engine.error is None and async_engine.is_running))])
-    return "\n".join(lines) + "\n"
 
 
 # -- running it ----------------------------------------------------------------------------------
@@ -448,9 +230,15 @@ class BackgroundServer:
 
 
 def serve(async_engine: AsyncLLMEngine, served_model_name: str, host: str = "127.0.0.1",
-          port: int = 8000, log_level: str = "info") -> None:
-    """Serve until interrupted (what ``minipaged serve`` runs)."""
+          port: int = 8000, log_level: str = "info",
+          options: ServerOptions | None = None) -> None:
+    """Serve until interrupted (what ``minipaged serve`` runs).
+
+    Args:
+        host: the address to listen on; anything but 127.0.0.1 lets other machines in.
+        options: the API key and the limits (the defaults when None).
+    """
     import uvicorn
 
-    uvicorn.run(build_app(async_engine, served_model_name), host=host, port=port,
+    uvicorn.run(build_app(async_engine, served_model_name, options), host=host, port=port,
                 log_level=log_level)

@@ -1,7 +1,8 @@
 """The command line.
 
     minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream] [engine options]
-    minipaged serve [MODEL] [--host 127.0.0.1] [--port 8000] [engine options]
+    minipaged serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [limits]
+                    [engine options]
     minipaged demo
 
 Every LLMEngine option is a flag of both `generate` and `serve` (ENGINE_OPTIONS), for example
@@ -48,6 +49,20 @@ ENGINE_OPTIONS = [
 ]
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "load_format": ["auto", "dummy"]}
 
+# The server's limits on one request, as flags of `serve` (ServerLimits' fields with dashes):
+# (field, help). A flag left out keeps ServerLimits' default.
+LIMIT_OPTIONS = [
+    ("max_body_bytes", "largest request body; a larger one gets 413 before it is read"),
+    ("max_prompt_chars", "most characters of prompt text in one request (default: "
+                         "max_model_len times the tokenizer's longest token)"),
+    ("max_stop_strings", "most stop strings in one request"),
+    ("max_stop_chars", "most characters of one stop string"),
+    ("max_n", "largest n and best_of"),
+    ("max_logprobs", "largest logprobs / top_logprobs"),
+    ("max_waiting_requests", "most requests waiting to run; more get 503 with Retry-After "
+                             "(default: 4 x max_num_seqs)"),
+]
+
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """The ENGINE_OPTIONS flags, in their own group, with LLMEngine's defaults in the help."""
@@ -69,6 +84,37 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(name),
                                help=help_text)
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The flags that make `serve` safe to expose: the API key and LIMIT_OPTIONS."""
+    from minipaged.entrypoints.limits import ServerLimits
+
+    group = parser.add_argument_group("exposing the server (see the README's 'Serving')")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every /v1 route and "
+                            "/metrics (default: $MINIPAGED_API_KEY, else no key)")
+    group.add_argument("--metrics-public", action="store_true",
+                       help="leave /metrics open without the key")
+    for name, help_text in LIMIT_OPTIONS:
+        default = getattr(ServerLimits(), name)
+        if default is not None:
+            help_text += f" (default: {default})"
+        group.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                           help=help_text)
+
+
+def server_options(args):
+    """The ``ServerOptions`` of `serve`'s flags (the key from $MINIPAGED_API_KEY if not given)."""
+    import os
+
+    from minipaged.entrypoints.api_server import ServerOptions
+    from minipaged.entrypoints.limits import ServerLimits
+
+    limits = ServerLimits(**{name: getattr(args, name) for name, _ in LIMIT_OPTIONS
+                             if getattr(args, name) is not None})
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MINIPAGED_API_KEY")
+    return ServerOptions(api_key or None, args.metrics_public, limits)
 
 
 def engine_kwargs(args) -> dict:
@@ -100,11 +146,14 @@ def main(argv: list[str] | None = None) -> int:
                                        "/v1/chat/completions, /metrics)")
     srv.add_argument("model", nargs="?", default=None,
                      help="HF id or local directory (default: embedded SmolLM2-135M-Instruct)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (127.0.0.1: this machine only; 0.0.0.0 lets "
+                          "every network in: give an --api-key)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--served-model-name", default=None,
                      help="the name clients pass as 'model' (default: the model argument)")
     srv.add_argument("--log-level", default="info", help="uvicorn's log level")
+    add_server_options(srv)
     add_engine_options(srv)
     args = parser.parse_args(argv)
 
@@ -145,6 +194,7 @@ def _serve(args) -> int:
     from minipaged.entrypoints.api_server import serve
 
     try:
+        options = server_options(args)  # (first: a bad limit is refused before the model loads)
         engine = LLMEngine(args.model, **engine_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"minipaged: error: {e}", file=sys.stderr)
@@ -152,8 +202,12 @@ def _serve(args) -> int:
     name = args.served_model_name or (EMBEDDED_MODEL if is_embedded(args.model) else args.model)
     print(f"minipaged: serving {name!r} on http://{args.host}:{args.port}/v1 "
           f"({engine.block_manager.num_total_gpu_blocks} KV blocks of {engine.block_size} tokens "
-          f"on {engine.device})", flush=True)
-    serve(AsyncLLMEngine(engine), name, args.host, args.port, args.log_level)
+          f"on {engine.device}; API key {'required' if options.api_key else 'not required'})",
+          flush=True)
+    if options.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"minipaged: warning: listening on {args.host} without --api-key: anyone who can "
+              f"reach this port can use the engine", file=sys.stderr, flush=True)
+    serve(AsyncLLMEngine(engine), name, args.host, args.port, args.log_level, options)
     return 0
 
 

@@ -5,7 +5,10 @@ A request is parsed in two steps, and either can refuse it with an HTTP 400 that
 ``openai`` client turns into ``openai.BadRequestError``:
 
     JSON body --pydantic (types, unknown fields)--> CompletionRequest / ChatCompletionRequest
-              --to_sampling_params (ranges, via SamplingParams' own checks)--> SamplingParams
+              --sampling_params (ranges, via SamplingParams' own checks)--> SamplingParams
+
+The server's own limits (``limits.py``) come between the two; what only the engine knows (the
+context, the KV pool) is checked after, by ``LLMEngine.validate_request``.
 
 Types are strict (``"0.5"`` is not a number, ``true`` is not an integer) so that a client's
 mistake is reported instead of guessed at. Fields vLLM adds to the API (``top_k``,
@@ -25,7 +28,6 @@ from pydantic_core import PydanticCustomError
 from minipaged.sampling_params import SamplingParams
 
 Number = Annotated[float, Strict()]  # a JSON number (integers too), never a string or a bool
-MAX_LOGPROBS = 20
 
 
 def one_of(forms: str) -> WrapValidator:
@@ -44,17 +46,29 @@ def one_of(forms: str) -> WrapValidator:
 
 
 class APIError(Exception):
-    """An error with an HTTP status and OpenAI's error body."""
+    """An error with an HTTP status, OpenAI's error body and, if any, HTTP headers."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (status, message, param,
                                                                         type, code)
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def server_error(message: str) -> APIError:
+    """A 500: the engine died, or something no check foresaw went wrong."""
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+def describe(exc: BaseException) -> str:
+    """The message of a 500 for an exception nothing expected."""
+    return f"internal error while handling the request: {type(exc).__name__}: {exc}"
 
 
 class StreamOptions(BaseModel):
@@ -125,9 +139,6 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "echo is not supported by this server", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
-                           "logprobs")
 
     def prompt_list(self) -> list[str | list[int]]:
         """Each prompt on its own: text, or a list of token ids."""
@@ -166,12 +177,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                                    f"{self.top_logprobs}", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
 
     def conversation(self) -> list[dict]:
         """Messages as the plain dicts a chat template reads (``developer`` acts as system)."""
