@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from minipaged.core.block import LogicalTokenBlock
+from minipaged.block import LogicalTokenBlock
 from minipaged.sampling_params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from minipaged.core.allocator import FreeListAllocator
-from minipaged.core.block import Device, LogicalTokenBlock
+from minipaged.block import Device, LogicalTokenBlock
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus

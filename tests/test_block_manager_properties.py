@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minipaged.core.block import Device
+from minipaged.block import Device
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.lab.no_sharing import NoSharingBlockManager
 from minipaged.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from minipaged.core.block import Device, PhysicalTokenBlock
+from minipaged.block import Device, PhysicalTokenBlock
 
 
 class BlockAllocator(ABC):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from minipaged.core.allocator import BlockAllocator, FreeListAllocator
-from minipaged.core.block import Device, PhysicalTokenBlock
+from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.block_snapshot import snapshot_block_manager
 from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from minipaged.core.allocator import BlockAllocator
-from minipaged.core.block import Device
+from minipaged.block import Device
 
 if TYPE_CHECKING:
     from minipaged.core.block_manager import BlockSpaceManager

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minipaged.core.allocator import FreeListAllocator
-from minipaged.core.block import Device, PhysicalTokenBlock
+from minipaged.block import Device, PhysicalTokenBlock
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

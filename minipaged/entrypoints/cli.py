@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
 
-    from minipaged import LLM, SamplingParams
+    from minipaged.entrypoints.llm import LLM
+    from minipaged.sampling_params import SamplingParams
     from minipaged.worker.checkpoint import is_embedded
 
     try:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import time
 
-from minipaged import LLM, SamplingParams
+from minipaged.entrypoints.llm import LLM
+from minipaged.sampling_params import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minipaged import SamplingParams
+from minipaged.sampling_params import SamplingParams
 from minipaged.lab import kv_memory
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for

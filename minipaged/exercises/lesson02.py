@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged import SamplingParams
+from minipaged.sampling_params import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups

@@ -12,7 +12,7 @@ Expected answers: a real ``BlockSpaceManager`` driven through random forks and a
 """
 from __future__ import annotations
 
-from minipaged import SamplingParams
+from minipaged.sampling_params import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -15,7 +15,7 @@ real ``PrefixCachingAllocator`` filled with random earlier prompts for the secon
 """
 from __future__ import annotations
 
-from minipaged.core.block import Device
+from minipaged.block import Device
 from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator, block_hash
 from minipaged.exercises import checking
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from minipaged import SamplingParams
+from minipaged.sampling_params import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus

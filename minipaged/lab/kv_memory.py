@@ -68,7 +68,7 @@ MODEL_SHAPES = {
 
 def greedy_with_cache(llm, prompt_token_ids: list[int], num_new_tokens: int) -> list[int]:
     """One request: the prompt's K/V are computed once, then one token per step."""
-    from minipaged import SamplingParams
+    from minipaged.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=num_new_tokens, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[prompt_token_ids], sampling_params=params,
@@ -78,7 +78,7 @@ def greedy_with_cache(llm, prompt_token_ids: list[int], num_new_tokens: int) -> 
 
 def greedy_without_cache(llm, prompt_token_ids: list[int], num_new_tokens: int) -> list[int]:
     """Every new token is a fresh request over the whole sequence so far: all K/V recomputed."""
-    from minipaged import SamplingParams
+    from minipaged.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ids = list(prompt_token_ids)

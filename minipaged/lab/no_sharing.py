@@ -11,7 +11,7 @@ every block it shares (real copies through ``blocks_to_copy``). Only the memory 
 """
 from __future__ import annotations
 
-from minipaged.core.block import Device, PhysicalTokenBlock
+from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.sequence import Sequence
 

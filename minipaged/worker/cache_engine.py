@@ -1,6 +1,6 @@
 """The KV cache tensors: the GPU pool the model reads, and the CPU pool used as swap space.
 
-Per layer, in the DESIGN layout (lesson 02 draws it, lesson 05 explains ``x``):
+Per layer, in the layout of docs/ARCHITECTURE.md (lesson 02 draws it, lesson 05 explains ``x``):
 
     key   [num_blocks, num_kv_heads, head_size // x, block_size, x]
     value [num_blocks, num_kv_heads, head_size, block_size]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.worker import checkpoint
-from minipaged.models import get_model_class
+from minipaged.models.registry import get_model_class
 
 
 def resolve_device(device: str) -> torch.device:

@@ -80,7 +80,7 @@ def check_tensor_parallel(hf_config, world_size, device: torch.device) -> None:
 
 def shard_weight_bytes(hf_config, world_size: int, rank: int, dtype=torch.float32) -> int:
     """Bytes of rank ``rank``'s weights, from a shard built on the meta device (no memory)."""
-    from minipaged.models import get_model_class
+    from minipaged.models.registry import get_model_class
 
     with tensor_parallel_state(rank, world_size), torch.device("meta"):
         model = get_model_class(hf_config)(hf_config)
