@@ -66,7 +66,14 @@ def served_in_process(model_dir: str, name: str, options=None, step_delay: float
     from minipaged.engine.llm_engine import LLMEngine
     from minipaged.entrypoints.api_server import BackgroundServer, build_app
 
+    from minipaged.sampling_params import SamplingParams
+
     engine = LLMEngine(model_dir, **engine_kwargs)
+    # NOTE: one step before serving, untimed: the first may build (or wait for another process
+    # building) the C++ CPU attention, which no test of the HTTP layer should time.
+    engine.add_request("warm-up", None, SamplingParams(max_tokens=1), [5, 6])
+    while engine.has_unfinished_requests():
+        engine.step()
     if step_delay:
         engine.add_observer(lambda snapshot: time.sleep(step_delay))
     with BackgroundServer(build_app(AsyncLLMEngine(engine), name, options)) as server:

@@ -39,8 +39,10 @@ def server(tmp_path_factory):
     with running_server_process(str(path), "--num-gpu-blocks", "128", "--max-num-seqs",
                                 str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
                                 name=MODEL, log_path=log) as (url, proc):
-        for stream in (False, True, False):  # warm: first requests allocate for good
-            httpx.post(url + "/v1/completions", timeout=60, json=_body("warm up", stream))
+        # warm, untimed: the first requests allocate for good, and the first step may build
+        # (or wait for another process building) the C++ CPU attention
+        for stream in (False, True, False):
+            httpx.post(url + "/v1/completions", timeout=600, json=_body("warm up", stream))
         yield url, proc.pid, MemorySampler(proc.pid).now()
 
 
