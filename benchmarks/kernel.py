@@ -4,7 +4,7 @@ memory bandwidth of the GPU?
 Decode attention reads every cached key and value once and does little arithmetic on them, so
 its speed limit is memory bandwidth. For each batch size and context length this script times
 
-  v1, v2    our CUDA kernels (minipaged.kernels.cuda), reading K/V through block tables: V1 one
+  v1, v2    our CUDA kernels (minipaged.kernels.cuda_op), reading K/V through block tables: V1 one
             CUDA block per (head, sequence), V2 also split into 512-token partitions; `auto`
             is the one the launcher picks for that batch
   gather    the torch reference idea: gather the blocks into dense tensors, then SDPA
@@ -12,8 +12,8 @@ its speed limit is memory bandwidth. For each batch size and context length this
 
 and reports the achieved bandwidth of the chosen kernel (bytes of K/V it must read / time) as a
 fraction of a device-to-device copy measured on the same GPU (counting bytes read and written).
-Before timing, each kernel's output is checked against minipaged.kernels.ops.paged_attention_ref on the
-first sequences of the batch (the script stops on a mismatch: a fast wrong kernel is no result).
+Before timing, each kernel's output is checked against minipaged.kernels.reference on the first
+sequences of the batch (the script stops on a mismatch: a fast wrong kernel is no result).
 
 Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
 physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up. Every case
@@ -133,7 +133,7 @@ def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
     times["chosen"] = chosen
     times["paged_ms"] = times[f"v{chosen}_ms"]
     if 2 * kv_bytes(batch, context) <= BASELINE_LIMIT:
-        from minipaged.kernels.ops import gather_kv
+        from minipaged.kernels.reference import gather_kv
 
         def gather(i):
             k, v = gather_kv(key_cache, value_cache, tables[i])  # (B, kv_heads, L, D) copies
@@ -147,13 +147,13 @@ def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
 def verify(kernels, query, key_cache, value_cache, tables, context_lens, scale, version,
            num_checked: int = 4) -> None:
     """The kernel's output for the first sequences against the torch reference (fp32)."""
-    from minipaged.kernels.ops import paged_attention_ref
+    from minipaged.kernels import reference
 
     n = min(num_checked, query.shape[0])
     out = kernels.paged_attention(query[:n], key_cache, value_cache, tables[:n],
                                   context_lens[:n], scale, version=version)
-    ref = paged_attention_ref(query[:n], key_cache, value_cache, tables[:n], context_lens[:n],
-                              scale)
+    ref = reference.paged_attention(query[:n], key_cache, value_cache, tables[:n],
+                                    context_lens[:n], scale)
     err = ((out.double() - ref.double()).flatten(1).norm(dim=1)
            / ref.double().flatten(1).norm(dim=1)).max().item()
     if not err < 2e-3:
@@ -201,9 +201,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernel.py: CUDA is required (no GPU visible to torch); nothing to do.")
         return 0
-    from minipaged.kernels import cuda as cuda_ops
+    from minipaged.kernels import build
 
-    kernels = cuda_ops.load()
+    kernels = build.CUDA_OP.load()
     if kernels is None:
         print("benchmarks/kernel.py: the minipaged CUDA kernels did not build (see the warning)")
         return 1

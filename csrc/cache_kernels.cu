@@ -10,7 +10,7 @@
 // These kernels move bits and never do arithmetic on them, so they are templated on the size of
 // an element (2 or 4 bytes), not on its type.
 //
-// Layouts (DESIGN §4):
+// Layouts (the same as in paged_attention.cu and minipaged/kernels/reference.py):
 //   key          [num_tokens, num_kv_heads, head_size]   rows may be strided (a view of qkv)
 //   value        [num_tokens, num_kv_heads, head_size]
 //   key_cache    [num_blocks, num_kv_heads, head_size / X, block_size, X]   X = 16 / element size

@@ -5,7 +5,7 @@
 // blocks scattered over a pool, and the sequence's block table says where. These kernels read
 // them through the block table.
 //
-// Layouts (DESIGN §4; the same in minipaged/kernels/ops.py and minipaged/kernels/emulator.py):
+// Layouts (the same in minipaged/kernels/reference.py and minipaged/kernels/emulator.py):
 //   query        [num_seqs, num_heads, head_size]              (any strides for the first two dims)
 //   key_cache    [num_blocks, num_kv_heads, head_size / X, block_size, X]   X = 16 / sizeof(T)
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]

@@ -1,6 +1,7 @@
 // The one torch-facing file: it checks tensors, finds the current CUDA stream and calls the
 // plain-CUDA launchers of paged_attention.cu and cache_kernels.cu (which know nothing of torch).
-// minipaged/kernels/cuda.py builds this file with torch.utils.cpp_extension and wraps it.
+// minipaged/kernels/build.py builds this file with torch.utils.cpp_extension and
+// minipaged/kernels/cuda_op.py wraps it.
 //
 // The same file binds the CPU build of the kernels (minipaged/kernels/cuda_on_cpu.py, with
 // MINIPAGED_CUDA_ON_CPU defined): there the "device" tensors are CPU tensors, there are no
@@ -384,7 +385,7 @@ void swap_blocks(torch::Tensor src, torch::Tensor dst, torch::Tensor block_pairs
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "minipaged CUDA kernels (see csrc/). Use them through minipaged.kernels.cuda.load().";
+  m.doc() = "minipaged CUDA kernels (see csrc/). Use them through minipaged.kernels.ops (or build.CUDA_OP.load()).";
   m.def("paged_attention", &paged_attention,
         "paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale, "
         "max_context_len, version): single-query attention through block tables, written into "

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.kernels import ops
+from minipaged.kernels import ops, reference
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.lab.no_sharing import NoSharingBlockManager
 from minipaged.worker.cache_engine import CacheEngine
@@ -31,7 +31,7 @@ BLOCK_SIZE = 4
 def _read_kv(cache: CacheEngine, table: list[int], length: int, layer: int = 0):
     """A sequence's keys and values as dense (kv_heads, length, head_size) tensors."""
     key_cache, value_cache = cache.gpu_cache[layer]
-    k, v = ops.gather_kv(key_cache, value_cache, torch.tensor([table], dtype=torch.int32))
+    k, v = reference.gather_kv(key_cache, value_cache, torch.tensor([table], dtype=torch.int32))
     return k[0, :, :length], v[0, :, :length]
 
 
@@ -129,7 +129,7 @@ def _engine_kv(engine: LLMEngine, seq: Sequence, length: int):
     tables = torch.tensor([table], dtype=torch.int32)
     result = []
     for key_cache, value_cache in engine.worker.cache_engine.gpu_cache:
-        k, v = ops.gather_kv(key_cache, value_cache, tables)  # (1, kv_heads, L', D)
+        k, v = reference.gather_kv(key_cache, value_cache, tables)  # (1, kv_heads, L', D)
         result.append((k[0, :, :length], v[0, :, :length]))
     return result
 

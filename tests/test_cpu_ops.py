@@ -5,7 +5,6 @@ slot nobody wrote holds NaN, and so does the block that padding entries of the b
 to: a kernel that reads one token too far, or multiplies a probability 0 by a NaN, fails.
 """
 import copy
-import functools
 import math
 import warnings
 
@@ -13,8 +12,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.kernels import cpu
-from minipaged.kernels import ops
+from minipaged.kernels import build, ops, reference
 from tiny_models import greedy_reference, pick_prompts
 
 pytestmark = pytest.mark.lesson05
@@ -24,7 +22,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.fixture(scope="module")
 def kernels():
-    compiled = cpu.load()
+    compiled = build.CPU_OP.load()
     if compiled is None:
         pytest.skip("the C++ CPU kernels could not be built here (see the warning)")
     return compiled
@@ -54,7 +52,7 @@ def paged_cache(lens, kv_heads, head_size, block_size, dtype, seed=0):
         slots = table[pos // block_size] * block_size + pos % block_size  # (n,)
         k = torch.randn(n, kv_heads, head_size, generator=gen).to(dtype)
         v = torch.randn(n, kv_heads, head_size, generator=gen).to(dtype)
-        ops.reshape_and_cache_ref(k, v, key_cache, value_cache, slots)
+        reference.reshape_and_cache(k, v, key_cache, value_cache, slots)
         tables.append(table.tolist())
     width = max(need)
     block_tables = torch.tensor([t + [nan_block] * (width - len(t)) for t in tables],
@@ -80,7 +78,7 @@ def test_decode_attention_equals_the_reference(kernels, dtype, block_size, head_
     query = torch.randn(len(lens), heads, head_size).to(dtype)
     scale = head_size ** -0.5
     out = kernels.paged_attention(query, key_cache, value_cache, tables, context_lens, scale)
-    ref = ops.paged_attention_ref(query, key_cache, value_cache, tables, context_lens, scale)
+    ref = reference.paged_attention(query, key_cache, value_cache, tables, context_lens, scale)
     assert out.dtype == dtype and out.shape == query.shape
     errors = relative_errors(out, ref, range(len(lens)))
     assert max(errors) < TOLERANCE[dtype], errors
@@ -103,7 +101,7 @@ def test_prefill_attention_after_a_cached_context_equals_the_reference(kernels, 
     scale = head_size ** -0.5
     out = kernels.paged_prefill_attention(query, key_cache, value_cache, tables, loc,
                                           context_lens, scale)
-    ref = ops.paged_prefill_attention_ref(query, key_cache, value_cache, tables, loc,
+    ref = reference.paged_prefill_attention(query, key_cache, value_cache, tables, loc,
                                           context_lens, scale)
     rows = [slice(int(loc[s]), int(loc[s + 1])) for s in range(len(cases))]
     errors = relative_errors(out, ref, rows)
@@ -116,7 +114,7 @@ def test_query_may_be_a_strided_view(kernels):
     qkv = torch.randn(2, 3 * 4 * 64)
     query = qkv[:, :4 * 64].view(2, 4, 64)  # (S, heads, D), row stride 768
     out = kernels.paged_attention(query, key_cache, value_cache, tables, context_lens, 0.125)
-    ref = ops.paged_attention_ref(query.contiguous(), key_cache, value_cache, tables,
+    ref = reference.paged_attention(query.contiguous(), key_cache, value_cache, tables,
                                   context_lens, 0.125)
     assert max(relative_errors(out, ref, range(2))) < 1e-5
 
@@ -131,7 +129,7 @@ def test_reshape_and_cache_writes_the_same_slots_as_the_reference(kernels, dtype
     slots = torch.randperm(num_blocks * block_size)[:20]
     slots[[3, 7]] = -1  # padding tokens: not cached
     caches = []
-    for write in (kernels.reshape_and_cache, ops.reshape_and_cache_ref):
+    for write in (kernels.reshape_and_cache, reference.reshape_and_cache):
         key_cache = torch.zeros(num_blocks, kv_heads, head_size // x, block_size, x, dtype=dtype)
         value_cache = torch.zeros(num_blocks, kv_heads, head_size, block_size, dtype=dtype)
         write(key, value, key_cache, value_cache, slots)
@@ -143,12 +141,17 @@ def test_reshape_and_cache_writes_the_same_slots_as_the_reference(kernels, dtype
 def test_ops_dispatch_to_cpp_and_the_switch_forces_the_reference(kernels, monkeypatch):
     key_cache, value_cache, tables, context_lens = paged_cache([30], 2, 64, 16, torch.float32)
     query = torch.randn(1, 4, 64)
-    before = cpu.calls["paged_attention"]
+    before = ops.calls.copy()
+    assert ops.backend(key_cache) == "cpu"
     ops.paged_attention(query, key_cache, value_cache, tables, context_lens, 0.125)
-    assert cpu.calls["paged_attention"] == before + 1
-    monkeypatch.setenv("MINIPAGED_CPU_KERNELS", "0")
+    assert ops.calls["paged_attention", "cpu"] == before["paged_attention", "cpu"] + 1
+    monkeypatch.setenv("MINIPAGED_CPU_OP", "0")
+    assert ops.backend(key_cache) == "reference"
     ops.paged_attention(query, key_cache, value_cache, tables, context_lens, 0.125)
-    assert cpu.calls["paged_attention"] == before + 1
+    assert ops.calls["paged_attention", "cpu"] == before["paged_attention", "cpu"] + 1
+    assert ops.calls["paged_attention", "reference"] == before["paged_attention", "reference"] + 1
+    monkeypatch.setenv("MINIPAGED_CPU_OP", "1")  # any value but "0" means on
+    assert ops.backend(key_cache) == "cpu"
 
 
 def test_a_failed_build_warns_once_and_the_reference_runs(monkeypatch):
@@ -159,7 +162,9 @@ def test_a_failed_build_warns_once_and_the_reference_runs(monkeypatch):
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     # A fresh, not yet tried build for this test; the real one comes back afterwards.
-    monkeypatch.setattr(cpu, "_build", functools.cache(cpu._build.__wrapped__))
+    real = build.CPU_OP
+    monkeypatch.setattr(build, "CPU_OP", build.JitBuild(real.what, real.duration, real.make,
+                                                        switch=real.switch))
     key_cache, value_cache, tables, context_lens = paged_cache([30], 2, 64, 16, torch.float32)
     query = torch.randn(1, 4, 64)
     with warnings.catch_warnings(record=True) as caught:
@@ -168,7 +173,7 @@ def test_a_failed_build_warns_once_and_the_reference_runs(monkeypatch):
         ops.paged_attention(query, key_cache, value_cache, tables, context_lens, 0.125)
     messages = [str(w.message) for w in caught if "C++ CPU attention" in str(w.message)]
     assert len(messages) == 1 and "no C++ compiler" in messages[0]
-    ref = ops.paged_attention_ref(query, key_cache, value_cache, tables, context_lens, 0.125)
+    ref = reference.paged_attention(query, key_cache, value_cache, tables, context_lens, 0.125)
     assert torch.equal(out, ref)
 
 
@@ -256,7 +261,7 @@ def test_checks_read_only_the_blocks_in_use(kernels):
     tables[0, 1] = 10**6  # past sequence 0's one block
     query = torch.randn(2, 4, 64)
     out = kernels.paged_attention(query, key_cache, value_cache, tables, lens, 0.125)
-    ref = ops.paged_attention_ref(query, key_cache, value_cache, tables.clamp(0, 3), lens, 0.125)
+    ref = reference.paged_attention(query, key_cache, value_cache, tables.clamp(0, 3), lens, 0.125)
     assert max(relative_errors(out, ref, range(2))) < 1e-5
     loc = torch.tensor([0, 0, 1], dtype=torch.int32)  # sequence 0: no new rows
     lens0 = torch.tensor([0, 40], dtype=torch.int32)
@@ -314,7 +319,7 @@ def test_reshape_and_cache_skips_slot_minus_one_only(kernels):
     assert torch.equal(value_cache[1, 0, :, 15], value[1, 0])
     assert int(value_cache.count_nonzero()) == 64
     with pytest.raises(ValueError, match="slot_mapping holds -2"):  # the reference agrees
-        ops.reshape_and_cache_ref(key, value, key_cache, value_cache, torch.tensor([-2, 31]))
+        reference.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([-2, 31]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,10 +349,10 @@ def prompts_and_refs(tiny_llama, tiny_gpt2):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_engine_matches_transformers_with_the_cpp_op_in_use(kernels, prompts_and_refs, kind):
     path, _, prompts, refs = prompts_and_refs[kind]
-    before = dict(cpu.calls)
+    before = ops.calls.copy()
     assert greedy(path, prompts) == refs
-    assert cpu.calls["paged_attention"] > before.get("paged_attention", 0)
-    assert cpu.calls["reshape_and_cache"] > before.get("reshape_and_cache", 0)
+    assert ops.calls["paged_attention", "cpu"] > before["paged_attention", "cpu"]
+    assert ops.calls["reshape_and_cache", "cpu"] > before["reshape_and_cache", "cpu"]
 
 
 def agreement(tokens, refs):
@@ -368,9 +373,9 @@ def test_bfloat16_engine_follows_float32_as_closely_as_transformers_in_bfloat16(
     agreement with float32 is printed (``pytest -s``).
     """
     path, hf, prompts, refs = prompts_and_refs[kind]
-    before = cpu.calls["paged_attention"]
+    before = ops.calls["paged_attention", "cpu"]
     ours, ours_first = agreement(greedy(path, prompts, dtype="bfloat16"), refs)
-    assert cpu.calls["paged_attention"] > before
+    assert ops.calls["paged_attention", "cpu"] > before
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     theirs, theirs_first = agreement(
         [greedy_reference(hf16, p, n) for p, n in zip(prompts, MAX_NEW)], refs)

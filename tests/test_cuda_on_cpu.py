@@ -1,8 +1,8 @@
-"""Lesson 05: the real CUDA kernels of csrc/, run on the CPU lane by lane, against minipaged.kernels.ops.
+"""Lesson 05: the real CUDA kernels of csrc/, run on the CPU lane by lane, against the reference.
 
-``minipaged.kernels.cuda_on_cpu.load()`` compiles the unmodified .cu files with the host compiler; every
-CUDA thread is a host thread, __syncthreads a real barrier, shuffles a real exchange among 32
-lanes, shared memory sized as on an H100 (or an A100: ``set_device(1)``).
+``minipaged.kernels.cuda_on_cpu.load()`` compiles the unmodified .cu files with the host
+compiler; every CUDA thread is a host thread, __syncthreads a real barrier, shuffles a real
+exchange among 32 lanes, shared memory sized as on an H100 (or an A100: ``set_device(1)``).
 
 Attention is compared per sequence (error relative to that sequence's output norm, N(0,1)
 inputs), with NaN in every cache slot a sequence must not read (the tail of its last block,
@@ -22,8 +22,7 @@ import os
 import pytest
 import torch
 
-from minipaged.kernels import cuda_on_cpu
-from minipaged.kernels.ops import paged_attention_ref, reshape_and_cache_ref
+from minipaged.kernels import cuda_on_cpu, ops, reference
 
 pytestmark = pytest.mark.lesson05
 
@@ -114,7 +113,7 @@ def per_sequence_error(out, ref):
 def check(kernels, head_size, block_size, dtype, num_heads, num_kv_heads, lens, version, seed=0):
     clean, poisoned = make_inputs(head_size, block_size, dtype, num_heads, num_kv_heads, lens,
                                   seed)
-    ref = paged_attention_ref(*clean)
+    ref = reference.paged_attention(*clean)
     out = torch.full(clean[0].shape, float("nan"), dtype=dtype)  # every element must be written
     kernels.paged_attention(*poisoned, out=out, version=version)
     assert not out.isnan().any(), "NaN reached the output (unused slot, padding, or unwritten)"
@@ -219,7 +218,7 @@ def test_value_cache_with_its_own_strides(kernels):
     big[:, 1:2] = value_cache
     value_view = big[:, 1:2]
     assert value_view.stride(0) != key_cache.stride(0)
-    ref = paged_attention_ref(query, key_cache, value_cache, tables, lens, scale)
+    ref = reference.paged_attention(query, key_cache, value_cache, tables, lens, scale)
     for version in VERSIONS:
         out = kernels.paged_attention(query, key_cache, value_view, tables, lens, scale,
                                       version=version)
@@ -286,7 +285,7 @@ def test_without_host_checks_empty_contexts_give_zeros_and_broken_promises_nan(k
     lens, max_len, too_long = ([40, 0, 30, 7], 32, 0) if version == 1 else ([40, 0, 600, 7],
                                                                               512, 2)
     clean, poisoned = make_inputs(64, 16, torch.float32, 4, 2, lens, seed=11)
-    ref = paged_attention_ref(*clean)
+    ref = reference.paged_attention(*clean)
     query, key_cache, value_cache, tables, lens_t, scale = poisoned
     lens_t = lens_t.clone()
     lens_t[3] = -5  # negative: NaN too
@@ -303,11 +302,29 @@ def test_without_host_checks_empty_contexts_give_zeros_and_broken_promises_nan(k
     assert per_sequence_error(out[fine], ref[fine]) < 1e-5
 
 
-def test_unsupported_head_size_falls_back_to_the_reference(kernels):
+def test_the_kernel_refuses_a_head_size_it_was_not_built_for(kernels):
     clean, _ = make_inputs(32, 16, torch.float32, 2, 2, [20])
-    with pytest.warns(RuntimeWarning, match="torch reference"):
-        out = kernels.paged_attention(*clean)
-    assert per_sequence_error(out, paged_attention_ref(*clean)) < 1e-6
+    with pytest.raises(ValueError, match=r"built for head sizes \(64, .*not head size 32"):
+        kernels.paged_attention(*clean)
+
+
+def test_ops_sends_the_kernel_its_shapes_and_the_reference_the_others(kernels, monkeypatch):
+    """The dispatch of ``ops.paged_attention`` as on a GPU, with this CPU build as the CUDA op:
+    head size 64 runs the kernel; head size 32 (no template instance) warns once and runs the
+    torch reference."""
+    monkeypatch.setattr(ops, "_pick", lambda tensor: ("cuda", kernels))
+    monkeypatch.setattr(ops, "_warned_shapes", set())
+    supported, _ = make_inputs(64, 16, torch.float32, 2, 2, [20])
+    before = ops.calls.copy()
+    out = ops.paged_attention(*supported)
+    assert ops.calls["paged_attention", "cuda"] == before["paged_attention", "cuda"] + 1
+    assert per_sequence_error(out, reference.paged_attention(*supported)) < 1e-5
+    unsupported, _ = make_inputs(32, 16, torch.float32, 2, 2, [20])
+    with pytest.warns(RuntimeWarning, match="head size 32, block size 16.*torch reference"):
+        out = ops.paged_attention(*unsupported)
+    assert ops.calls["paged_attention", "cuda"] == before["paged_attention", "cuda"] + 1
+    assert ops.calls["paged_attention", "reference"] == before["paged_attention", "reference"] + 1
+    assert torch.equal(out, reference.paged_attention(*unsupported))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,7 +349,7 @@ def test_reshape_and_cache_is_exact(kernels, dtype, head_size, block_size):
     value_cache = torch.randn(num_blocks, num_kv_heads, head_size, block_size,
                               generator=gen).to(dtype)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    reshape_and_cache_ref(key, value, expected_k, expected_v, slots)
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache.view(torch.uint8), expected_k.view(torch.uint8))
     assert torch.equal(value_cache.view(torch.uint8), expected_v.view(torch.uint8))
@@ -418,7 +435,7 @@ def test_recorded_shuffles_of_one_warp_match_the_emulator(kernels):
     emu.paged_attention(*inputs, trace=trace, trace_filter=(1, 0))
     out, steps = cuda_on_cpu.trace_shuffles(kernels, lambda: kernels.paged_attention(*inputs),
                                             block=(0, 1, 0), warp=0)
-    assert torch.allclose(out, paged_attention_ref(*inputs), rtol=1e-4, atol=1e-5)
+    assert torch.allclose(out, reference.paged_attention(*inputs), rtol=1e-4, atol=1e-5)
     assert steps and all(len(s["src_lanes"]) == 32 for s in steps)
     for phase, index in (("max", 0), ("sum", 1)):
         real = cuda_on_cpu.butterfly_runs(steps, phase, first_mask=16)[index]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minipaged.kernels import emulator as emu
-from minipaged.kernels.ops import paged_attention_ref
+from minipaged.kernels import reference
 
 pytestmark = pytest.mark.lesson05
 
@@ -57,21 +57,21 @@ def test_emulator_matches_reference(head_size, block_size, x, num_heads, num_kv_
     args = make_inputs(head_size, block_size, x, num_heads, num_kv_heads, lens,
                        seed=head_size + block_size + x)
     out = emu.paged_attention(*args)
-    ref = paged_attention_ref(*args)
+    ref = reference.paged_attention(*args)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < 1e-5
 
 
 def test_emulator_long_context():
     args = make_inputs(128, 16, 8, 8, 2, [1000, 517], seed=7)
-    assert rel_err(emu.paged_attention(*args), paged_attention_ref(*args)) < 1e-5
+    assert rel_err(emu.paged_attention(*args), reference.paged_attention(*args)) < 1e-5
 
 
 def test_emulator_keeps_input_kind_and_dtype():
     args = make_inputs(64, 16, 8, 4, 2, [5, 40], dtype=torch.float16)
     out = emu.paged_attention(*args)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float16
-    assert rel_err(out, paged_attention_ref(*args)) < 2e-3  # both rounded to fp16 at the end
+    assert rel_err(out, reference.paged_attention(*args)) < 2e-3  # both rounded to fp16 at the end
 
     as_numpy = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
     out_np = emu.paged_attention(*as_numpy)
@@ -85,7 +85,7 @@ def test_garbage_past_the_context_is_never_read():
     lens = [3, 17, 40]
     args = make_inputs(64, block_size, 4, 4, 2, lens, seed=3)
     query, key_cache, value_cache, block_tables, context_lens, scale = args
-    ref = paged_attention_ref(*args)  # computed on the clean caches
+    ref = reference.paged_attention(*args)  # computed on the clean caches
 
     used = set()
     for seq, n in enumerate(lens):
@@ -108,7 +108,7 @@ def test_garbage_past_the_context_is_never_read():
 def test_number_of_warps_does_not_change_the_result(num_threads):
     args = make_inputs(96, 8, 4, 6, 2, [1, 77, 300], seed=11)
     assert rel_err(emu.paged_attention(*args, num_threads=num_threads),
-                   paged_attention_ref(*args)) < 1e-5
+                   reference.paged_attention(*args)) < 1e-5
 
 
 def test_unsupported_block_size_is_rejected():
@@ -190,7 +190,7 @@ def _wrong_partner(mask):
 def test_broken_butterfly_is_detected(fault):
     # fp32 layout, block size 16: G = 2 lanes per token, V_VECS_PER_ROW = 4 lanes per row
     args = make_inputs(128, 16, 4, 4, 2, [300, 250], seed=2)
-    ref = paged_attention_ref(*args)
+    ref = reference.paged_attention(*args)
     assert rel_err(emu.paged_attention(*args), ref) < 1e-5
     assert rel_err(emu.paged_attention(*args, **fault), ref) > 0.1
 
@@ -199,7 +199,7 @@ def test_broken_max_butterfly_is_harmless():
     """Softmax is unchanged by subtracting any constant: the max only prevents overflow."""
     args = make_inputs(128, 16, 4, 4, 2, [300, 250], seed=2)
     out = emu.paged_attention(*args, _masks={"max": (16,)})
-    assert rel_err(out, paged_attention_ref(*args)) < 1e-5
+    assert rel_err(out, reference.paged_attention(*args)) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // Paged attention on the CPU, reading keys and values through the block table in place.
 //
-// The CPU cousin of csrc/paged_attention.cu (lesson 05). Same cache layout (DESIGN §4):
+// The CPU cousin of csrc/paged_attention.cu (lesson 05). Same cache layout:
 //   key_cache    [num_blocks, num_kv_heads, head_size / X, block_size, X]   X = 16 / sizeof(T)
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
 // and the same four phases, with a CPU thread where the GPU has a CUDA block:

@@ -1,1 +1,2 @@
-"""Attention back-ends: the torch reference, the C++ CPU op, the CUDA kernels, the CUDA-on-CPU build, the NumPy emulator."""
+"""The attention back-ends of lesson 05: ``ops`` (dispatch), ``reference`` (plain torch),
+``build`` (compiling), ``cpu_op``, ``cuda_op``, ``cuda_on_cpu`` and the NumPy ``emulator``."""

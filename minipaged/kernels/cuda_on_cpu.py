@@ -2,22 +2,22 @@
 
 ``load()`` compiles ``csrc/paged_attention.cu``, ``csrc/cache_kernels.cu`` and
 ``csrc/torch_bindings.cpp`` with the host C++ compiler (``torch.utils.cpp_extension``, cached on
-disk) against ``csrc/cuda_on_cpu/cuda_on_cpu.h``, a small CUDA runtime in which every CUDA thread is a
-host thread: ``__syncthreads`` is a real barrier of the block, ``__shfl_xor_sync`` a real exchange
-among the 32 lanes of a warp, shared memory is sized as on an sm_90 GPU, fp16/bf16 round as on
-the GPU. It returns a ``CudaKernels`` object (see ``minipaged.kernels.cuda``) whose methods take CPU
-tensors::
+disk) against ``csrc/cuda_on_cpu/cuda_on_cpu.h``, a small CUDA runtime in which every CUDA
+thread is a host thread: ``__syncthreads`` is a real barrier of the block, ``__shfl_xor_sync`` a
+real exchange among the 32 lanes of a warp, shared memory is sized as on an sm_90 GPU, fp16/bf16
+round as on the GPU. It returns a ``CudaKernels`` object (see ``minipaged.kernels.cuda_op``)
+whose methods take CPU tensors::
 
     kernels = cuda_on_cpu.load()
     out = kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                   scale)
 
 This is for tests, sanitizers and the lesson, not for speed: a decode step of a small model takes
-seconds. Unlike ``cuda_ops.load()`` it raises when the build fails (there is nothing to fall
-back to when the point is to run these kernels). Here every tensor is on the host, so the binding
-also checks the contents of ``context_lens``, ``block_tables`` and ``slot_mapping``;
-``kernels.module.set_host_checks(False)`` skips those checks, as a GPU build must, to show what
-the kernels themselves do with such input.
+seconds. The build is a ``minipaged.kernels.build.JitBuild`` like the CPU and CUDA ops, but it
+raises when it fails (there is nothing to fall back to when the point is to run these kernels).
+Here every tensor is on the host, so the binding also checks the contents of ``context_lens``,
+``block_tables`` and ``slot_mapping``; ``kernels.module.set_host_checks(False)`` skips those
+checks, as a GPU build must, to show what the kernels themselves do with such input.
 
 Two bits of CUDA syntax that the preprocessor cannot handle are rewritten on a temporary copy of
 each ``.cu`` file, line for line, so that compiler messages and sanitizer reports name the real
@@ -31,10 +31,11 @@ import hashlib
 import os
 import re
 import subprocess
-import threading
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+from minipaged.kernels.build import CSRC, JitBuild, build_dir, cache_root, compile_extension
+from minipaged.kernels.cuda_op import CudaKernels
+
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
 CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu")
 RUNTIME_SOURCES = ("cuda_on_cpu.cpp",)
@@ -43,9 +44,6 @@ FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-pthread
 _LAUNCH = re.compile(r"<<<(.*?)>>>", re.S)
 _EXTERN_SHARED = re.compile(
     r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([A-Za-z_][\w:]*)\s+(\w+)\s*\[\s*\]\s*;")
-
-_lock = threading.Lock()
-_loaded = None
 
 
 def rewrite_cuda_source(text: str, path: str, drop_barrier: str | None = None) -> str:
@@ -91,41 +89,30 @@ def write_rewritten_sources(out_dir: Path, drop_barrier: str | None = None) -> l
     return written
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("MINIPAGED_EXT_DIR",
-                               Path.home() / ".cache" / "minipaged" / "torch_ext"))
-
-
-def load():
-    """The CUDA kernels built for the CPU, as a ``minipaged.kernels.cuda.CudaKernels`` (cached)."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = _build()
-    return _loaded
-
-
-def _build():
-    import torch
-    from torch.utils import cpp_extension
-
-    from minipaged.kernels import cuda as cuda_ops
-
-    cuda_ops._make_ninja_findable(cpp_extension)
-    build_dir = _cache_root() / f"cuda_on_cpu-torch{torch.__version__}"
-    sources = write_rewritten_sources(build_dir / "src")
+def _make(job: JitBuild) -> CudaKernels:
+    sources = write_rewritten_sources(build_dir(TAG) / "src")
     os.environ.setdefault("MAX_JOBS", "2")
-    module = cpp_extension.load(
-        name="minipaged_cuda_on_cpu",
-        sources=[str(CSRC / "torch_bindings.cpp"), *map(str, sources),
-                 *(str(RUNTIME_DIR / s) for s in RUNTIME_SOURCES)],
+    module = compile_extension(
+        job, name="minipaged_cuda_on_cpu", tag=TAG,
+        sources=[CSRC / "torch_bindings.cpp", *sources,
+                 *(RUNTIME_DIR / s for s in RUNTIME_SOURCES)],
+        depends=[CSRC / "kernels.h", RUNTIME_DIR / "cuda_on_cpu.h",
+                 *sorted(p for p in (RUNTIME_DIR / "include").rglob("*") if p.is_file())],
         extra_include_paths=[str(RUNTIME_DIR / "include"), str(CSRC)],
         extra_cflags=["-O2", "-DMINIPAGED_CUDA_ON_CPU", *FLAGS[1:]],
-        extra_ldflags=["-pthread"],
-        build_directory=str(build_dir),
-        verbose=os.environ.get("MINIPAGED_VERBOSE_BUILD", "") not in ("", "0"),
-    )
-    return cuda_ops.CudaKernels(module)
+        extra_ldflags=["-pthread"])
+    return CudaKernels(module)
+
+
+TAG = "cuda_on_cpu"  # the build's folder under the cache root
+# NOTE: strict: a failed build raises, since there is nothing to fall back to when the point is
+# to run these very kernels; and no switch turns it off.
+BUILD = JitBuild("the CUDA kernels for the CPU", "a few minutes", _make, strict=True)
+
+
+def load() -> CudaKernels:
+    """The CUDA kernels built for the CPU (once per process, cached on disk)."""
+    return BUILD.load()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +197,7 @@ def build_sanitizer_program(sanitizer: str, drop_barrier: str | None = None,
     flags = [*FLAGS, "-O1", "-g", "-DMINIPAGED_FEW_INSTANCES", *SANITIZERS[sanitizer],
              f"-I{RUNTIME_DIR / 'include'}", f"-I{CSRC}"]
     headers = b"".join(p.read_bytes() for p in [RUNTIME_DIR / "cuda_on_cpu.h", CSRC / "kernels.h"])
-    root = _cache_root() / "sanitize" / sanitizer
+    root = cache_root() / "sanitize" / sanitizer
     rewritten = write_rewritten_sources(root / f"src-{_digest(drop_barrier or '')}", drop_barrier)
     sources = [*rewritten, *(RUNTIME_DIR / s for s in RUNTIME_SOURCES), RUNTIME_DIR / "sanitize_main.cpp"]
     objects, jobs = [], []

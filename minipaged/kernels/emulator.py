@@ -174,9 +174,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
                     num_threads=128, trace=None, trace_filter=None, _masks=None, _partner=None):
     """Single-query paged attention, computed the way the CUDA kernel computes it.
 
-    Same arguments and result as ``minipaged.kernels.ops.paged_attention_ref``: torch tensors or NumPy
-    arrays in, the same kind, dtype and shape (num_seqs, num_heads, head_size) out. The math runs
-    in float32 whatever the input dtype. ``x`` is read from ``key_cache.shape[4]``, so float32
+    Same arguments and result as ``minipaged.kernels.reference.paged_attention``: torch tensors or
+    NumPy arrays in, the same kind, dtype and shape (num_seqs, num_heads, head_size) out. The
+    math runs in float32 whatever the input dtype. ``x`` is read from ``key_cache.shape[4]``, so float32
     data laid out with x = 8 runs the fp16/bf16 variant of the kernel.
     """
     q = _as_float32(query)  # (S, H, D)

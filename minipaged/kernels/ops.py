@@ -1,24 +1,38 @@
-"""The attention and cache operations, in plain torch (lessons 02, 05 and 06).
+"""The attention and cache operations the model and the cache engine call (lessons 02, 05, 06).
 
-These functions are the *reference*: they are written to be obviously right, and the CUDA kernels
-in ``csrc/``, the C++ CPU kernels in ``csrc/cpu/attention.cpp`` and the NumPy emulator in
-``kernel_emulator.py`` are checked against them. On a CUDA tensor each public function hands the
-work to our compiled kernels when they are available (``minipaged.kernels.cuda``); on a CPU tensor the
-attention and cache writes go to the compiled C++ code (``minipaged.kernels.cpu``) unless
-``MINIPAGED_CPU_KERNELS=0`` is set or it could not be built; everywhere else the torch code below
-runs.
+Each function here decides, in this one place, which back-end runs it:
 
-The KV cache layout (one layout everywhere, see DESIGN §4):
+- CUDA tensors: our CUDA kernels (``minipaged.kernels.cuda_op``), unless ``MINIPAGED_CUDA_OP=0``
+  is set, the build failed, or the kernel was not built for the shape;
+- CPU tensors: the C++ CPU op (``minipaged.kernels.cpu_op``) for the operations it has, unless
+  ``MINIPAGED_CPU_OP=0`` is set or the build failed;
+- everywhere else: the plain torch reference (``minipaged.kernels.reference``).
 
-    key_cache   [num_blocks, num_kv_heads, head_size // x, block_size, x]   x = 16 // element_size
-    value_cache [num_blocks, num_kv_heads, head_size, block_size]
+Both switches follow one convention: "0" turns the op off, anything else (or unset) leaves it on.
+The compiled ops are built on first use (``minipaged.kernels.build``). ``calls`` counts which
+back-end ran each operation, so tests, lessons and benchmarks can check that a compiled op, not
+the reference, did the work::
 
-A token's *slot* is ``physical_block_number * block_size + offset_in_block``.
+    ops.calls["paged_attention", "cuda"]      # also "cpu", "reference" (and "xformers")
+
+The KV cache layout is the reference's (``minipaged.kernels.reference``): keys
+``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` with ``x = key_vector_size(dtype)``,
+values ``[num_blocks, num_kv_heads, head_size, block_size]``.
 """
 from __future__ import annotations
 
+import collections
+import warnings
+
 import torch
-import torch.nn.functional as F
+
+from minipaged.kernels import build, reference
+from minipaged.kernels.cuda_op import (SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES,
+                                       xformers_prefill)
+
+calls: collections.Counter = collections.Counter()  # (operation, back-end) -> number of calls
+
+CPU_OP_MAX_CHUNK = 32  # new tokens per sequence (on average) below which the C++ op runs
 
 
 def key_vector_size(dtype: torch.dtype) -> int:
@@ -26,270 +40,176 @@ def key_vector_size(dtype: torch.dtype) -> int:
     return 16 // torch.tensor([], dtype=dtype).element_size()
 
 
-def _cuda():
-    """Our compiled kernels, or None (CPU tensors, no compiler, or the build failed)."""
-    from minipaged.kernels import cuda as cuda_ops  # imported lazily: CPU users never touch it
+def backend(tensor: torch.Tensor) -> str:
+    """Which back-end runs the attention for ``tensor``: "cuda", "cpu" or "reference".
 
-    return cuda_ops.load()
-
-
-def _use_cuda(t: torch.Tensor) -> bool:
-    return t.is_cuda and _cuda() is not None
+    Args:
+        tensor: a KV cache (or any tensor) on the device the operation runs on.
+    """
+    return _pick(tensor)[0]
 
 
-def _cpu():
-    """Our compiled C++ CPU kernels, or None (``MINIPAGED_CPU_KERNELS=0``, or no compiler)."""
-    from minipaged.kernels import cpu
+def _pick(tensor: torch.Tensor):
+    """(back-end name, compiled op or None) for ``tensor``'s device; waits for a build.
 
-    return cpu.load()
-
-
-def _use_cpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and _cpu() is not None
+    The op is a ``CudaKernels`` for a CUDA tensor, a ``CpuKernels`` for a CPU tensor, or None
+    where that op is switched off, cannot be built, or the device has none.
+    """
+    if tensor.is_cuda:
+        op = build.CUDA_OP.load()
+    elif tensor.device.type == "cpu":
+        op = build.CPU_OP.load()
+    else:
+        op = None
+    if op is None:
+        return "reference", None
+    return ("cuda" if tensor.is_cuda else "cpu"), op
 
 
 # ----------------------------------------------------------------------------------------------
-# Writing new keys and values into their slots
+# The operations
 # ----------------------------------------------------------------------------------------------
-def reshape_and_cache(
-    key: torch.Tensor,  # (T, num_kv_heads, head_size)
-    value: torch.Tensor,  # (T, num_kv_heads, head_size)
-    key_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
-    slot_mapping: torch.Tensor,  # (T,) int, -1 = padding token, not cached
-) -> None:
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Write each token's key and value into the cache slot ``slot_mapping[token]``.
 
-    A slot is in ``[0, num_blocks * block_size)``, or -1 for a token that is not cached (vLLM's
-    padding slot; the engine never passes it). The C++ CPU op and the CUDA build on the CPU
-    refuse any other value with an error naming it; the CUDA kernel on a GPU, which cannot look
-    at device data without a synchronisation, skips every negative slot.
+    Args:
+        key, value: (T, num_kv_heads, head_size).
+        key_cache, value_cache: one layer's caches.
+        slot_mapping: (T,) int; -1 is a token that is not cached. The C++ CPU op, the reference
+            and the CUDA build on the CPU refuse a slot below -1 or past the pool with an error
+            naming it; the CUDA kernel on a GPU, which cannot look at device data without a
+            synchronisation, skips every negative slot.
     """
-    if _use_cuda(key_cache):
-        return _cuda().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    if _use_cpu(key_cache):
-        return _cpu().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    return reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+    name, op = _pick(key_cache)
+    calls["reshape_and_cache", name] += 1
+    run = reference.reshape_and_cache if op is None else op.reshape_and_cache
+    return run(key, value, key_cache, value_cache, slot_mapping)
 
 
-def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
-    num_tokens, num_kv_heads, head_size = key.shape
-    block_size, x = key_cache.shape[3], key_cache.shape[4]
-    if slot_mapping.numel() and int(slot_mapping.min()) < -1:
-        raise ValueError(f"slot_mapping holds {int(slot_mapping.min())}: a slot is >= 0, or -1 "
-                         "for a token that is not cached")
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()  # (T',)
-    block_idx = slots // block_size  # (T',)
-    offset = slots % block_size  # (T',)
-    # Advanced indices on dims 0 and 3 put the token dim first: (T', kv_heads, head_size//x, x)
-    key_cache[block_idx, :, :, offset, :] = key[keep].reshape(-1, num_kv_heads, head_size // x, x)
-    # (T', kv_heads, head_size)
-    value_cache[block_idx, :, :, offset] = value[keep]
-
-
-# ----------------------------------------------------------------------------------------------
-# Decode: one query token per sequence, keys and values read through the block table
-# ----------------------------------------------------------------------------------------------
-def paged_attention(
-    query: torch.Tensor,  # (num_seqs, num_heads, head_size)
-    key_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
-    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int
-    context_lens: torch.Tensor,  # (num_seqs,) int
-    scale: float,
-    max_context_len: int | None = None,
-) -> torch.Tensor:  # (num_seqs, num_heads, head_size)
+def paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
+                    max_context_len: int | None = None) -> torch.Tensor:
     """Single-query attention of each sequence's newest token over its cached context.
 
-    Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+    Args:
+        query: (num_seqs, num_heads, head_size); query head ``h`` reads kv head
+            ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+        key_cache, value_cache: one layer's caches.
+        block_tables: (num_seqs, max_num_blocks_per_seq) int.
+        context_lens: (num_seqs,) int.
+        scale: the logits' factor, usually ``head_size ** -0.5``.
+        max_context_len: the longest context, if the caller knows it (saves the CUDA path a
+            synchronisation).
     """
-    if _use_cuda(key_cache):
-        if max_context_len is None:
-            max_context_len = int(context_lens.max().item()) if context_lens.numel() else 0
-        return _cuda().paged_attention(
-            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
-        )
-    if _use_cpu(key_cache):
-        return _cpu().paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                      scale)
-    return paged_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale)
+    name, op = _pick(key_cache)
+    if name == "cuda" and not op.supports_paged_attention(query, key_cache):
+        # NOTE: a model whose head size the kernel was not built for still runs, on the
+        # (slower) torch reference, instead of failing in the middle of generation.
+        _warn_unsupported_once(query, key_cache)
+        name = "reference"
+    calls["paged_attention", name] += 1
+    if name == "cuda":
+        return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                  scale, max_context_len)
+    if name == "cpu":
+        return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                     scale)
 
 
-def gather_kv(key_cache, value_cache, block_tables):
-    """Read every sequence's cached keys and values into padded dense tensors.
+def prefill_attention(query, key, value, prompt_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention inside each prompt of a packed batch (``reference.prefill_attention``).
 
-    Returns keys and values of shape (num_seqs, num_kv_heads, max_blocks * block_size, head_size);
-    positions past a sequence's context length hold whatever the padding blocks contain.
-    """
-    num_seqs, max_blocks = block_tables.shape
-    _, num_kv_heads, _, block_size, _ = key_cache.shape
-    head_size = value_cache.shape[2]
-    tables = block_tables.long()
-    k = key_cache[tables]  # (S, B, kv_heads, head_size//x, block_size, x)
-    k = k.permute(0, 2, 1, 4, 3, 5)  # (S, kv_heads, B, block_size, head_size//x, x)
-    k = k.reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
-    v = value_cache[tables]  # (S, B, kv_heads, head_size, block_size)
-    v = v.permute(0, 2, 1, 4, 3)  # (S, kv_heads, B, block_size, head_size)
-    v = v.reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
-    return k, v
-
-
-def paged_attention_ref(query, key_cache, value_cache, block_tables, context_lens, scale):
-    num_seqs, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[1]
-    group = num_heads // num_kv_heads  # query heads per kv head
-    if num_seqs == 0:
-        return torch.empty_like(query)
-    k, v = gather_kv(key_cache, value_cache, block_tables)  # (S, kv_heads, L, head_size) each
-    length = k.shape[2]
-    q = query.reshape(num_seqs, num_kv_heads, group, head_size).float()  # (S, kv_heads, G, D)
-    logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # (S, kv_heads, G, L)
-    positions = torch.arange(length, device=query.device)  # (L,)
-    beyond = positions[None, :] >= context_lens.to(query.device).long()[:, None]  # (S, L)
-    logits = logits.masked_fill(beyond[:, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # fp32 softmax
-    # Slots past the context hold whatever was there before; zero them so that even NaN garbage
-    # cannot leak through (probability 0 times NaN is NaN).
-    # (gather_kv returned a fresh copy, so it is ours to overwrite in place.)
-    v = v.float().masked_fill_(beyond[:, None, :, None], 0.0)  # (S, kv_heads, L, D)
-    out = torch.matmul(probs, v)  # (S, kv_heads, G, D)
-    return out.reshape(num_seqs, num_heads, head_size).to(query.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Prefill: several prompts packed one after another, each attending causally to itself only
-# ----------------------------------------------------------------------------------------------
-def prefill_attention(
-    query: torch.Tensor,  # (T, num_heads, head_size), the prompts packed one after another
-    key: torch.Tensor,  # (T, num_kv_heads, head_size)
-    value: torch.Tensor,  # (T, num_kv_heads, head_size)
-    prompt_lens: list[int],
-    scale: float,
-) -> torch.Tensor:  # (T, num_heads, head_size)
-    """Causal attention inside each prompt of a packed batch (torch SDPA, one call per prompt).
+    Args:
+        query: (T, num_heads, head_size), the prompts packed one after another.
+        key, value: (T, num_kv_heads, head_size).
+        prompt_lens: the prompts' lengths, summing to T.
+        scale: the logits' factor.
 
     On CUDA with xformers installed, its block-diagonal causal attention does all prompts in one
     call; the result is the same.
     """
     if query.is_cuda and len(prompt_lens) > 1:
-        from minipaged.kernels import cuda as cuda_ops
-
-        out = cuda_ops.xformers_prefill(query, key, value, prompt_lens, scale)
+        out = xformers_prefill(query, key, value, prompt_lens, scale)
         if out is not None:
+            calls["prefill_attention", "xformers"] += 1
             return out
-    num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    start = 0
-    for length in prompt_lens:
-        end = start + length
-        q = query[start:end].transpose(0, 1)  # (heads, len, D)
-        k = key[start:end].transpose(0, 1)  # (kv_heads, len, D)
-        v = value[start:end].transpose(0, 1)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)  # (heads, len, D)
-            v = v.repeat_interleave(group, dim=0)
-        # NOTE: a batch dimension of 1 (4-D inputs) lets torch pick its fused flash kernel on
-        # the CPU; 3-D inputs fall back to the math path, 5x slower at 1.5k tokens.
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                           scale=scale)[0]  # (heads, len, D)
-        out[start:end] = o.transpose(0, 1)
-        start = end
-    return out
+    calls["prefill_attention", "reference"] += 1
+    return reference.prefill_attention(query, key, value, prompt_lens, scale)
 
 
-# ----------------------------------------------------------------------------------------------
-# Prefill over a cached context: new tokens attend to earlier tokens already in the paged cache
-# ----------------------------------------------------------------------------------------------
-def paged_prefill_attention(
-    query: torch.Tensor,  # (T, num_heads, head_size), each sequence's new tokens packed
-    key_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size // x, block_size, x)
-    value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
-    block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int
-    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int: sequence s owns rows [loc[s], loc[s+1])
-    context_lens: torch.Tensor,  # (num_seqs,) int: tokens in the cache incl. the new ones
-    scale: float,
-) -> torch.Tensor:  # (T, num_heads, head_size)
-    """Causal attention of each sequence's newest ``q_len`` tokens over its whole cached context.
+def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                            context_lens, scale) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
 
-    The new tokens are positions ``context_len - q_len ... context_len - 1``; their keys and
-    values are already in the cache (``reshape_and_cache`` ran first). Token at position ``p``
-    attends to positions ``0..p``. This one operation serves a prompt after a cached prefix, a
-    chunk of a long prompt, and the recompute of a sequence that shares its prompt's blocks; a
-    decode is the case ``q_len == 1``.
+    Args:
+        query: (T, num_heads, head_size), each sequence's new tokens packed.
+        key_cache, value_cache: one layer's caches (the new tokens already written).
+        block_tables: (num_seqs, max_num_blocks_per_seq) int.
+        query_start_loc: (num_seqs + 1,) int: sequence s owns rows [loc[s], loc[s+1]).
+        context_lens: (num_seqs,) int: tokens in the cache incl. the new ones.
+        scale: the logits' factor.
+
+    See ``reference.paged_prefill_attention`` for what it computes.
     """
     # NOTE: on the CPU the C++ op reads the context in place, which wins for a few new tokens
     # per sequence; for long chunks, one dense copy of the context plus torch's fused CPU
     # attention (about 8x the C++ op's FLOP rate at 256 x 1792 tokens) wins.
-    if _use_cpu(key_cache) and query.shape[0] < CPU_OP_MAX_CHUNK * max(len(context_lens), 1):
-        return _cpu().paged_prefill_attention(query, key_cache, value_cache, block_tables,
-                                              query_start_loc, context_lens, scale)
-    return paged_prefill_attention_ref(query, key_cache, value_cache, block_tables,
-                                       query_start_loc, context_lens, scale)
+    short = query.shape[0] < CPU_OP_MAX_CHUNK * max(len(context_lens), 1)
+    name, op = _pick(key_cache)
+    if name != "cpu" or not short:
+        name, op = "reference", None
+    calls["paged_prefill_attention", name] += 1
+    run = reference.paged_prefill_attention if op is None else op.paged_prefill_attention
+    return run(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
 
 
-CPU_OP_MAX_CHUNK = 32  # new tokens per sequence (on average) below which the C++ op runs
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                block_mapping: dict[int, list[int]]) -> None:
+    """Copy-on-write: copy block ``src`` to every ``dst`` in ``block_mapping[src]``, every layer.
 
-
-def paged_prefill_attention_ref(query, key_cache, value_cache, block_tables, query_start_loc,
-                                context_lens, scale):
-    num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
-    locs = query_start_loc.tolist()
-    for s, context_len in enumerate(context_lens.tolist()):
-        start, end = locs[s], locs[s + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        num_blocks = -(-context_len // block_size)
-        table = block_tables[s, :num_blocks].long()
-        k, v = gather_kv(key_cache, value_cache, table[None])  # (1, kv_heads, L', D) each
-        k = k[0, :, :context_len].float()  # (kv_heads, L, D)
-        v = v[0, :, :context_len].float()
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)  # (heads, L, D)
-            v = v.repeat_interleave(group, dim=0)
-        q = query[start:end].transpose(0, 1).float()  # (heads, q_len, D)
-        q_pos = torch.arange(context_len - q_len, context_len, device=query.device)  # (q_len,)
-        k_pos = torch.arange(context_len, device=query.device)  # (L,)
-        allowed = k_pos[None, :] <= q_pos[:, None]  # (q_len, L)
-        # 4-D (a batch of 1): torch's fused attention takes it, also on the CPU.
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed,
-                                           scale=scale)[0]
-        out[start:end] = o.transpose(0, 1).to(query.dtype)  # (q_len, heads, D)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Moving whole blocks: copy-on-write and swapping
-# ----------------------------------------------------------------------------------------------
-def copy_blocks(
-    key_caches: list[torch.Tensor],
-    value_caches: list[torch.Tensor],
-    block_mapping: dict[int, list[int]],
-) -> None:
-    """Copy-on-write: copy block ``src`` to every ``dst`` in ``block_mapping[src]``, every layer."""
+    Args:
+        key_caches, value_caches: every layer's caches.
+        block_mapping: source block -> the blocks that receive its copy.
+    """
     if not block_mapping:
         return
-    if _use_cuda(key_caches[0]):
-        return _cuda().copy_blocks(key_caches, value_caches, block_mapping)
-    src = [s for s, dsts in block_mapping.items() for _ in dsts]
-    dst = [d for dsts in block_mapping.values() for d in dsts]
-    src_t = torch.tensor(src, dtype=torch.long, device=key_caches[0].device)
-    dst_t = torch.tensor(dst, dtype=torch.long, device=key_caches[0].device)
-    for key_cache, value_cache in zip(key_caches, value_caches):
-        key_cache[dst_t] = key_cache[src_t]
-        value_cache[dst_t] = value_cache[src_t]
+    name, op = _pick(key_caches[0])
+    if name != "cuda":  # the C++ CPU op has no block copy: torch indexing does it
+        name, op = "reference", None
+    calls["copy_blocks", name] += 1
+    run = reference.copy_blocks if op is None else op.copy_blocks
+    return run(key_caches, value_caches, block_mapping)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: dict[int, int]) -> None:
-    """Copy blocks between two caches of one layer (GPU <-> CPU): ``dst[d] = src[s]``."""
+    """Copy blocks between two caches of one layer (GPU <-> CPU): ``dst[d] = src[s]``.
+
+    Args:
+        src, dst: one layer's key (or value) caches, on the GPU and on the CPU (either way).
+        block_mapping: source block -> destination block.
+    """
     if not block_mapping:
         return
-    if (src.is_cuda or dst.is_cuda) and _cuda() is not None:
-        return _cuda().swap_blocks(src, dst, block_mapping)
-    for s, d in block_mapping.items():
-        dst[d].copy_(src[s], non_blocking=src.is_cuda or dst.is_cuda)
+    name, op = _pick(src if src.is_cuda else dst)
+    if name != "cuda":  # CPU <-> CPU (tests, lessons): a plain copy
+        name, op = "reference", None
+    calls["swap_blocks", name] += 1
+    run = reference.swap_blocks if op is None else op.swap_blocks
+    return run(src, dst, block_mapping)
+
+
+_warned_shapes: set = set()
+
+
+def _warn_unsupported_once(query, key_cache) -> None:
+    shape = (query.shape[-1], key_cache.shape[3], query.dtype)
+    if shape in _warned_shapes:
+        return
+    _warned_shapes.add(shape)
+    warnings.warn(
+        f"minipaged: the CUDA paged-attention kernel is built for head sizes "
+        f"{SUPPORTED_HEAD_SIZES}, block sizes {SUPPORTED_BLOCK_SIZES} and fp32/fp16/bf16; head "
+        f"size {shape[0]}, block size {shape[1]}, {shape[2]} use the torch reference",
+        RuntimeWarning,
+        stacklevel=3,
+    )

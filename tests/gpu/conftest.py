@@ -29,12 +29,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def kernels():
-    """The compiled kernels (minipaged.kernels.cuda.load()); the test fails if they did not build."""
-    from minipaged.kernels import cuda as cuda_ops
+    """The compiled kernels (minipaged.kernels.build.CUDA_OP); fails if they did not build."""
+    from minipaged.kernels import build
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = cuda_ops.load()
+        loaded = build.CUDA_OP.load()
     if loaded is None:
         messages = "\n".join(str(w.message) for w in caught) or "(see the first warning)"
         pytest.fail(f"CUDA is available but the minipaged kernels did not load:\n{messages}")

@@ -1,4 +1,4 @@
-"""Lesson 05 on a GPU: our CUDA kernels against the torch reference of minipaged.kernels.ops.
+"""Lesson 05 on a GPU: our CUDA kernels against the torch reference, minipaged.kernels.reference.
 
 Attention is compared by relative error (N(0,1) inputs, the reference computed in fp32 on the
 CPU from the very same low-precision inputs); the output is filled with NaN before each run so an
@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from minipaged.kernels import ops  # noqa: E402
+from minipaged.kernels import ops, reference  # noqa: E402
 
 pytestmark = pytest.mark.lesson05
 
@@ -51,10 +51,10 @@ def make_inputs(head_size, block_size, dtype, num_heads, num_kv_heads, context_l
     }
 
 
-def reference(inputs):
-    """paged_attention_ref on the CPU (no TF32, no GPU library differences)."""
+def expected(inputs):
+    """The torch reference on the CPU (no TF32, no GPU library differences)."""
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    return ops.paged_attention_ref(**cpu)
+    return reference.paged_attention(**cpu)
 
 
 def run_kernel(kernels, inputs, max_context_len=None, version=0):
@@ -93,7 +93,7 @@ def test_paged_attention_matches_reference(kernels, dtype, head_size, block_size
     inputs = make_inputs(head_size, block_size, dtype, num_heads, num_kv_heads, lens,
                          seed=head_size * block_size)
     out = run_kernel(kernels, inputs, version=version)
-    ref = reference(inputs)
+    ref = expected(inputs)
     assert not torch.isnan(out).any(), "some output elements were never written"
     assert per_sequence_err(out, ref) < TOLERANCE[dtype]
 
@@ -104,7 +104,7 @@ def test_long_context_uses_more_than_48k_of_shared_memory(kernels, dtype, versio
     # 16384 fp32 logits = 64 KiB of dynamic shared memory: V1 must opt in; V2 needs none.
     inputs = make_inputs(128, 16, dtype, 8, 2, [16384, 3000], seed=1)
     out = run_kernel(kernels, inputs, version=version)
-    assert per_sequence_err(out, reference(inputs)) < TOLERANCE[dtype]
+    assert per_sequence_err(out, expected(inputs)) < TOLERANCE[dtype]
 
 
 def test_v1_just_over_48k_of_static_plus_dynamic_shared_memory(kernels):
@@ -113,7 +113,7 @@ def test_v1_just_over_48k_of_static_plus_dynamic_shared_memory(kernels):
     static_bytes, _ = kernels.v1_limits(128, 16, torch.float32)
     n = (48 * 1024 - static_bytes) // 4 // 16 * 16 + 16
     inputs = make_inputs(128, 16, torch.float32, 2, 1, [n], seed=8)
-    assert per_sequence_err(run_kernel(kernels, inputs, version=1), reference(inputs)) < 1e-5
+    assert per_sequence_err(run_kernel(kernels, inputs, version=1), expected(inputs)) < 1e-5
 
 
 def test_v2_takes_over_by_context_length(kernels):
@@ -125,7 +125,10 @@ def test_v2_takes_over_by_context_length(kernels):
 
 def test_ops_dispatches_to_the_kernel(kernels):
     inputs = make_inputs(64, 16, torch.float16, 4, 2, [7, 90], seed=2)
+    before = ops.calls.copy()
+    assert ops.backend(inputs["key_cache"]) == "cuda"
     via_ops = ops.paged_attention(**inputs)
+    assert ops.calls["paged_attention", "cuda"] == before["paged_attention", "cuda"] + 1
     direct = kernels.paged_attention(**inputs, max_context_len=90)
     assert torch.equal(via_ops, direct)
 
@@ -137,7 +140,7 @@ def test_strided_query_view(kernels):
     qkv[:, : 4 * 128] = inputs["query"].reshape(2, -1)
     inputs["query"] = qkv[:, : 4 * 128].view(2, 4, 128)
     assert not inputs["query"].is_contiguous()
-    assert rel_err(run_kernel(kernels, inputs), reference(inputs)) < 2e-3
+    assert rel_err(run_kernel(kernels, inputs), expected(inputs)) < 2e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -145,7 +148,7 @@ def test_garbage_past_the_context_is_never_read(kernels, dtype):
     """NaN in the tail of each last block and in unused blocks must not reach the output."""
     block_size, lens = 16, [3, 17, 40, 200]
     inputs = make_inputs(128, block_size, dtype, 8, 2, lens, seed=4)
-    ref = reference(inputs)  # on the clean caches
+    ref = expected(inputs)  # on the clean caches
     used = set()
     for seq, n in enumerate(lens):
         blocks = inputs["block_tables"][seq, : math.ceil(n / block_size)].tolist()
@@ -167,14 +170,14 @@ def test_v1_past_its_shared_memory_raises_and_v2_runs(kernels):
     with pytest.raises(RuntimeError, match=f"V1 takes at most {longest} tokens"):
         kernels.paged_attention(**inputs, version=1)
     out = run_kernel(kernels, inputs)  # V2 chosen
-    assert per_sequence_err(out, reference(inputs)) < TOLERANCE[torch.float16]
+    assert per_sequence_err(out, expected(inputs)) < TOLERANCE[torch.float16]
 
 
 def test_context_longer_than_max_context_len_gives_nan_not_corruption(kernels):
     inputs = make_inputs(64, 16, torch.float32, 2, 2, [100, 10], seed=6)
     out = run_kernel(kernels, inputs, max_context_len=10, version=1)
     assert torch.isnan(out[0]).all()  # the sequence that does not fit is marked, loudly
-    assert rel_err(out[1], reference(inputs)[1]) < 1e-5  # the one that fits is right
+    assert rel_err(out[1], expected(inputs)[1]) < 1e-5  # the one that fits is right
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -185,7 +188,7 @@ def test_empty_context_gives_zeros_on_the_gpu_and_is_refused_in_host_lengths(ker
     inputs = make_inputs(64, 16, torch.float32, 4, 2, lens, seed=9)
     out = run_kernel(kernels, inputs, version=version)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
-    assert per_sequence_err(out[[0, 2]], reference(inputs)[[0, 2]]) < 1e-5
+    assert per_sequence_err(out[[0, 2]], expected(inputs)[[0, 2]]) < 1e-5
     inputs["context_lens"] = inputs["context_lens"].cpu()
     with pytest.raises(ValueError, match=r"context_lens\[1\] = 0"):
         kernels.paged_attention(**inputs, version=version)
@@ -193,9 +196,14 @@ def test_empty_context_gives_zeros_on_the_gpu_and_is_refused_in_host_lengths(ker
 
 def test_unsupported_head_size_falls_back_to_the_reference(kernels):
     inputs = make_inputs(32, 16, torch.float32, 2, 2, [20], seed=7)  # no kernel for head size 32
+    with pytest.raises(ValueError, match="not head size 32"):
+        kernels.paged_attention(**inputs)
+    before = ops.calls.copy()
     with pytest.warns(RuntimeWarning, match="torch reference"):
-        out = kernels.paged_attention(**inputs)
-    assert rel_err(out.cpu(), reference(inputs)) < 1e-5
+        out = ops.paged_attention(**inputs)
+    assert ops.calls["paged_attention", "reference"] == before["paged_attention", "reference"] + 1
+    assert ops.calls["paged_attention", "cuda"] == before["paged_attention", "cuda"]
+    assert rel_err(out.cpu(), expected(inputs)) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,7 +230,7 @@ def test_reshape_and_cache_is_exact(kernels, dtype, head_size, block_size):
     value_cache = torch.randn(num_blocks, num_kv_heads, head_size, block_size,
                               generator=gen).to(dtype).to(DEVICE)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    ops.reshape_and_cache_ref(key, value, expected_k, expected_v, slot_mapping)
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slot_mapping)
 
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     torch.cuda.synchronize()

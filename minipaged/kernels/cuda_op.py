@@ -1,8 +1,8 @@
-"""Our CUDA kernels, compiled just in time (lesson 05).
+"""The Python side of our CUDA kernels, ``csrc/*.cu`` + ``csrc/torch_bindings.cpp`` (lesson 05).
 
-``load()`` builds ``csrc/*.cu`` and ``csrc/torch_bindings.cpp`` with
-``torch.utils.cpp_extension.load`` the first time it is called on a machine with a CUDA GPU, and
-returns an object with the four cache/attention operations:
+``minipaged.kernels.build.CUDA_OP.load()`` compiles them (once, on a machine with a CUDA GPU
+and a CUDA build of torch) and returns a ``CudaKernels``; ``minipaged.kernels.cuda_on_cpu``
+builds the same files for the CPU and wraps them in the same class. Its operations::
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
@@ -10,101 +10,16 @@ returns an object with the four cache/attention operations:
     copy_blocks(key_caches, value_caches, block_mapping: dict[int, list[int]])
     swap_blocks(src, dst, block_mapping: dict[int, int])
 
-It returns None (and ``minipaged.kernels.ops`` falls back to its plain torch code) when there is no GPU,
-torch is a CPU build, ``MINIPAGED_NO_CUDA_KERNELS=1`` is set, or the build fails; a failed build
-is reported once with ``warnings.warn``. The result is cached for the life of the process; the
-compiled library is cached on disk under ``~/.cache/minipaged/torch_ext`` (or
-``$MINIPAGED_EXT_DIR``), keyed by torch version and GPU architecture, and rebuilt when a source
-file changes.
-
-``xformers_prefill`` is the optional fast path for prompt (prefill) attention.
+The paged-attention kernel is instantiated for the head sizes, block sizes and dtypes below
+(``supports_paged_attention``); ``minipaged.kernels.ops`` sends other shapes to the torch
+reference. ``xformers_prefill`` is the optional fast path for prompt (prefill) attention.
 
 Importing this module is cheap and never fails: torch is imported only inside the functions.
 """
 from __future__ import annotations
 
-import os
-import threading
-import warnings
-from pathlib import Path
-
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("torch_bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
-
-_lock = threading.Lock()
-_loaded = False
-_kernels = None  # a CudaKernels, or None when the kernels are not available
-
-
-def load():
-    """The compiled kernels as a ``CudaKernels`` object, or None where they cannot be used."""
-    global _loaded, _kernels
-    if _loaded:
-        return _kernels
-    with _lock:
-        if not _loaded:
-            _kernels = _build()
-            _loaded = True
-    return _kernels
-
-
-def _build():
-    if os.environ.get("MINIPAGED_NO_CUDA_KERNELS", "") not in ("", "0"):
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    if torch.version.cuda is None or not torch.cuda.is_available():
-        return None  # a CPU (or ROCm) build of torch, or no GPU: the torch reference runs
-    try:
-        from torch.utils import cpp_extension
-
-        _make_ninja_findable(cpp_extension)
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"{major}{minor}"
-        cache_root = Path(
-            os.environ.get("MINIPAGED_EXT_DIR", Path.home() / ".cache" / "minipaged" / "torch_ext")
-        )
-        build_dir = cache_root / f"torch{torch.__version__}-cuda{torch.version.cuda}-sm{arch}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # NOTE: an explicit -gencode for this GPU only: a quick build, and torch adds no arch
-        # flags of its own when it sees one among ours. No -std flag: torch picks the C++
-        # standard its own headers need (the .cu files are plain C++17 and build with either).
-        cuda_flags = ["-O2", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-        module = cpp_extension.load(
-            name=f"minipaged_cuda_sm{arch}",
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=["-O2"],
-            extra_cuda_cflags=cuda_flags,
-            build_directory=str(build_dir),
-            verbose=os.environ.get("MINIPAGED_VERBOSE_BUILD", "") not in ("", "0"),
-        )
-    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch reference"
-        warnings.warn(
-            "minipaged: building the CUDA kernels failed, so the plain torch reference runs "
-            f"instead (slower).\n{type(exc).__name__}: {exc}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return CudaKernels(module)
-
-
-def _make_ninja_findable(cpp_extension) -> None:
-    """torch's JIT builds need ninja; the pip package 'ninja' ships one outside PATH."""
-    if cpp_extension.is_ninja_available():
-        return
-    try:
-        import ninja  # type: ignore[import-not-found]
-    except ImportError:
-        return  # cpp_extension.load raises a clear error of its own
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)  # the template instances in paged_attention.cu
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-_warned_shapes: set = set()
 
 
 class CudaKernels:
@@ -143,13 +58,12 @@ class CudaKernels:
                 raise ValueError(f"context_lens[{seq}] = {shortest}: every sequence's context "
                                  "holds at least its query's own token (>= 1)")
 
-        head_size, block_size = query.shape[-1], key_cache.shape[3]
-        if (head_size not in SUPPORTED_HEAD_SIZES or block_size not in SUPPORTED_BLOCK_SIZES
-                or query.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
-            # NOTE: a model whose head size the kernel was not built for still runs, on the
-            # (slower) torch reference, instead of failing in the middle of generation.
-            return self._reference(query, key_cache, value_cache, block_tables, context_lens,
-                                   scale, out)
+        if not self.supports_paged_attention(query, key_cache):
+            raise ValueError(
+                f"the paged-attention kernel is built for head sizes {SUPPORTED_HEAD_SIZES}, "
+                f"block sizes {SUPPORTED_BLOCK_SIZES} and fp32/fp16/bf16, not head size "
+                f"{query.shape[-1]}, block size {key_cache.shape[3]}, {query.dtype} "
+                "(minipaged.kernels.ops runs the torch reference for those)")
         block_tables = block_tables.to(device=query.device, dtype=torch.int32).contiguous()
         context_lens = context_lens.to(device=query.device, dtype=torch.int32).contiguous()
         if max_context_len is None:
@@ -164,6 +78,20 @@ class CudaKernels:
         )
         return out
 
+    @staticmethod
+    def supports_paged_attention(query, key_cache) -> bool:
+        """Whether the kernel was instantiated for this head size, block size and dtype.
+
+        Args:
+            query: (num_seqs, num_heads, head_size).
+            key_cache: (num_blocks, num_kv_heads, head_size // x, block_size, x).
+        """
+        import torch
+
+        return (query.shape[-1] in SUPPORTED_HEAD_SIZES
+                and key_cache.shape[3] in SUPPORTED_BLOCK_SIZES
+                and query.dtype in (torch.float32, torch.float16, torch.bfloat16))
+
     def paged_attention_plan(self, num_seqs, num_heads, head_size, max_context_len, version=0):
         """The kernel version (1 or 2) that runs for such a batch, and its workspace bytes."""
         chosen, workspace = self.module.paged_attention_plan(num_seqs, num_heads, head_size,
@@ -177,27 +105,6 @@ class CudaKernels:
         code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
         static_bytes, longest = self.module.paged_attention_v1_limits(head_size, block_size, code)
         return static_bytes, longest
-
-    @staticmethod
-    def _reference(query, key_cache, value_cache, block_tables, context_lens, scale, out):
-        from minipaged.kernels.ops import paged_attention_ref
-
-        key = (query.shape[-1], key_cache.shape[3], query.dtype)
-        if key not in _warned_shapes:
-            _warned_shapes.add(key)
-            warnings.warn(
-                f"minipaged: the CUDA paged-attention kernel is built for head sizes "
-                f"{SUPPORTED_HEAD_SIZES}, block sizes {SUPPORTED_BLOCK_SIZES} and fp32/fp16/bf16; "
-                f"head size {key[0]}, block size {key[1]}, {key[2]} use the torch reference",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        result = paged_attention_ref(query, key_cache, value_cache, block_tables, context_lens,
-                                     scale)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         pairs = [(src, dst) for src, dsts in block_mapping.items() for dst in dsts]

@@ -1,0 +1,272 @@
+"""Compiling the C++ and CUDA ops just in time: one helper for every build (lesson 05).
+
+Three builds use it: the C++ CPU op (``csrc/cpu/attention.cpp``, ``CPU_OP`` below), the CUDA
+kernels (``csrc/*.cu`` + ``csrc/torch_bindings.cpp``, ``CUDA_OP`` below) and the same ``.cu``
+files compiled for the CPU (``minipaged.kernels.cuda_on_cpu``). Each is a ``JitBuild``:
+
+- built at most once per process, under a lock, so two threads never build at once; a failed
+  build is tried once too (the CPU and CUDA ops then warn once and ``load()`` returns None, so
+  that ``minipaged.kernels.ops`` runs the torch reference);
+- compiled by ``torch.utils.cpp_extension`` into ``~/.cache/minipaged/torch_ext``
+  (``$MINIPAGED_EXT_DIR``), one folder per build named by what it depends on (the CPU's vector
+  instructions, the GPU's architecture) and the torch version, rebuilt when a source changes;
+- announced on stderr when a compile actually runs ("minipaged: building the C++ CPU attention
+  op (first use only, ~30 s)..."), silent when the cached library is loaded;
+- startable in the background: ``start_background_build(device)`` compiles the op of a device
+  in a daemon thread while the model's weights load, and ``load()`` then waits for that build
+  instead of starting a second one.
+
+The switches, one convention for both: ``MINIPAGED_CPU_OP=0`` turns the C++ CPU op off,
+``MINIPAGED_CUDA_OP=0`` the CUDA kernels; unset (or any other value) means on.
+
+``python -c "from minipaged.kernels import build; build.prebuild()"`` builds the CPU op now (the
+set-up step of the Makefile does this so that the first request does not wait for it).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from minipaged.kernels.cpu_op import CpuKernels
+from minipaged.kernels.cuda_op import CudaKernels
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+def cache_root() -> Path:
+    """The folder every build caches its compiled library in (one sub-folder per build)."""
+    return Path(os.environ.get("MINIPAGED_EXT_DIR",
+                               Path.home() / ".cache" / "minipaged" / "torch_ext"))
+
+
+def build_dir(tag: str) -> Path:
+    """The folder of one build: ``tag`` names what its code depends on besides torch."""
+    import torch
+
+    return cache_root() / f"{tag}-torch{torch.__version__}"
+
+
+def switched_on(switch: str) -> bool:
+    """False when the environment variable ``switch`` is "0" (the op is turned off)."""
+    return os.environ.get(switch, "1") != "0"
+
+
+def make_ninja_findable() -> None:
+    """torch's JIT builds need ninja; the pip package 'ninja' ships one outside PATH."""
+    from torch.utils import cpp_extension
+
+    if cpp_extension.is_ninja_available():
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return  # cpp_extension.load raises a clear error of its own
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+class JitBuild:
+    """One compiled op, built on first use (or in the background) and kept for the process.
+
+    Args:
+        what: what is built, for messages ("the C++ CPU attention op").
+        duration: how long a first build takes, for the progress line ("~30 s").
+        make: ``make(job)`` compiles (``compile_extension``) and returns the op's wrapper, or
+            None where it cannot run here (no GPU); it raises when the build fails.
+        switch: the environment variable that turns the op off with "0", or None.
+        strict: raise a failed build's error from ``load()`` instead of warning and returning
+            None (for the CUDA-on-CPU build: there is nothing to fall back to).
+    """
+
+    def __init__(self, what: str, duration: str, make: Callable[[JitBuild], object],
+                 switch: str | None = None, strict: bool = False):
+        self.what, self.duration, self.make = what, duration, make
+        self.switch, self.strict = switch, strict
+        self._lock = threading.Lock()  # held for the whole build: a second caller waits
+        self._done = False
+        self._result = None
+        self._error: Exception | None = None
+        self._thread: threading.Thread | None = None
+
+    def enabled(self) -> bool:
+        """Whether the switch leaves this op on (checked at every call, so tests can flip it)."""
+        return self.switch is None or switched_on(self.switch)
+
+    def built(self) -> bool:
+        """Whether the build has been tried (successfully or not) in this process."""
+        return self._done
+
+    def load(self):
+        """The op's wrapper, built now or by the background build (waited for); None when the
+        op is switched off, cannot run here, or (not strict) its build failed."""
+        if not self.enabled():
+            return None
+        if not self._done:
+            with self._lock:
+                if not self._done:
+                    self._try_build()
+                    self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def start_in_background(self) -> None:
+        """Start ``load()`` in a daemon thread unless the op is off, built or being built."""
+        with _start_lock:
+            if not self.enabled() or self._done or self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._load_quietly, daemon=True,
+                                            name=f"minipaged build: {self.what}")
+            self._thread.start()
+        # NOTE: a process that ends while the compiler runs would leave torch's build lock file
+        # behind, and the next process would wait on it; so the exit waits for the build.
+        atexit.register(self._thread.join)
+
+    def _load_quietly(self) -> None:
+        try:
+            self.load()
+        except Exception:  # noqa: BLE001 - a strict build's error is raised again by load()
+            pass
+
+    def _try_build(self) -> None:
+        try:
+            self._result = self.make(self)
+        except Exception as exc:  # noqa: BLE001 - any build failure means "no compiled op"
+            if self.strict:
+                self._error = exc
+                return
+            hint = f" Set {self.switch}=0 to skip the build." if self.switch else ""
+            warnings.warn(
+                f"minipaged: building {self.what} failed, so the plain torch reference runs "
+                f"instead (slower).{hint}\n{type(exc).__name__}: {exc}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+
+_start_lock = threading.Lock()
+
+
+def compile_extension(job: JitBuild, name: str, tag: str, sources: list[Path],
+                      depends: list[Path] = (), **load_kwargs):
+    """``torch.utils.cpp_extension.load`` into ``build_dir(tag)``, announcing a compile.
+
+    Args:
+        job: the build, for the progress line.
+        name: the extension's module name (also its library's file name).
+        tag: what the compiled code depends on besides torch ("cpu-AVX2", "cuda12.4-sm90").
+        sources: the files compiled.
+        depends: headers they include (a newer header means a compile runs: announced).
+        load_kwargs: passed on (extra_cflags, extra_cuda_cflags, extra_include_paths, ...).
+    """
+    from torch.utils import cpp_extension
+
+    make_ninja_findable()
+    folder = build_dir(tag)
+    folder.mkdir(parents=True, exist_ok=True)
+    announce = _needs_compile(folder / f"{name}.so", [*sources, *depends])
+    if announce:
+        print(f"minipaged: building {job.what} (first use only, {job.duration})...",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    module = cpp_extension.load(
+        name=name, sources=[str(s) for s in sources], build_directory=str(folder),
+        verbose=os.environ.get("MINIPAGED_VERBOSE_BUILD", "") not in ("", "0"), **load_kwargs)
+    if announce:
+        print(f"minipaged: {job.what} built in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+    return module
+
+
+def _needs_compile(library: Path, inputs: list[Path]) -> bool:
+    """Whether ninja will compile: no library yet, or an input newer than it."""
+    if not library.exists():
+        return True
+    built = library.stat().st_mtime
+    return any(Path(p).stat().st_mtime > built for p in inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two ops the engine uses
+# ----------------------------------------------------------------------------------------------
+# Compiler flags per vector instruction set torch reports for this CPU.
+_ARCH_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def cpu_capability() -> str:
+    """The vector instructions torch found on this CPU: 'AVX512', 'AVX2', 'DEFAULT', ..."""
+    import torch
+
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - very old torch
+        return "DEFAULT"
+
+
+def _make_cpu_op(job: JitBuild) -> CpuKernels:
+    capability = cpu_capability()
+    # NOTE: -fopenmp makes at::parallel_for (a header template) run on torch's thread pool;
+    # without it the loops would run on one thread.
+    module = compile_extension(
+        job, name=f"minipaged_cpu_{capability.lower()}", tag=f"cpu-{capability}",
+        sources=[CSRC / "cpu" / "attention.cpp"],
+        extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
+        extra_ldflags=["-fopenmp"])
+    return CpuKernels(module)
+
+
+def _make_cuda_op(job: JitBuild) -> CudaKernels | None:
+    import torch
+
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return None  # a CPU (or ROCm) build of torch, or no GPU: the torch reference runs
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    # NOTE: an explicit -gencode for this GPU only: a quick build, and torch adds no arch flags
+    # of its own when it sees one among ours. No -std flag: torch picks the C++ standard its
+    # own headers need (the .cu files are plain C++17 and build with either).
+    module = compile_extension(
+        job, name=f"minipaged_cuda_sm{arch}", tag=f"cuda{torch.version.cuda}-sm{arch}",
+        sources=[CSRC / s for s in ("torch_bindings.cpp", "paged_attention.cu",
+                                    "cache_kernels.cu")],
+        depends=[CSRC / "kernels.h"],
+        extra_cflags=["-O2"],
+        extra_cuda_cflags=["-O2", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
+    return CudaKernels(module)
+
+
+CPU_OP = JitBuild("the C++ CPU attention op", "~30 s", _make_cpu_op, switch="MINIPAGED_CPU_OP")
+CUDA_OP = JitBuild("the CUDA kernels", "~1 min", _make_cuda_op, switch="MINIPAGED_CUDA_OP")
+
+
+def start_background_build(device) -> None:
+    """Start building the op of ``device`` in a daemon thread, so that it overlaps model loading.
+
+    Args:
+        device: a ``torch.device`` (or its name): "cpu" builds the C++ CPU op, "cuda" the CUDA
+            kernels. A no-op when that op is switched off, already built or being built, and
+            for any other device.
+    """
+    kind = getattr(device, "type", str(device).split(":")[0])
+    job = {"cpu": CPU_OP, "cuda": CUDA_OP}.get(kind)
+    if job is not None:
+        job.start_in_background()
+
+
+def prebuild() -> None:
+    """Build the C++ CPU op now (and the CUDA kernels where a GPU is present); never raises,
+    so that a machine without a compiler still finishes its set-up (with a warning)."""
+    import torch
+
+    for job in (CPU_OP, CUDA_OP) if torch.cuda.is_available() else (CPU_OP,):
+        if job.enabled() and job.load() is None:
+            print(f"minipaged: warning: {job.what} could not be built here; the torch reference "
+                  "will run instead (slower)", file=sys.stderr)

@@ -1,0 +1,58 @@
+"""The Python side of the fast C++ CPU paged attention, ``csrc/cpu/attention.cpp`` (lesson 05).
+
+``minipaged.kernels.build.CPU_OP.load()`` compiles the C++ file (once, cached on disk) and
+returns a ``CpuKernels``: three operations with the same signatures as their torch references
+in ``minipaged.kernels.reference``::
+
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale) -> out
+    paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                            context_lens, scale) -> out
+
+The C++ code reads the blocks in place (no dense copy of the context) and checks every argument
+before its loops run (shapes, dtypes, block numbers within the sequences' contexts, context
+lengths, slots): a bad one raises a RuntimeError naming it, its value and the limit, instead of
+reading or writing outside a tensor. Slot -1 means "not cached". The wrappers here only convert
+integer tensors to the types the C++ code reads.
+
+Importing this module is cheap and never fails: torch is imported only inside the functions.
+"""
+from __future__ import annotations
+
+
+class CpuKernels:
+    """Thin wrappers around the compiled module: integer tensors to int64/int32, checks in C++."""
+
+    def __init__(self, module):
+        self.module = module  # the compiled extension
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """Write each token's key and value into its slot (see ``reference.reshape_and_cache``)."""
+        import torch
+
+        slot_mapping = slot_mapping.to(dtype=torch.long).contiguous()
+        self.module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def paged_attention(self, query, key_cache, value_cache, block_tables, context_lens, scale):
+        """Decode attention through the block table (see ``reference.paged_attention``)."""
+        return self.module.paged_attention(_last_dim_contiguous(query), key_cache, value_cache,
+                                           _int32(block_tables), _int32(context_lens),
+                                           float(scale))
+
+    def paged_prefill_attention(self, query, key_cache, value_cache, block_tables,
+                                query_start_loc, context_lens, scale):
+        """Causal attention of new tokens over their cached context (see
+        ``reference.paged_prefill_attention``)."""
+        return self.module.paged_prefill_attention(
+            _last_dim_contiguous(query), key_cache, value_cache, _int32(block_tables),
+            _int32(query_start_loc), _int32(context_lens), float(scale))
+
+
+def _int32(t):
+    import torch
+
+    return t.to(dtype=torch.int32).contiguous()
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
