@@ -55,12 +55,26 @@ def layer(module: str) -> str:
     return parts[1]
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node, less the bodies of ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if (isinstance(child, ast.If) and isinstance(child.test, ast.Name)
+                    and child.test.id == "TYPE_CHECKING"):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def imports_of(module: str, path: pathlib.Path, known: set[str]) -> set[str]:
     """The package modules ``module`` imports (resolved to modules, not names in them)."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     found = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
