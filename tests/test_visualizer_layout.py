@@ -279,7 +279,7 @@ def test_a_compact_pool_still_draws_the_evictable_blocks():
     from minipaged.core.block_manager import BlockSpaceManager
     from minipaged.sequence import Sequence, SequenceGroup
 
-    bm = BlockSpaceManager(16, 48, 0, watermark=0.0, enable_caching=True)
+    bm = BlockSpaceManager(16, 48, 0, watermark=0.0, enable_prefix_caching=True)
     seq = Sequence(0, None, list(range(90)), 16)
     bm.allocate(SequenceGroup("0", [seq], SamplingParams(), arrival_time=0.0))
     bm.cache_blocks(seq, 90)  # its prompt was computed: the 5 full blocks are named

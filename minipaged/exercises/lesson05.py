@@ -1,7 +1,7 @@
 """Lesson 05 exercises: a butterfly reduction, the address of a key element, a lane's loads.
 
     warp_reduce(values, op) -> (32,) array
-        reduce 32 lane values with XOR shuffles (``kernel_emulator.shfl_xor``), so that every
+        reduce 32 lane values with XOR shuffles (``emulator.shfl_xor``), so that every
         lane ends with the result, as the kernel's butterflies do
     key_offset(block, head, dim, slot, num_kv_heads, head_size, block_size, x) -> int
         the element offset of key element ``dim`` of the token in ``slot`` of physical block
@@ -11,9 +11,9 @@
         in phase 2, which token of the KV block lane ``lane`` works on, and which 16-byte chunks
         of that token's key it loads, in the order of its loads
 
-Expected answers: ``kernel_emulator.butterfly_reduce``; the shape of the cache engine's key
+Expected answers: ``emulator.butterfly_reduce``; the shape of the cache engine's key
 blocks (``CacheEngine.key_block_shape``), flattened by NumPy; the lanes' loads of
-``kernel_emulator.warp_key_load``, load after load.
+``emulator.warp_key_load``, load after load.
 """
 from __future__ import annotations
 
