@@ -1,4 +1,4 @@
-"""Tensor parallelism: the weights and KV pool each rank holds, at N = 1, 2, 3 (lesson 09).
+"""Tensor parallelism: the weights and KV pool each rank holds, at N = 1, 2, 3 (lesson 14).
 
     python benchmarks/tp_memory.py            # the embedded SmolLM2-135M-Instruct on the CPU
     python benchmarks/tp_memory.py --record   # and append the table to RESULTS.md

@@ -4,7 +4,7 @@ A sequence's tokens are cut into *logical* blocks of ``block_size`` tokens. Each
 stored in a *physical* block of the KV cache; the sequence's block table says which. Physical
 blocks are handed out by an allocator (``core/allocator.py``) and carry a reference count so that
 several sequences can share one (lesson 03, copy-on-write). What a block's tokens are called for
-prefix caching (lesson 07) is the prefix-caching allocator's business, not the block's.
+prefix caching (lesson 11) is the prefix-caching allocator's business, not the block's.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine's settings, checked once, and the two decisions they lead to (lesson 06).
+"""The engine's settings, checked once, and the two decisions they lead to (lesson 08).
 
 ``EngineConfig`` holds every keyword of ``LLMEngine``; building it checks each one (a
 ValueError names the setting and what is allowed; numpy scalars become Python numbers). Two steps
@@ -96,12 +96,12 @@ class EngineConfig:
             decodes first; prompts fill what is left, split over several steps when needed.
             False: a prompt runs whole in one step, so it must fit the budget.
         load_format: "auto" (read the checkpoint) or "dummy" (random weights from the config).
-        tensor_parallel_size: N > 1 splits the model over N worker processes (lesson 09,
+        tensor_parallel_size: N > 1 splits the model over N worker processes (lesson 14,
             ``worker/mp_workers.py``); the pool sizes and budgets are then per rank.
         worker_timeout: seconds a tensor-parallel step may take before the engine gives up.
         enable_prefix_caching: keep computed full blocks named by their hash chain, so a prompt
             that starts like an earlier one takes its blocks instead of computing them
-            (lesson 07). Outputs are the same either way.
+            (lesson 11). Outputs are the same either way.
         hf_config: a transformers config to use instead of the one of ``model``.
     """
 

@@ -1,4 +1,4 @@
-"""How to pick the next token: the user-facing knobs of one request (lessons 03 and 06)."""
+"""How to pick the next token: the user-facing knobs of one request (lessons 03 and 08)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

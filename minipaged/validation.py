@@ -1,4 +1,4 @@
-"""Parsers for what users pass in: integers, finite numbers, token ids (lesson 06).
+"""Parsers for what users pass in: integers, finite numbers, token ids (lesson 08).
 
 Each turns numpy and torch scalars into Python numbers and says None (or raises a ValueError that
 names the value) when the input is not of the kind asked for. The checks built on them live with

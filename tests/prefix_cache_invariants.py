@@ -1,4 +1,4 @@
-"""Invariants of the prefix cache, checked by several tests (lesson 07)."""
+"""Invariants of the prefix cache, checked by several tests (lesson 11)."""
 from __future__ import annotations
 
 from minipaged.core.block_manager import BlockSpaceManager

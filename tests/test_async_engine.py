@@ -1,5 +1,5 @@
 """AsyncLLMEngine in-process: requests join a running batch, aborts free blocks, a bad request
-or a dead engine never leaves a client hanging (lesson 08)."""
+or a dead engine never leaves a client hanging (lesson 13)."""
 import asyncio
 
 import httpx
@@ -11,7 +11,7 @@ from minipaged.engine.llm_engine import LLMEngine
 from minipaged.outputs import CompletionOutput
 from minipaged.entrypoints.api_server import BackgroundServer, build_app
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson13
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -12,7 +12,7 @@ bookkeeping invariants (ref counts, free lists) we check what really matters: re
 through its own block table gives back exactly its own tokens, whatever was shared, copied or
 swapped before.
 
-With prefix caching (lesson 07) the same machine runs with prompts that share prefixes: a prompt
+With prefix caching (lesson 11) the same machine runs with prompts that share prefixes: a prompt
 takes cached blocks and writes only the rest, so reading its own tokens back proves that a hash
 hit served the right KV, even with a hash function that collides on purpose.
 """

@@ -1,5 +1,5 @@
 """The command line: every engine option is a flag of `generate` and `serve`, the flags reach the
-engine, and `generate --stream` prints text as it is generated (lessons 06 and 08)."""
+engine, and `generate --stream` prints text as it is generated (lessons 08 and 13)."""
 import inspect
 import io
 import subprocess
@@ -11,7 +11,7 @@ from minipaged.entrypoints import cli
 from minipaged.engine.llm_engine import LLMEngine
 from serving_helpers import ROOT, save_tiny_model_with_tokenizer
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson13
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Lesson 06: text streamed token by token equals the text of all tokens decoded at once."""
+"""Lesson 08: text streamed token by token equals the text of all tokens decoded at once."""
 import pytest
 
 from minipaged.engine.detokenizer import detokenize_incrementally
 from minipaged.worker.checkpoint import embedded_model_dir
 from minipaged.sequence import Sequence
 
-pytestmark = pytest.mark.lesson06
+pytestmark = pytest.mark.lesson08
 
 TEXTS = [
     "Hello world, this is a plain sentence.",

@@ -10,7 +10,7 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.worker import checkpoint
 
-pytestmark = [pytest.mark.lesson06, pytest.mark.slow]
+pytestmark = [pytest.mark.lesson08, pytest.mark.slow]
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Tell me about it."}],

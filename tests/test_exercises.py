@@ -9,8 +9,8 @@ with a short message and a hint, without raising. Unanswered exercises say "not 
 import pytest
 
 from minipaged.exercises import ExerciseFailed, NotDone, not_done, solutions as S
-from minipaged.exercises import (lesson01, lesson02, lesson03, lesson04, lesson05, lesson06,
-                                 lesson07, lesson08, lesson09)
+from minipaged.exercises import (lesson01, lesson02, lesson03, lesson04, lesson05, lesson08,
+                                 lesson11, lesson13, lesson14)
 
 
 # ---- plausible wrong answers -------------------------------------------------------------------
@@ -197,18 +197,18 @@ CHECKS = [
     (lesson05.check_key_offset, S.key_offset, [naive_key_offset]),
     (lesson05.check_lane_key_chunks, S.lane_key_chunks,
      [lane_chunks_side_by_side, lane_chunks_past_the_key]),
-    (lesson06.check_flat_batch, S.flat_batch, [decode_position_off_by_one]),
-    (lesson06.check_sample_indices, S.sample_indices,
+    (lesson08.check_flat_batch, S.flat_batch, [decode_position_off_by_one]),
+    (lesson08.check_sample_indices, S.sample_indices,
      [sample_every_token, sample_in_schedule_order]),
-    (lesson07.check_block_hash, S.block_hash, [hash_ignoring_parent, hash_of_the_sum]),
-    (lesson07.check_cached_tokens, S.cached_tokens,
+    (lesson11.check_block_hash, S.block_hash, [hash_ignoring_parent, hash_of_the_sum]),
+    (lesson11.check_cached_tokens, S.cached_tokens,
      [cached_tokens_with_the_last_block, cached_tokens_unchained]),
-    (lesson08.check_stream_delta, S.stream_delta,
+    (lesson13.check_stream_delta, S.stream_delta,
      [delta_without_holdback, delta_holding_back_at_the_end]),
-    (lesson08.check_metric_value, S.metric_value, [metric_by_prefix, metric_ignoring_labels]),
-    (lesson09.check_shard_weight, S.shard_weight,
+    (lesson13.check_metric_value, S.metric_value, [metric_by_prefix, metric_ignoring_labels]),
+    (lesson14.check_shard_weight, S.shard_weight,
      [shard_ignoring_fused_parts, shard_on_the_wrong_dimension]),
-    (lesson09.check_row_parallel, S.row_parallel,
+    (lesson14.check_row_parallel, S.row_parallel,
      [row_parallel_bias_on_every_rank, row_parallel_without_the_all_reduce]),
 ]
 # Each case carries its lesson's marker: `pytest -m lesson03` runs lesson 03's checkers.
@@ -264,7 +264,7 @@ def test_a_check_cell_shows_its_message_once(capsys, monkeypatch):
     assert DisplayFormatter().format(result) == ({}, {})
 
 
-@pytest.mark.parametrize("module, name", [(lesson07, "block_hash"), (lesson08, "metric_value")])
+@pytest.mark.parametrize("module, name", [(lesson11, "block_hash"), (lesson13, "metric_value")])
 def test_later_cells_use_the_package_function_until_the_learners_passes(module, name,
                                                                        monkeypatch):
     monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
@@ -309,7 +309,7 @@ def test_scheduler_cases_cover_preemption_resume_and_admission():
 def test_flat_batch_cases_mix_prompts_and_decodes():
     from minipaged.exercises.checking import rng_for
     mixed = sum(len({s.num_computed_tokens == 0 for s in seqs}) == 2
-                for seqs, _, _ in lesson06._random_batches(rng_for(0), 200))
+                for seqs, _, _ in lesson08._random_batches(rng_for(0), 200))
     assert mixed >= 20
 
 
@@ -341,8 +341,8 @@ def _hint_texts(module):
                           if isinstance(part, ast.Constant) and isinstance(part.value, str))
 
 
-@pytest.mark.parametrize("module", [lesson01, lesson02, lesson03, lesson04, lesson05, lesson06,
-                                    lesson07, lesson08, lesson09], ids=lambda m: m.__name__[-8:])
+@pytest.mark.parametrize("module", [lesson01, lesson02, lesson03, lesson04, lesson05, lesson08,
+                                    lesson11, lesson13, lesson14], ids=lambda m: m.__name__[-8:])
 def test_hints_point_at_the_idea_without_stating_the_code(module):
     code = ["//", " % ", "ceil(", "hash(", "shfl_xor(", "block_table[", "+ 1 if", " * G"]
     for hint in _hint_texts(module):
@@ -353,7 +353,7 @@ def test_the_stream_delta_rule_is_in_the_exercise_text():
     import json
     import pathlib
 
-    lesson = pathlib.Path(__file__).resolve().parent.parent / "lessons" / "08_serving.ipynb"
+    lesson = pathlib.Path(__file__).resolve().parent.parent / "lessons" / "13_serving.ipynb"
     text = "".join("".join(c["source"]) for c in json.loads(lesson.read_text())["cells"]
                    if c["cell_type"] == "markdown")
     assert "len(longest stop string) - 1" in text

@@ -18,10 +18,9 @@ import pytest
 from process_helpers import chromium_path, free_port, launch_chromium, running_process
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Every lesson. 08 starts an HTTP server (uvicorn in a thread of the kernel, on a free port of
-# 127.0.0.1) and its clients inside the notebook; 09 builds tensor-parallel shards in the kernel.
-LESSONS = ["01_kv_cache", "02_blocks", "03_copy_on_write", "04_scheduler", "05_kernel", "06_engine",
-           "07_prefix_caching", "08_serving", "09_tensor_parallel"]
+# Every lesson. 13 starts an HTTP server (uvicorn in a thread of the kernel, on a free port of
+# 127.0.0.1) and its clients inside the notebook; 14 builds tensor-parallel shards in the kernel.
+LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("*.ipynb"))
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (lesson 07): hashed full blocks, reuse, eviction, same outputs."""
+"""Automatic prefix caching (lesson 11): hashed full blocks, reuse, eviction, same outputs."""
 from __future__ import annotations
 
 import random
@@ -12,7 +12,7 @@ from minipaged.core.prefix_caching_allocator import block_hash
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from prefix_cache_invariants import check_prefix_cache
 
-pytestmark = pytest.mark.lesson07
+pytestmark = pytest.mark.lesson11
 
 BS = 4
 

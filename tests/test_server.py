@@ -1,5 +1,5 @@
 """`minipaged serve` in a subprocess with a tiny random LLaMA, driven by the official openai client
-(lesson 08): completions and chat, streamed and not, 32 concurrent clients, bad input."""
+(lesson 13): completions and chat, streamed and not, 32 concurrent clients, bad input."""
 import asyncio
 
 import httpx
@@ -10,7 +10,7 @@ from minipaged import LLM, SamplingParams
 from serving_helpers import read_metrics, running_server, save_tiny_model_with_tokenizer
 from tiny_models import greedy_reference, pick_prompts
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson13
 MODEL = "tiny"
 IGNORE_EOS = {"ignore_eos": True}
 

@@ -1,5 +1,5 @@
 """`minipaged serve` with the embedded SmolLM2-135M-Instruct: the same text as offline generation,
-and clients that disconnect (mid-stream or while waiting) free their KV blocks (lesson 08)."""
+and clients that disconnect (mid-stream or while waiting) free their KV blocks (lesson 13)."""
 import threading
 
 import httpx
@@ -9,7 +9,7 @@ import pytest
 from minipaged import LLM, SamplingParams
 from serving_helpers import read_metrics, running_server, wait_for_metrics
 
-pytestmark = [pytest.mark.lesson08, pytest.mark.slow]
+pytestmark = [pytest.mark.lesson13, pytest.mark.slow]
 MODEL = "smollm2"
 LONG = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True,
         "temperature": 0, "stream": True}

@@ -1,4 +1,4 @@
-"""A server that can be exposed (lesson 08): the API key, each request limit and its 4xx, the
+"""A server that can be exposed (lesson 13): the API key, each request limit and its 4xx, the
 bounded waiting queue (503 + Retry-After), tokenizing off the event loop, and validation left to
 the engine. Servers run in this process on a free 127.0.0.1 port, with a tiny random LLaMA."""
 import threading
@@ -15,7 +15,7 @@ from minipaged.entrypoints.limits import ServerLimits, longest_token_chars
 from serving_helpers import (read_metrics, save_tiny_model_with_tokenizer, served_in_process,
                              wait_for_metrics)
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson13
 MODEL, KEY = "tiny", "sk-test-0123456789"
 IGNORE_EOS = {"ignore_eos": True}
 

@@ -1,4 +1,4 @@
-"""The HTTP layer fuzzed from the app's own OpenAPI schema with schemathesis (lesson 08).
+"""The HTTP layer fuzzed from the app's own OpenAPI schema with schemathesis (lesson 13).
 
 Every route gets generated requests, ones that fit the schema and ones that do not: none is
 answered with a 5xx or takes long, every error is OpenAI's error body, no request is left in the
@@ -17,7 +17,7 @@ from schemathesis import GenerationMode
 from minipaged.entrypoints.api_server import ServerOptions
 from serving_helpers import save_tiny_model_with_tokenizer, served_in_process, wait_for_metrics
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson13
 MODEL, KEY = "tiny", "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = {"POST": 50, "GET": 5}  # per generation mode

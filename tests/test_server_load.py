@@ -1,5 +1,5 @@
 """`minipaged serve` (a subprocess, tiny random LLaMA) under load and under hostile bodies
-(lesson 08).
+(lesson 13).
 
 The load: 256 requests from 32 concurrent asyncio clients, streamed or not, a quarter of them
 given up by their client part-way, then a burst of 64 at once, over what may wait. Every request
@@ -22,7 +22,7 @@ import pytest
 from serving_helpers import (MemorySampler, read_metrics, running_server_process,
                              save_tiny_model_with_tokenizer, wait_for_metrics)
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson13
 MODEL = "tiny"
 MAX_NUM_SEQS, MAX_WAITING, MAX_TOKENS = 8, 24, 8
 CLIENTS, REQUESTS, BURST = 32, 256, 64

@@ -1,4 +1,4 @@
-"""Tensor parallelism (lesson 09): N gloo workers give the tokens and logits of one process.
+"""Tensor parallelism (lesson 14): N gloo workers give the tokens and logits of one process.
 
 Every engine here starts worker processes (a few seconds each on a busy CPU), so the engines
 are shared per model (module fixtures) and the tests that break their engine on purpose (a

@@ -411,7 +411,7 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # live mode
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.lesson06
+@pytest.mark.lesson08
 def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny_llama):
     pytest.importorskip("ipywidgets")
     from visualizer.widgets import LiveBlockTableView
@@ -478,7 +478,7 @@ def test_fork_tree_names_every_node_once(tiny_llama):
     assert reused  # beam search reuses sequence ids, and the tree tells the lives apart
 
 
-@pytest.mark.lesson06
+@pytest.mark.lesson08
 def test_engine_views_draw_a_compact_pool_and_mark_blocks_entered_this_step():
     pytest.importorskip("ipywidgets")
     from minipaged.lab.dry_run import DryRun

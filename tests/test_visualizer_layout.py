@@ -137,7 +137,7 @@ def test_timeline_and_flat_batch_views_have_clean_labels(seed):
                                            "prompt_run": info["prompt_run"],
                                            "preempted": info["preempted"], "finished": []}))
     assert_clean_layout(render_timeline(snapshots, arrivals, title="timeline"), "timeline")
-    # Two runs drawn on one step axis (lesson 06: static against continuous batching) have
+    # Two runs drawn on one step axis (lesson 08: static against continuous batching) have
     # the same columns and width, even when one run is shorter and started at another step.
     short = [type("Snap", (), dict(vars(s), step=s.step + 100)) for s in snapshots[:6]]
     later = {rid: step + 100 for rid, step in arrivals.items() if step <= 6}
@@ -273,7 +273,7 @@ def test_legend_swatches_of_different_states_differ():
 
 
 def test_a_compact_pool_still_draws_the_evictable_blocks():
-    """Lesson 07 draws 16 blocks of a 48-block pool after a request finished: the evictable
+    """Lesson 11 draws 16 blocks of a 48-block pool after a request finished: the evictable
     blocks it talks about stand last in the free list, but they are drawn."""
     from minipaged import SamplingParams
     from minipaged.core.block_manager import BlockSpaceManager
@@ -293,7 +293,7 @@ def test_a_compact_pool_still_draws_the_evictable_blocks():
 
 
 def test_block_tables_fit_a_jupyterlab_output_area():
-    """A 48-block pool (lesson 07) and a 1456-block one (drawn compactly) stay within 800 px, and
+    """A 48-block pool (lesson 11) and a 1456-block one (drawn compactly) stay within 800 px, and
     every pool block of the drawing lies inside it."""
     from minipaged.lab.dry_run import DryRun
 

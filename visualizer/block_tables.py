@@ -12,7 +12,7 @@ Elements carry ``class`` and ``data-*`` attributes so tests can read the drawing
 (``data-seq``, ``data-index``, ``data-filled``), ``table-entry`` (``data-seq``, ``data-index``,
 ``data-block``), ``free-list-entry`` (``data-block``, ``data-position``) and ``newest-token``.
 
-With prefix caching (lesson 07) a block the cache can hand out by hash is ``cached-block``
+With prefix caching (lesson 11) a block the cache can hand out by hash is ``cached-block``
 (``data-hash``), outlined in green and marked "cached"; one that nobody holds any more is also
 ``evictable-block``, marked "evictable": it counts as free but keeps its KV until evicted. A
 ``legend`` (``legend-entry`` with ``data-kind``) under the drawing then shows the looks of cached,
@@ -34,7 +34,7 @@ MAX_WIDTH = 800
 POOL_W = MAX_WIDTH - X_POOL - 10
 BLOCKS_PER_ROW = POOL_W // (BLOCK_W + BLOCK_GAP)
 FREE_ENTRY_W, FREE_MORE_W = 30, 62  # one free-list entry; the "+1440 more" after the last
-CACHED = "#2a9d4a"  # prefix-cached blocks (lesson 07): the green of the legend and the prose
+CACHED = "#2a9d4a"  # prefix-cached blocks (lesson 11): the green of the legend and the prose
 LABEL_CHARS = int((X_POOL - X_LOGICAL - 10) / (0.6 * 11))  # a sequence's label, left of the pool
 
 
@@ -279,7 +279,7 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
              fill=HIGHLIGHT if shared else (INK if ref else MUTED), class_="ref-count")
         if shared:
             text(g, x + 3, y + 23, "shared", size=8, fill=HIGHLIGHT, class_="shared-mark")
-        if cached:  # lesson 07: findable by hash; when ref 0 it is evictable (counts as free)
+        if cached:  # lesson 11: findable by hash; when ref 0 it is evictable (counts as free)
             g.set("data-hash", str(b["block_hash"]))
             kind = "evictable" if ref == 0 else "cached"
             el(g, "rect", x=x - 1, y=y - 1, width=BLOCK_W + 2, height=BLOCK_H + 2, fill="none",

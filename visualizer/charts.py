@@ -1,4 +1,4 @@
-"""Line charts for measurements (lessons 04 and 06): costs against length, blocks over time.
+"""Line charts for measurements (lessons 04 and 08): costs against length, blocks over time.
 
     render_line_chart({"recompute": [(x, y), ...], "swap": [...]}, x_label=..., y_label=...)
 

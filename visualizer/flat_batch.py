@@ -1,4 +1,4 @@
-"""One engine step's flat batch, drawn token by token (lesson 06).
+"""One engine step's flat batch, drawn token by token (lesson 08).
 
     render_flat_batch(prepare_inputs(...), block_size, names={seq_id: "req 0"})
 

@@ -1,11 +1,11 @@
-"""Block allocators: who hands out the physical blocks of a pool (lesson 02; caching: lesson 07).
+"""Block allocators: who hands out the physical blocks of a pool (lesson 02; caching: lesson 11).
 
 ``BlockAllocator`` is the one interface the block manager talks to. It has two implementations:
 
 - ``FreeListAllocator`` (here): a free list and nothing else. Its caching operations are
   documented no-ops, so a block manager over it behaves as if no block were ever cached.
 - ``PrefixCachingAllocator`` (``prefix_caching_allocator.py``): the same free list, plus full
-  blocks named by their tokens that later prompts can take back (lesson 07).
+  blocks named by their tokens that later prompts can take back (lesson 11).
 
 The block manager picks one of them once, when it is built, and never asks which it holds.
 """
@@ -53,7 +53,7 @@ class BlockAllocator(ABC):
     def free_block_numbers(self) -> list[int]:
         """The free blocks, next-to-be-allocated first."""
 
-    # -- prefix caching (lesson 07) --------------------------------------------------------------
+    # -- prefix caching (lesson 11) --------------------------------------------------------------
     @abstractmethod
     def longest_cached_prefix(self, token_ids: Sequence[int],
                               max_blocks: int) -> list[PhysicalTokenBlock]:

@@ -1,5 +1,5 @@
 """The BlockSpaceManager: block tables, sharing, copy-on-write and swapping (lessons 02, 03, 04),
-and prefix caching (lesson 07: prompts take the cached blocks their tokens start with).
+and prefix caching (lesson 11: prompts take the cached blocks their tokens start with).
 
 It maps every sequence's logical blocks to physical blocks of the GPU pool (or of the CPU pool
 while the sequence is swapped out). It only does bookkeeping: it returns which blocks must be
@@ -103,7 +103,7 @@ class BlockSpaceManager:
         return seqs, common // self.block_size * self.block_size, False
 
     def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
-        """For each waiting sequence, the cached blocks its tokens start with (lesson 07)."""
+        """For each waiting sequence, the cached blocks its tokens start with (lesson 11)."""
         seqs, _, identical = self.prompt_layout(seq_group)
         # NOTE: the block holding a sequence's last token is never taken from the cache: that
         # token is always computed (a fresh prompt samples from its logits; a recomputed group
@@ -137,7 +137,7 @@ class BlockSpaceManager:
         """Give the group's waiting sequences their blocks.
 
         Returns, per sequence id, how many of its first tokens are already in the cache (the
-        cached blocks it took, lesson 07): its computation starts there.
+        cached blocks it took, lesson 11): its computation starts there.
 
         NOTE: the shared blocks (a fresh group's whole prompt, or a recomputed group's common
         prefix) get one reference per sequence, so copy-on-write protects them as after a fork.
@@ -384,7 +384,7 @@ class BlockSpaceManager:
 
     @property
     def num_evicted_blocks(self) -> int:
-        """Cached blocks evicted for room so far (lesson 07; 0 without prefix caching)."""
+        """Cached blocks evicted for room so far (lesson 11; 0 without prefix caching)."""
         return self.gpu_allocator.num_evictions
 
     def snapshot(self) -> dict:

@@ -1,5 +1,5 @@
 """Automatic prefix caching: full blocks named by a hash chain, kept after use, evicted by LRU
-(lesson 07).
+(lesson 11).
 
 Chat requests repeat the same system prompt. Its KV is the same in every request, so the blocks
 that hold it can be computed once and shared, exactly as a fork shares a prompt (lesson 03), but

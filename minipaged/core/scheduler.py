@@ -106,7 +106,7 @@ def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool,
     """The chunks that compute a group just given its blocks (see ``prompt_layout``).
 
     ``cached`` (from ``BlockSpaceManager.allocate``) says how many first tokens of each sequence
-    came from the prefix cache (lesson 07): they are not computed, a chunk starts after them.
+    came from the prefix cache (lesson 11): they are not computed, a chunk starts after them.
 
     A fresh group is one chunk: its prompt, computed once for all its sequences, sampled. A group
     recomputed after preemption holds sequences that differ: the first computes the shared
@@ -287,7 +287,7 @@ class Scheduler:
                 first_chunk = (seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len()
                                if identical else self._shortest_waiting_len(seq_group) - 1)
                 if first_chunk > budget:
-                    # Tokens found in the prefix cache are not computed (lesson 07).
+                    # Tokens found in the prefix cache are not computed (lesson 11).
                     first_chunk -= self._num_cached_first_chunk(seq_group, identical)
                 if budget < (1 if self.config.enable_chunked_prefill else first_chunk):
                     break

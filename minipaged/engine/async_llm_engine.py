@@ -1,4 +1,4 @@
-"""The engine behind a server: one background thread steps the engine while requests arrive (lesson 08).
+"""The engine behind a server: one background thread steps the engine while requests arrive (lesson 13).
 
 ``LLMEngine.step()`` is blocking work (the model runs in it), so it cannot run on the event loop
 that answers HTTP clients. ``AsyncLLMEngine`` gives the engine a thread of its own and talks to it

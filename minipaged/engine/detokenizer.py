@@ -1,4 +1,4 @@
-"""Turning a sequence's new tokens into text as they arrive (lesson 06).
+"""Turning a sequence's new tokens into text as they arrive (lesson 08).
 
 Decoding one token on its own loses information: a byte-level BPE token may hold half of a UTF-8
 character, and SentencePiece drops the leading space of the first token it decodes. So each step

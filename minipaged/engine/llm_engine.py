@@ -1,4 +1,4 @@
-"""The LLMEngine: continuous batching, one ``step()`` at a time (lesson 06).
+"""The LLMEngine: continuous batching, one ``step()`` at a time (lesson 08).
 
     step() = schedule -> move cache blocks -> run the model on the flattened batch -> sample
              -> append tokens, fork/free beams, check stops -> free finished groups -> observers
@@ -76,7 +76,7 @@ class LLMEngine:
         if cfg.tensor_parallel_size == 1:
             self.worker = LocalWorker(self.hf_config, source, cfg.load_format, self.dtype,
                                       resolved_device)
-        else:  # the driver holds no model: N processes hold a shard each (lesson 09)
+        else:  # the driver holds no model: N processes hold a shard each (lesson 14)
             self.worker = TensorParallelWorkers(cfg.tensor_parallel_size, self.hf_config, source,
                                                 cfg.load_format, self.dtype, resolved_device,
                                                 cfg.worker_timeout)

@@ -1,4 +1,4 @@
-"""After the sampler: new tokens join their sequences, beams fork, stops end sequences (lesson 06).
+"""After the sampler: new tokens join their sequences, beams fork, stops end sequences (lesson 08).
 
 For each group the step sampled, in this order:
 

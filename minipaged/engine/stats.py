@@ -28,7 +28,7 @@ class EngineStats:
     num_sampled_tokens: int = 0  # tokens sampled, a prompt's first one included
     num_aborted_by_engine: int = 0
     peak_gpu_blocks_used: int = 0
-    # Prefix caching (lesson 07): prompt tokens whose KV came from the cache and were not
+    # Prefix caching (lesson 11): prompt tokens whose KV came from the cache and were not
     # computed (num_prompt_tokens counts the computed ones), and cached blocks evicted.
     num_cached_prompt_tokens: int = 0
     num_evicted_blocks: int = 0

@@ -1,4 +1,4 @@
-"""Is this request one the engine can run? Checked once, before it is queued (lesson 06).
+"""Is this request one the engine can run? Checked once, before it is queued (lesson 08).
 
 A request that could never run (too long for the model, too large for the KV pool, a stop string
 without a tokenizer, ...) is refused with a ValueError that says what to change, so that an

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server in front of the engine: ``minipaged serve`` (lesson 08).
+"""An OpenAI-compatible HTTP server in front of the engine: ``minipaged serve`` (lesson 13).
 
     GET  /v1/models              the one model this server serves
     POST /v1/completions         text (or token ids) in, text out; ``"stream": true`` for SSE

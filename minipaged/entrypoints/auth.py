@@ -1,4 +1,4 @@
-"""API keys: ``minipaged serve --api-key KEY`` (or ``MINIPAGED_API_KEY``) (lesson 08).
+"""API keys: ``minipaged serve --api-key KEY`` (or ``MINIPAGED_API_KEY``) (lesson 13).
 
 With a key, every ``/v1/...`` route (and ``/metrics``, unless ``--metrics-public``) answers only
 a request that carries ``Authorization: Bearer KEY`` -- what the ``openai`` client sends for

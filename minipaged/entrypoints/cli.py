@@ -41,9 +41,9 @@ ENGINE_OPTIONS = [
     ("watermark", float, "fraction of the KV pool kept free when admitting prompts"),
     ("enable_chunked_prefill", bool, "split long prompts over several steps, decodes first"),
     ("enable_prefix_caching", bool, "reuse the cached KV blocks a prompt starts with "
-                                    "(lesson 07)"),
+                                    "(lesson 11)"),
     ("load_format", str, "auto (read the checkpoint) or dummy (random weights)"),
-    ("tensor_parallel_size", int, "split the model over N worker processes (lesson 09)"),
+    ("tensor_parallel_size", int, "split the model over N worker processes (lesson 14)"),
     ("worker_timeout", float, "seconds a tensor-parallel step may take before the engine "
                               "gives up"),
 ]

@@ -1,4 +1,4 @@
-"""What one HTTP request may ask of the server, checked before it costs anything (lesson 08).
+"""What one HTTP request may ask of the server, checked before it costs anything (lesson 13).
 
 A server that can be reached by strangers must refuse a hostile request cheaply: a 50 MB body, a
 prompt of millions of characters, a hundred thousand stop strings. Each limit here is a flag of

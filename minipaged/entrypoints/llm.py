@@ -1,4 +1,4 @@
-"""``LLM``: generate text for a list of prompts in one call (lesson 06, vLLM's offline API)."""
+"""``LLM``: generate text for a list of prompts in one call (lesson 08, vLLM's offline API)."""
 from __future__ import annotations
 
 from tqdm.auto import tqdm
@@ -14,9 +14,9 @@ class LLM:
 
     ``LLM()`` loads the embedded SmolLM2-135M-Instruct. Every keyword of ``LLMEngine`` is
     accepted (``num_gpu_blocks``, ``kv_cache_bytes``, ``gpu_memory_utilization``,
-    ``tensor_parallel_size`` for N worker processes (lesson 09), ...).
+    ``tensor_parallel_size`` for N worker processes (lesson 14), ...).
     Prefix caching is on by default: prompts that start like earlier ones reuse their cached KV
-    blocks (lesson 07); ``enable_prefix_caching=False`` turns it off.
+    blocks (lesson 11); ``enable_prefix_caching=False`` turns it off.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None,

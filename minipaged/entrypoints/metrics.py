@@ -1,4 +1,4 @@
-"""``GET /metrics``: the engine's queues, KV blocks and counters as Prometheus text (lesson 08).
+"""``GET /metrics``: the engine's queues, KV blocks and counters as Prometheus text (lesson 13).
 
 The numbers are the ones ``AsyncLLMEngine`` republishes after every step, so reading them never
 touches the engine from the HTTP thread.

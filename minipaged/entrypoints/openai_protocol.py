@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies, checked field by field, its response bodies and its error
-body (lesson 08).
+body (lesson 13).
 
 A request is parsed in two steps, and either can refuse it with an HTTP 400 that the official
 ``openai`` client turns into ``openai.BadRequestError``:

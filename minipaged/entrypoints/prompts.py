@@ -1,5 +1,5 @@
 """From an HTTP request's prompts to engine requests: tokenized, given a max_tokens, and checked
-by the engine itself (lesson 08).
+by the engine itself (lesson 13).
 
     text --tokenizer (in a worker thread)--> token ids
          --max_tokens: the client's, or a default that the context and the KV pool allow

@@ -1,5 +1,5 @@
 """One request from start to end: queued in the engine, answered whole or streamed as
-server-sent events, and aborted when its client goes away (lesson 08).
+server-sent events, and aborted when its client goes away (lesson 13).
 
 A handler waits on its own asyncio.Queue while the engine thread steps. A streamed response
 sends one ``data: {json}`` event per piece of new text and ends with ``data: [DONE]``. A client

@@ -1,150 +1,98 @@
-"""Lesson 08 exercises: what a streaming server sends, and reading its /metrics.
+"""Lesson 08 exercises: the flat batch of one engine step.
 
-    stream_delta(sent, text, finished, stop_strings) -> str
-        the new text to send in the next server-sent event: ``text`` is the whole output so far
-        (the engine's ``CompletionOutput.text``), ``sent`` what the client already has. While
-        the output runs, the last ``len(longest stop string) - 1`` characters are held back (they
-        may be the start of a stop string the engine will cut off); once it has finished,
-        everything left is sent.
-    metric_value(metrics_text, name) -> float | None
-        the value of the sample ``name`` (with its labels, as written, e.g.
-        ``minipaged_requests_finished_total{finish_reason="abort"}``) in a Prometheus text
-        exposition, or None if it has no such sample
+``SeqView(token_ids, num_computed_tokens, block_table)``: a scheduled sequence (in any order). A sequence with ``num_computed_tokens == 0`` is a prompt run (all its tokens
+are computed this step); any other computes only its newest token (a decode).
 
-Expected answers: the server's own ``TextStreamer`` fed the outputs of random generations that
-stop on a stop string or at their length; the numbers given to the server's real
-``prometheus_text`` (``GET /metrics``) for a stand-in engine with random counters.
+    flat_batch(seqs) -> (input_ids, positions)
+        every prompt's tokens, packed one after another, then one token per decode
+    sample_indices(seqs) -> list[int]
+        the rows of that flat batch whose hidden state becomes a next-token distribution: the
+        model computes one row per token, but only the last token of a prompt and the token of
+        a decode have a next token to sample; the rows in batch order
+
+Expected answers: ``lab.batch_inputs.prepare_inputs_for_groups`` on random steps of a real
+``Scheduler``, mixing new prompts, decodes and preempted requests.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
+import torch
+from typing import NamedTuple
 
-from minipaged.engine.async_llm_engine import TextStreamer
-from minipaged.exercises import checking
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
-
-_ALPHABET = "ab \n."
-
-
-def _random_generation(rng):
-    """(stop strings, [(text so far, finish_reason)] one per step) of a generation that stops
-    on a stop string (which the engine cuts off) or at its length, as ``LLMEngine`` does."""
-    stops = rng.choice([[], ["\n"], ["ab"], ["."], ["a.b", "\n\n"], ["abba"], ["b b", "ba."]])
-    target = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(1, 40)))
-    steps, end = [], 0
-    while end < len(target):
-        previous = end
-        end = min(len(target), end + rng.randint(1, 4))  # one token: 1 to 4 characters
-        text = target[:end]
-        start = max(0, previous - max((len(s) for s in stops), default=1) + 1)
-        hits = [i for s in stops if (i := text.find(s, start)) != -1]
-        if hits:
-            steps.append((text[:min(hits)], "stop"))
-            return stops, steps
-        steps.append((text, "length" if end == len(target) else None))
-    return stops, steps
+from minipaged.lab.dry_run import RandomTraffic
+from minipaged.lab.batch_inputs import prepare_inputs_for_groups
+from minipaged.sequence import SequenceStatus
 
 
-@exercise
-def check_stream_delta(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
-    learner = Learner("stream_delta", fn)
-    rng = rng_for(seed)
-    for case in range(num_cases):
-        stops, steps = _random_generation(rng)
-        streamer = TextStreamer(stops)
-        sent = ""
-        for k, (text, reason) in enumerate(steps):
-            completion = SimpleNamespace(text=text, token_ids=list(range(k + 1)), logprobs=None,
-                                         finish_reason=reason)
-            expected, _, _ = streamer.update(completion)
-            finished = reason is not None
-            got = learner(sent, text, finished, list(stops))
-            if got != expected:
-                longest = max((len(s) for s in stops), default=0)
-                if finished:
-                    hint = ("the output has finished: nothing can be cut any more, so send "
-                            "everything the client does not have yet")
-                elif not stops:
-                    hint = "without stop strings nothing is held back: send all the new text"
-                elif isinstance(got, str) and len(sent + got) > len(streamer.text):
-                    hint = (f"hold back the last {longest - 1} characters (the longest stop "
-                            f"string, {longest} characters, less one): they may be the start of "
-                            f"a stop string, and text already sent cannot be taken back")
-                else:
-                    hint = (f"hold back only len(longest stop string) - 1 = {longest - 1} "
-                            f"characters: a stop string found whole ends the output at once, so "
-                            f"more than that can never turn out to be part of one")
-                fail(learner.name, case, f"sent={sent!r}, text={text!r}, finished={finished}, "
-                     f"stop_strings={stops!r}", got, expected, hint)
-            sent += got
-    return passed(learner, num_cases)
+class SeqView(NamedTuple):
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
 
 
-def _stand_in_engine(rng):
-    """What ``prometheus_text`` reads from an ``AsyncLLMEngine``: its metrics and its health."""
-    reasons = rng.sample(["abort", "length", "stop"], rng.randint(0, 3))
-    metrics = {key: rng.randint(0, 500) for key in (
-        "num_requests_running", "num_requests_waiting", "num_requests_swapped",
-        "gpu_blocks_used", "gpu_blocks_total", "cpu_blocks_used", "cpu_blocks_total",
-        "num_steps", "prompt_tokens", "generation_tokens", "preemptions_recompute",
-        "preemptions_swap")}
-    metrics["requests_finished"] = {r: rng.randint(0, 50) for r in reasons}
-    return SimpleNamespace(metrics=metrics, error=None, is_running=rng.random() < 0.8)
+def _random_batches(rng, num_cases):
+    """(seq views, block size, the package's PreparedInputs) for random mixed steps."""
+    cases = 0
+    while cases < num_cases:
+        block_size = rng.choice([1, 2, 4, 8])
+        traffic = RandomTraffic(rng, block_size, rng.randint(6, 24),
+                                preemption_mode=rng.choice(["swap", "recompute"]))
+        for _ in range(rng.randint(4, 20)):
+            traffic.arrive(rng.choice([0, 1, 1, 2]))
+            outs = traffic.scheduler.schedule()
+            # Any order of the groups is a valid input of prepare_inputs_for_groups: mix them
+            # up, so that "prompts first" is something the answer has to do.
+            groups = rng.sample(outs.scheduled_seq_groups, len(outs.scheduled_seq_groups))
+            seqs = [SeqView(s.get_token_ids(), s.num_computed_tokens,
+                            traffic.bm.get_block_table(s))
+                    for g in groups for s in g.get_seqs(SequenceStatus.RUNNING)]
+            if seqs:
+                batch = prepare_inputs_for_groups(groups, traffic.bm, block_size,
+                                                  torch.device("cpu"))
+                yield seqs, block_size, batch
+                cases += 1
+            traffic.after_model(outs)
 
 
-def _questions(engine) -> list[tuple[str, float | None]]:
-    """Sample names and the numbers the stand-in engine gave them (None: no such sample)."""
-    m = engine.metrics
-    finished = m["requests_finished"]
-    return [
-        ("minipaged_gpu_blocks_used", m["gpu_blocks_used"]),
-        ("minipaged_gpu_blocks_total", m["gpu_blocks_total"]),
-        ("minipaged_num_requests_waiting", m["num_requests_waiting"]),
-        ("minipaged_num_steps_total", m["num_steps"]),
-        ("minipaged_num_steps", None),  # only the counter (with _total) exists
-        ("minipaged_gpu_blocks", None),  # a prefix of two real names, not a name
-        ('minipaged_preemptions_total{mode="swap"}', m["preemptions_swap"]),
-        ('minipaged_preemptions_total{mode="recompute"}', m["preemptions_recompute"]),
-        *[(f'minipaged_requests_finished_total{{finish_reason="{r}"}}', finished.get(r))
-          for r in ("abort", "length", "stop")],
-        ("minipaged_engine_healthy", int(engine.is_running)),
-    ]
+def _show(seqs) -> str:
+    return "[" + ", ".join(f"SeqView({len(s.token_ids)} tokens ..{s.token_ids[-3:]}, computed "
+                           f"{s.num_computed_tokens}, table {s.block_table})" for s in seqs) + "]"
 
 
 @exercise
-def check_metric_value(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
-    from minipaged.entrypoints.api_server import prometheus_text
-
-    learner = Learner("metric_value", fn)
-    rng = rng_for(seed)
-    for case in range(num_cases):
-        engine = _stand_in_engine(rng)
-        text = prometheus_text(engine)
-        for name, expected in _questions(engine):
-            got = learner(text, name)
-            ok = (got is None) if expected is None else (
-                isinstance(got, (int, float)) and not isinstance(got, bool)
-                and float(got) == float(expected))
-            if not ok:
-                hint = ("a sample line is `name value` or `name{labels} value`; lines starting "
-                        "with # are HELP and TYPE comments")
-                if expected is None:
-                    hint = (f"{name!r} is not the name of any sample: compare the whole name "
-                            f"(with its labels) before the value, not just how the line starts")
-                elif "{" in name:
-                    hint = ("the labels are part of the sample's name: "
-                            f"{name.split('{')[0]} has one sample per label value")
-                fail(learner.name, case, f"metrics_text=<{len(text.splitlines())} lines of "
-                     f"GET /metrics>, name={name!r}", got, expected, hint)
+def check_flat_batch(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
+    learner = Learner("flat_batch", fn)
+    for case, (seqs, _, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
+        expected = (batch.input_ids.tolist(), batch.positions.tolist())
+        got = learner(list(seqs))
+        got = (list(map(int, got[0])), list(map(int, got[1])))
+        if got != expected:
+            if sorted(got[0]) == sorted(expected[0]) and got[0] != expected[0]:
+                hint = "the right tokens in the wrong order: the prompt runs come first"
+            elif got[0] == expected[0]:
+                hint = ("a position is where the token stands in its own sequence, as the "
+                        "model saw it when the sequence was one long prompt")
+            else:
+                hint = ("which tokens does each sequence still need computed this step? a "
+                        "prompt run has none in the cache yet; a decode has all but one")
+            fail(learner.name, case, _show(seqs), got, expected, hint)
     return passed(learner, num_cases)
 
 
-def usable(fn):
-    """``fn`` for the lesson to read /metrics with once its check passed; until then the
-    package's reader (``solutions.metric_value``)."""
-    from minipaged.exercises import solutions
-
-    return checking.usable("metric_value", fn, solutions.metric_value)
-
-
-__all__ = ["check_stream_delta", "check_metric_value", "usable"]
+@exercise
+def check_sample_indices(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
+    learner = Learner("sample_indices", fn)
+    for case, (seqs, _, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
+        expected = batch.sample_indices.tolist()
+        got = list(map(int, learner(list(seqs))))
+        if got != expected:
+            if len(got) != len(expected):
+                hint = (f"one row per sequence ({len(expected)} here): a prompt's earlier tokens "
+                        f"already have their next token (it is the prompt's next token)")
+            elif sorted(got) == sorted(expected):
+                hint = "the right rows in the wrong order: follow the flat batch's order"
+            else:
+                hint = ("a row number counts tokens of the flat batch: where does each "
+                        "sequence's last token land once the prompts before it are packed?")
+            fail(learner.name, case, _show(seqs), got, expected, hint)
+    return passed(learner, num_cases)

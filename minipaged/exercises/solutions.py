@@ -84,7 +84,7 @@ def resume_and_admit(swapped, waiting, num_free):
     return swapped_in, admitted
 
 
-# ---- lesson 06 -------------------------------------------------------------------------------
+# ---- lesson 08 -------------------------------------------------------------------------------
 
 
 def _flat_positions(seqs):
@@ -136,7 +136,7 @@ def lane_key_chunks(lane, head_size, block_size, x):
     return lane // G, list(range(lane % G, head_size // x, G))
 
 
-# ---- lesson 07 -------------------------------------------------------------------------------
+# ---- lesson 11 -------------------------------------------------------------------------------
 
 
 def block_hash(parent_hash, token_ids):
@@ -155,7 +155,7 @@ def cached_tokens(prompt, cached_names, block_size):
     return count
 
 
-# ---- lesson 08 -------------------------------------------------------------------------------
+# ---- lesson 13 -------------------------------------------------------------------------------
 
 
 def stream_delta(sent, text, finished, stop_strings):
@@ -172,7 +172,7 @@ def metric_value(metrics_text, name):
     return None
 
 
-# ---- lesson 09 -------------------------------------------------------------------------------
+# ---- lesson 14 -------------------------------------------------------------------------------
 
 
 def shard_weight(weight, kind, rank, world_size, parts=None):
@@ -192,3 +192,31 @@ def row_parallel(x, weight, bias, world_size):
     partials = [x[:, r * per_rank:(r + 1) * per_rank] @ weight[:, r * per_rank:(r + 1) * per_rank].T
                 for r in range(world_size)]
     return partials, sum(partials) + bias
+
+
+# ---- lesson 06 (kernel phases) -----------------------------------------------
+# (answers of lesson 06's exercises go here)
+
+
+# ---- lesson 07 (forward pass) ------------------------------------------------
+# (answers of lesson 07's exercises go here)
+
+
+# ---- lesson 09 (continuous batching) -----------------------------------------
+# (answers of lesson 09's exercises go here)
+
+
+# ---- lesson 10 (sampling) ----------------------------------------------------
+# (answers of lesson 10's exercises go here)
+
+
+# ---- lesson 12 (speculative decoding) ----------------------------------------
+# (answers of lesson 12's exercises go here)
+
+
+# ---- lesson 15 (performance) -------------------------------------------------
+# (answers of lesson 15's exercises go here)
+
+
+# ---- lesson 16 (capstone) ----------------------------------------------------
+# (answers of lesson 16's exercises go here)

@@ -1,4 +1,4 @@
-"""The attention and cache operations in plain torch: the reference (lessons 02, 05 and 06).
+"""The attention and cache operations in plain torch: the reference (lessons 02, 05 and 08).
 
 These functions are written to be obviously right. The CUDA kernels of ``csrc/``, the C++ CPU op
 of ``csrc/cpu/attention.cpp``, the CUDA-on-CPU build and the NumPy emulator are all checked

@@ -1,4 +1,4 @@
-"""The flat batch of a few groups, without a scheduler: for lessons 02 and 06 and their exercises.
+"""The flat batch of a few groups, without a scheduler: for lessons 02 and 08 and their exercises.
 
 The engine's ``prepare_inputs`` (``worker/model_runner.py``) reads the scheduler's outputs. A
 lesson that builds groups by hand asks here instead: every fresh prompt is computed whole in one

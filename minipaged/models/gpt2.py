@@ -1,10 +1,10 @@
-"""GPT-2 with paged attention (lesson 06).
+"""GPT-2 with paged attention (lesson 08).
 
 Same weights and arithmetic as transformers' GPT2LMHeadModel: learned position embeddings,
 pre-LayerNorm blocks, fused q/k/v projection (``Conv1D`` weights stored as (in, out)), GELU MLP and
 an output layer tied to the token embedding.
 
-Tensor parallel (lesson 09): each rank holds ``n_head / N`` heads. The fused ``c_attn`` is
+Tensor parallel (lesson 14): each rank holds ``n_head / N`` heads. The fused ``c_attn`` is
 [q | k | v] along its output columns, so each of the three is split per head on its own.
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""LLaMA (and SmolLM2) with paged attention (lesson 06).
+"""LLaMA (and SmolLM2) with paged attention (lesson 08).
 
 Same weights and arithmetic as transformers' LlamaForCausalLM: RMSNorm, grouped-query attention
 with RoPE, a SwiGLU MLP, optionally tied input and output embeddings. The model works on a flat
 batch of tokens (no batch dimension): see ``InputMetadata``.
 
-Tensor parallel (lesson 09): each rank holds ``num_heads / N`` query heads and the
+Tensor parallel (lesson 14): each rank holds ``num_heads / N`` query heads and the
 ``num_kv_heads / N`` kv heads they read, so grouped-query attention stays inside the rank.
 NOTE: N must divide the kv heads; we refuse otherwise rather than replicate kv heads.
 """

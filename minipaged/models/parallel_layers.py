@@ -1,4 +1,4 @@
-"""Megatron-style tensor-parallel layers (lesson 09).
+"""Megatron-style tensor-parallel layers (lesson 14).
 
 With N ranks, every rank holds 1/N of each big weight and the ranks talk only twice per layer:
 
@@ -44,7 +44,7 @@ def set_tensor_parallel_state(rank: int, world_size: int) -> None:
 
 @contextlib.contextmanager
 def tensor_parallel_state(rank: int, world_size: int):
-    """Build layers as rank ``rank`` of ``world_size`` would (lesson 09 counts shard sizes)."""
+    """Build layers as rank ``rank`` of ``world_size`` would (lesson 14 counts shard sizes)."""
     saved = (_STATE.rank, _STATE.world_size)
     set_tensor_parallel_state(rank, world_size)
     try:
@@ -217,7 +217,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 @torch.no_grad()
 def copy_shard_from(shard: nn.Module, whole: nn.Module) -> None:
-    """Fill a shard's parameters from the same-named ones of the whole module (lesson 09).
+    """Fill a shard's parameters from the same-named ones of the whole module (lesson 14).
 
     Split parameters cut their slice (``load_shard``); replicated ones (norms) are copied."""
     whole_params = dict(whole.named_parameters())

@@ -1,4 +1,4 @@
-"""Our model implementations, picked by the checkpoint's ``model_type`` (lesson 06)."""
+"""Our model implementations, picked by the checkpoint's ``model_type`` (lesson 08)."""
 from __future__ import annotations
 
 from torch import nn

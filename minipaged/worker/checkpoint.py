@@ -1,4 +1,4 @@
-"""Finding and reading checkpoints: a model's config, state dict and tokenizer (lesson 06).
+"""Finding and reading checkpoints: a model's config, state dict and tokenizer (lesson 08).
 
 This module reads files and knows nothing of devices or dtypes; ``model_loader.py`` builds the
 model from what it reads.

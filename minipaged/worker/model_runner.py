@@ -1,4 +1,4 @@
-"""Turning a scheduled step into one flat batch and running the model on it (lesson 06).
+"""Turning a scheduled step into one flat batch and running the model on it (lesson 08).
 
 All the step's tokens go into one sequence of tokens: first the prompts computed from scratch
 (packed one after another), then chunks that continue a context already in the cache (the

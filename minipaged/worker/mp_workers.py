@@ -1,4 +1,4 @@
-"""Tensor parallelism: N worker processes, one shard of the model each (lesson 09).
+"""Tensor parallelism: N worker processes, one shard of the model each (lesson 14).
 
 The driver (the ``LLMEngine`` in the user's process) keeps the scheduler, the block manager and
 the sampler, and holds no model. Worker ``r`` of N joins a ``torch.distributed`` group (gloo on

@@ -1,4 +1,4 @@
-"""From logits to next tokens: penalties, temperature, top-k, top-p, greedy, beam search (lesson 06).
+"""From logits to next tokens: penalties, temperature, top-k, top-p, greedy, beam search (lesson 08).
 
 The sampler sees one row of logits per *row* of the step (see ``model_runner.Row``). A fresh
 group's sequences share one prompt row, and draw ``best_of`` tokens from it. For beam search the

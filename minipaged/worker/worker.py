@@ -1,10 +1,10 @@
-"""What runs the model for the engine: one ``Worker`` interface, two implementations (lesson 06).
+"""What runs the model for the engine: one ``Worker`` interface, two implementations (lesson 08).
 
 The engine (``engine/llm_engine.py``) keeps the bookkeeping: scheduler, block manager, sampler.
 Everything that holds tensors of the model or of the KV cache sits behind a ``Worker``:
 
 - ``LocalWorker``: the model, its ``CacheEngine`` and a ``ModelRunner`` in this process;
-- ``TensorParallelWorkers`` (``worker/mp_workers.py``, lesson 09): N processes, one shard each,
+- ``TensorParallelWorkers`` (``worker/mp_workers.py``, lesson 14): N processes, one shard each,
   every one of them running a ``LocalWorker`` on its shard.
 
 The engine calls only the methods below, in this order: ``profile_num_gpu_blocks`` (may be

@@ -1,4 +1,4 @@
-"""Lesson 06 on a GPU: the whole engine, running our CUDA kernels, gives transformers' tokens.
+"""Lesson 08 on a GPU: the whole engine, running our CUDA kernels, gives transformers' tokens.
 
 Tiny random GPT-2 and LLaMA models (head size 64, so the CUDA kernel is used rather than the
 fallback) are saved with save_pretrained; prompts are picked so that the float64 greedy path has
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from tiny_models import pick_prompts, save_tiny_model  # noqa: E402  (tests/ is on sys.path)
 
-pytestmark = pytest.mark.lesson06
+pytestmark = pytest.mark.lesson08
 
 BLOCK = 16
 LENGTHS = [1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, 70]  # one token, one block, a block + 1, many

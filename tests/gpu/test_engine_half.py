@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from tiny_models import min_greedy_gap, save_tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.lesson06
+pytestmark = pytest.mark.lesson08
 
 HEAD_64 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                num_key_value_heads=2)

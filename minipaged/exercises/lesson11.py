@@ -1,4 +1,4 @@
-"""Lesson 07 exercises: the name of a full block, and how much of a prompt the cache serves.
+"""Lesson 11 exercises: the name of a full block, and how much of a prompt the cache serves.
 
     block_hash(parent_hash, token_ids) -> int
         the name of a full block: the same for the same (parent, tokens), whether the tokens

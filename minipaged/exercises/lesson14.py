@@ -1,4 +1,4 @@
-"""Lesson 09 exercises: cutting a weight for tensor parallelism, and the all-reduce.
+"""Lesson 14 exercises: cutting a weight for tensor parallelism, and the all-reduce.
 
 Weights are stored as ``nn.Linear`` stores them: ``(out_features, in_features)``.
 
