@@ -1,10 +1,15 @@
 """Each lesson opens in JupyterLab in a real browser, runs all its cells, and shows no error.
 
 JupyterLab is started on 127.0.0.1 over a copy of the lessons (so saving does not touch the
-repository), with MINIPAGED_SOLUTIONS=1 so that unanswered exercises use the solutions. Debian's
-Chromium, driven by playwright, opens each notebook, runs "Run All Cells", waits for the kernel,
-and saves. Then: no saved output is an error, every widget output rendered in the page (no
-"Error displaying widget"), and every code cell ran. Nothing is downloaded.
+repository), as a learner first meets them: MINIPAGED_SOLUTIONS is unset, so every exercise still
+says ``not_done()``, its checker says "not done yet" without raising, and the cells after it go
+on with the package's own function. Debian's Chromium, driven by playwright, opens each notebook,
+runs "Run All Cells", waits for the kernel, and saves. Then: no saved output is an error, every
+widget output rendered in the page (no "Error displaying widget"), every code cell ran, and no
+solution was filled in. Nothing is downloaded.
+
+This is the course's unanswered run; ``pytest --nbmake lessons`` is the answered one
+(lessons/conftest.py sets MINIPAGED_SOLUTIONS=1 there). Each lesson's time is printed.
 """
 import json
 import os
@@ -44,7 +49,8 @@ def lab(tmp_path_factory):
     notification.mkdir(parents=True)
     (notification / "notification.jupyterlab-settings").write_text(
         '{"fetchNews": "false", "checkForUpdates": false}')
-    env = dict(os.environ, MINIPAGED_SOLUTIONS="1", JUPYTER_PLATFORM_DIRS="1",
+    env = {k: v for k, v in os.environ.items() if k != "MINIPAGED_SOLUTIONS"}
+    env.update(JUPYTER_PLATFORM_DIRS="1",
                JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
@@ -112,8 +118,10 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
                                " && w.sessionContext.session.kernel"
                                " && w.sessionContext.session.kernel.connectionStatus"
                                " === 'connected'; }", timeout=120_000)
+        start = time.perf_counter()
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
         _wait_until_done(page)
+        print(f"{name}: {time.perf_counter() - start:.1f} s in JupyterLab, exercises unanswered")
         page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
         page.wait_for_timeout(1500)
         notebook = json.loads((work / f"{name}.ipynb").read_text())
@@ -123,6 +131,12 @@ def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
         assert not errors, errors
         counts = [c.get("execution_count") for c in code]
         assert all(counts), f"some cells did not run: {counts}, in the page {page.evaluate(COUNTS)}"
+        printed = "".join(o.get("text", "") if isinstance(o.get("text", ""), str)
+                          else "".join(o["text"]) for c in code for o in c.get("outputs", [])
+                          if o["output_type"] == "stream")
+        if any("not_done()" in "".join(c["source"]) for c in code):
+            assert "not done yet" in printed, "an unanswered checker must say so"
+        assert "solution was used" not in printed, "nothing may fill in the answers here"
         widgets = sum("application/vnd.jupyter.widget-view+json" in o.get("data", {})
                       for c in code for o in c.get("outputs", []))
         page_text = page.inner_text(".jp-NotebookPanel")
