@@ -135,14 +135,21 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
 
 
 class ModelRunner:
-    """Runs the model on a prepared batch and keeps the rows that produce a next token."""
+    """Runs the model on a prepared batch and keeps the rows that produce a next token.
+
+    ``graph_runner`` (``worker/cuda_graphs.py``), when set, serves the decode-only steps it can
+    hold from captured CUDA graphs; every other step runs eagerly here.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.graph_runner = None
 
     @torch.inference_mode()
     def execute_model(self, inputs: PreparedInputs, kv_caches) -> torch.Tensor:
         """Logits (R, vocab) in float32, one row per ``inputs.rows`` entry."""
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+            return self.graph_runner.execute(inputs)  # decode rows are the sampled rows
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)  # (T, C)
         hidden = hidden.index_select(0, inputs.sample_indices)  # (R, C)
         return self.model.compute_logits(hidden).float()  # (R, vocab)

@@ -121,6 +121,22 @@ class LocalWorker(Worker):
         self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
 
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int,
+                           capture: bool | None = None) -> None:
+        """Serve decode steps from CUDA graphs (``worker/cuda_graphs.py``), after ``init_cache``.
+
+        Args:
+            max_num_seqs, max_model_len, block_size: size the graphs' static buffers.
+            capture: record the graphs now (default on CUDA); False runs decode steps eagerly
+                on the same static buffers (how the CPU tests check the padding).
+        """
+        from minipaged.worker.cuda_graphs import GraphRunner
+
+        runner = GraphRunner(self.model, self.cache_engine.gpu_cache, max_num_seqs,
+                             max_model_len, block_size, capture)
+        runner.capture_all()
+        self.model_runner.graph_runner = runner
+
     def swap_in(self, src_to_dst: dict[int, int]) -> None:
         self.cache_engine.swap_in(src_to_dst)
 
