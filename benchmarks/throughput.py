@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="CPU KV budget")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="on CUDA: no CUDA graphs for decode steps (compare with and without)")
     ap.add_argument("--skip", default="", help="comma list of: static, continuous")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     ap.add_argument("--note", default="", help="a remark recorded with the results")
@@ -214,15 +216,16 @@ def main(argv=None) -> int:
 
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-              **llm_kwargs)
+              enforce_eager=args.enforce_eager, **llm_kwargs)
     engine = llm.llm_engine
     device, dtype = engine.device, engine.dtype
     machine = machine_description(device)
     if device.type == "cpu":
         machine += "; " + cpu_capability_notes(dtype)
     peak = matmul_peak_flops(device, dtype)
-    print(f"model {model_name} on {machine}, {dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s",
-          flush=True)
+    graphs = getattr(getattr(engine.worker, "model_runner", None), "graph_runner", None) is not None
+    print(f"model {model_name} on {machine}, {dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s; "
+          f"CUDA graphs {'on' if graphs else 'off'}", flush=True)
 
     # Every trace size runs the three systems on the same weights, one after another.
     traces = {n: make_trace(args.trace, n, args.prompt_len, args.output_len, args.max_total,

@@ -61,6 +61,7 @@ _RULES = {
     "worker_timeout": (as_number, lambda v: v > 0, "a number of seconds > 0"),
     "enable_prefix_caching": (_flag, lambda v: True, "True or False"),
     "enable_chunked_prefill": (_flag, lambda v: True, "True or False"),
+    "enforce_eager": (_flag, lambda v: True, "True or False"),
     "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
     "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
 }
@@ -103,6 +104,8 @@ class EngineConfig:
             that starts like an earlier one takes its blocks instead of computing them
             (lesson 11). Outputs are the same either way.
         hf_config: a transformers config to use instead of the one of ``model``.
+        enforce_eager: never replay decode steps from CUDA graphs (``worker/cuda_graphs.py``;
+            on CUDA with one rank they are captured by default; the CPU runs eagerly anyway).
     """
 
     model: str | None
@@ -127,6 +130,7 @@ class EngineConfig:
     tensor_parallel_size: int
     worker_timeout: float
     enable_prefix_caching: bool
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

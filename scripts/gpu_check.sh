@@ -20,3 +20,7 @@ python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy gpt2 --tr
   --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 1024 --static-batch 64
 python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy llama-7b --trace sharegpt \
   --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 2048 --static-batch 32
+# The same engine without CUDA graphs (decode steps launched eagerly), minipaged only.
+python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy gpt2 --trace sharegpt \
+  --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 1024 --enforce-eager \
+  --skip static,continuous

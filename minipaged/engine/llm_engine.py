@@ -55,7 +55,7 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True,
                  load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
                  worker_timeout: float = DEFAULT_TIMEOUT_S,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False) -> None:
         self.config = cfg = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -65,7 +65,8 @@ class LLMEngine:
             preemption_mode=preemption_mode, watermark=watermark,
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
             hf_config=hf_config, tensor_parallel_size=tensor_parallel_size,
-            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching)
+            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager)
         resolved_device = resolve_device(cfg.device)
 
         # -- the model ---------------------------------------------------------------------------
@@ -122,6 +123,9 @@ class LLMEngine:
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
         self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
                                num_gpu_blocks, num_cpu_blocks)
+        if (not cfg.enforce_eager and self.worker.device.type == "cuda"
+                and cfg.tensor_parallel_size == 1):  # decode steps from CUDA graphs (lesson 15)
+            self.worker.enable_cuda_graphs(cfg.max_num_seqs, max_len, cfg.block_size)
         self.block_manager = BlockSpaceManager(cfg.block_size, num_gpu_blocks, num_cpu_blocks,
                                                cfg.watermark, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)

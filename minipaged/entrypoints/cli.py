@@ -46,6 +46,8 @@ ENGINE_OPTIONS = [
     ("tensor_parallel_size", int, "split the model over N worker processes (lesson 14)"),
     ("worker_timeout", float, "seconds a tensor-parallel step may take before the engine "
                               "gives up"),
+    ("enforce_eager", bool, "on CUDA: run decode steps eagerly instead of replaying CUDA "
+                            "graphs"),
 ]
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "load_format": ["auto", "dummy"]}
 

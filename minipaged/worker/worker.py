@@ -14,6 +14,7 @@ else.
 """
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -134,7 +135,13 @@ class LocalWorker(Worker):
 
         runner = GraphRunner(self.model, self.cache_engine.gpu_cache, max_num_seqs,
                              max_model_len, block_size, capture)
-        runner.capture_all()
+        try:
+            runner.capture_all()
+        except Exception as exc:  # noqa: BLE001 - the engine must run without graphs too
+            # NOTE: a model whose step cannot be captured (a host synchronisation inside it,
+            # say) still runs, eagerly, rather than failing at start-up.
+            warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {exc!r}")
+            return
         self.model_runner.graph_runner = runner
 
     def swap_in(self, src_to_dst: dict[int, int]) -> None:
