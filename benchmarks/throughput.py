@@ -223,7 +223,8 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         machine += "; " + cpu_capability_notes(dtype)
     peak = matmul_peak_flops(device, dtype)
-    graphs = getattr(getattr(engine.worker, "model_runner", None), "graph_runner", None) is not None
+    runner = getattr(engine.worker, "model_runner", None)  # none in a tensor-parallel driver
+    graphs = getattr(runner, "graph_runner", None) is not None
     print(f"model {model_name} on {machine}, {dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s; "
           f"CUDA graphs {'on' if graphs else 'off'}", flush=True)
 
