@@ -26,6 +26,10 @@ def _fmt(v: float) -> str:
     return f"{float(v):.3g}"
 
 
+def _exact(v: float) -> str:  # for data attributes, which tests read
+    return f"{float(v):.7g}"
+
+
 def _legend(root, x: float, y: float, labels: list[str]) -> None:
     for i, label in enumerate(labels):
         el(root, "rect", x=x, y=y - 9, width=10, height=10, fill=colour(i), class_="swatch")
@@ -87,7 +91,7 @@ def render_logits(t: dict, block_size: int, title: str | None = None) -> str:
     width = max(width, 20 + text_width(label, 11) + 20, 20 + text_width(title or "", 13),
                 left + 4 * 90)
     height = top + plot_h + 46
-    root = svg_root(width, height, "logits", data_tokens=n, data_max=_fmt(logits[best]))
+    root = svg_root(width, height, "logits", data_tokens=n, data_max=_exact(logits[best]))
     if title:
         caption(root, 10, 18, title)
     _legend(root, left, top - 26, [f"warp {w}" for w in range(NUM_WARPS)])
@@ -99,7 +103,7 @@ def render_logits(t: dict, block_size: int, title: str | None = None) -> str:
         token = first + i
         warp = (token // block_size - first // block_size) % NUM_WARPS
         h = abs(v) / hi * (plot_h / 2)
-        g = el(root, "g", class_="logit", data_token=token, data_warp=warp, data_value=_fmt(v))
+        g = el(root, "g", class_="logit", data_token=token, data_warp=warp, data_value=_exact(v))
         el(g, "rect", x=left + i * bar, y=zero - h if v >= 0 else zero, width=max(bar - 1, 1),
            height=max(h, 0.5), fill=colour(warp))
     for b in range(0, n, block_size):  # block boundaries
@@ -108,7 +112,7 @@ def render_logits(t: dict, block_size: int, title: str | None = None) -> str:
     x = left + best * bar + bar / 2
     h = abs(logits[best]) / hi * (plot_h / 2)
     marker = el(root, "g", class_="max-marker", data_token=first + best,
-                data_value=_fmt(logits[best]))
+                data_value=_exact(logits[best]))
     el(marker, "rect", x=left + best * bar - 1, y=zero - h - 1, width=bar + 1, height=h + 2,
        fill="none", stroke=HIGHLIGHT, stroke_width=1.5)
     anchor = "start" if x + text_width(label, 11) < width - 10 else "end"
@@ -143,12 +147,12 @@ def render_phase4_sums(t: dict, out_row, rows=range(8), title: str | None = None
         values = [float(sums[w][row]) for w in range(NUM_WARPS)]
         total = sum(values)
         for w, v in enumerate(values):
-            g = el(root, "g", class_="warp-sum", data_row=row, data_warp=w, data_value=_fmt(v))
+            g = el(root, "g", class_="warp-sum", data_row=row, data_warp=w, data_value=_exact(v))
             el(g, "rect", x=left + w * col + 1, y=y + 1, width=col - 2, height=18,
                fill=colour(w), opacity=0.35)
             text(g, left + w * col + col / 2, y + 14, _fmt(v), size=10, anchor="middle")
         for c, cls, v in ((NUM_WARPS, "row-total", total), (NUM_WARPS + 1, "output", out_row[row])):
-            g = el(root, "g", class_=cls, data_row=row, data_value=_fmt(v))
+            g = el(root, "g", class_=cls, data_row=row, data_value=_exact(v))
             el(g, "rect", x=left + c * col + 1, y=y + 1, width=col - 2, height=18, fill=FREE_FILL)
             text(g, left + c * col + col / 2, y + 14, _fmt(v), size=10, anchor="middle",
                  weight="bold")
@@ -156,29 +160,29 @@ def render_phase4_sums(t: dict, out_row, rows=range(8), title: str | None = None
     return to_string(root)
 
 
-def render_key_loads(loads_by_variant: dict, title: str | None = None) -> str:
+def render_key_loads(loads_by_variant: dict, group_size: int, title: str | None = None) -> str:
     """The bytes of one KV block's keys (x axis) that each load instruction of one warp reads
-    (one strip per instruction), for each variant. ``loads_by_variant[name]`` is the warp's
-    per-lane lists of (byte offset, bytes) for its first visit (``t["key_loads"][warp]``, cut
-    to one visit); offsets are drawn from the smallest one."""
-    if not loads_by_variant:
-        raise ValueError("no loads to draw")
+    (one strip per instruction), for each variant; a lane's bytes are coloured by its place in
+    its thread group of ``group_size`` lanes. ``loads_by_variant[name]`` is the warp's per-lane
+    lists of (byte offset, bytes) in one KV block (``kernel_trace.visit_loads``); offsets are
+    drawn from the smallest one."""
+    if not loads_by_variant or group_size < 1:
+        raise ValueError("no loads to draw, or group_size < 1")
     starts = [a for lanes in loads_by_variant.values() for loads in lanes for a, _ in loads]
     ends = [a + s for lanes in loads_by_variant.values() for loads in lanes for a, s in loads]
     base, span = min(starts), max(ends) - min(starts)
-    left, strip, plot_w = 150, 9, 800
+    left, strip, plot_w = 110, 9, 800
     scale = plot_w / span
-    top = 58 if title else 38
-    height = top
-    for lanes in loads_by_variant.values():
-        height += 30 + max(len(loads) for loads in lanes) * strip
-    height += 24
+    top = 78 if title else 58
+    height = top + sum(28 + max(len(loads) for loads in lanes) * strip + 8
+                       for lanes in loads_by_variant.values()) + 24
     width = left + plot_w + 20
-    root = svg_root(width, height, "key-loads", data_bytes=span)
+    root = svg_root(width, height, "key-loads", data_bytes=span, data_group_size=group_size)
     if title:
         caption(root, 10, 18, title)
+    _legend(root, 10, top - 26, [f"lane {j} of its group" for j in range(group_size)])
     y = top
-    for v, (name, lanes) in enumerate(loads_by_variant.items()):
+    for name, lanes in loads_by_variant.items():
         instructions = max(len(loads) for loads in lanes)
         size = max(s for loads in lanes for _, s in loads)
         text(root, 10, y + 12, f"{name}: {instructions} load instructions of {size} B per lane",
@@ -191,11 +195,11 @@ def render_key_loads(loads_by_variant: dict, title: str | None = None) -> str:
                     continue
                 a, s = loads[i]
                 el(root, "rect", x=left + (a - base) * scale, y=y, width=max(s * scale - 0.4, 0.6),
-                   height=strip - 1, fill=colour(lane),
-                   class_="load", data_variant=name, data_instruction=i, data_lane=lane,
-                   data_offset=a - base, data_bytes=s)
+                   height=strip - 1, fill=colour(lane % group_size), class_="load",
+                   data_variant=name, data_instruction=i, data_lane=lane, data_offset=a - base,
+                   data_bytes=s)
             y += strip
-        y += 8
-    text(root, 10, height - 8, f"x: the {span} bytes of one KV block's keys; colour: the lane",
+        y += 14
+    text(root, 10, height - 8, f"x: the {span} bytes of one KV block's keys, in memory order",
          size=10, fill=MUTED)
     return to_string(root)

@@ -144,7 +144,7 @@ def load(variant: str = "plain") -> CudaKernels:
 
 
 # ----------------------------------------------------------------------------------------------
-# One warp's shuffles, recorded while the real kernel runs (lesson 05)
+# One warp's shuffles, recorded while the real kernel runs (lesson 06)
 # ----------------------------------------------------------------------------------------------
 def trace_shuffles(kernels, run, block=(0, 0, 0), warp: int = 0):
     """Run ``run()`` (a call of ``kernels``) with the shuffles of one warp recorded.

@@ -1,4 +1,4 @@
-"""The paged-attention kernel of ``csrc/paged_attention.cu``, run lane by lane in NumPy (lesson 05).
+"""The kernel of ``csrc/paged_attention.cu``, run lane by lane in NumPy (lessons 05 and 06).
 
 The emulator follows the CUDA file step by step, so the lesson can run the kernel on a laptop
 and the tests can check its logic without a GPU:
