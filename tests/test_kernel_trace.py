@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minipaged.kernels import cuda_on_cpu, kernel_trace, reference
+from minipaged.kernels import emulator as emu
 
 pytestmark = [pytest.mark.lesson06, pytest.mark.slow]
 
@@ -126,6 +127,10 @@ def test_key_load_counts(head_size, block_size, dtype, traced, shared):
     assert ours["bytes_per_load"] == 16 and theirs["bytes_per_load"] == 16 // group
     assert ours["instructions"] == -(-chunks // group) and theirs["instructions"] == chunks
     assert theirs["lane_loads"] == 32 * chunks
+    shape = emu.KernelShape(head_size, block_size, x)  # the emulator's count (lesson 05)
+    assert emu.key_loads_per_block(shape) == (ours["instructions"], ours["bytes_per_load"])
+    assert emu.key_loads_per_block(shape, shared_group_load=True) == \
+        (theirs["instructions"], theirs["bytes_per_load"])
     assert theirs["sectors"] == theirs["distinct_sectors"]  # each instruction: whole sectors
 
 

@@ -27,7 +27,8 @@ def test_sector_and_line_counts_are_the_ones_the_text_states():
         counts[block_size] = {layout: emu.warp_key_load(shape, 2, layout)
                               for layout in ("paged", "naive")}
     for block_size in (8, 16):  # the same bytes either way
-        assert counts[block_size]["paged"]["sectors"] == counts[block_size]["naive"]["sectors"] == 16
+        assert counts[block_size]["paged"]["sectors"] == 16
+        assert counts[block_size]["naive"]["sectors"] == 16
     assert counts[32]["naive"]["sectors"] == 32 and counts[32]["paged"]["sectors"] == 16
     assert counts[16]["paged"]["lines"] == 4 and counts[16]["naive"]["lines"] == 16
     assert "both layouts move the same 16 sectors" in text

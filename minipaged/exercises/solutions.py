@@ -136,6 +136,12 @@ def lane_key_chunks(lane, head_size, block_size, x):
     return lane // G, list(range(lane % G, head_size // x, G))
 
 
+def key_loads(head_size, block_size, x, shared):
+    G = max(32 // block_size, 1)  # lanes per token
+    chunks = head_size // x  # 16-byte chunks in one key
+    return (chunks, 16 // G) if shared else (-(-chunks // G), 16)
+
+
 # ---- lesson 11 -------------------------------------------------------------------------------
 
 

@@ -205,6 +205,16 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
     return _like(out, query)
 
 
+def key_loads_per_block(c: KernelShape, shared_group_load: bool = False) -> tuple[int, int]:
+    """(load instructions one warp issues for the keys of one KV block in phase 2, bytes each
+    lane loads per instruction): ours, each lane whole 16-byte chunks; vLLM's
+    (``shared_group_load``, MINIPAGED_SHARED_GROUP_LOAD), the G lanes of a group 16 / G bytes
+    each of every chunk (lesson 05; tests/test_kernel_trace.py counts the real kernel's)."""
+    if shared_group_load:
+        return c.NUM_K_CHUNKS, 16 // c.G
+    return c.K_CHUNKS_PER_LANE, 16
+
+
 def warp_blocks(warp: int, start: int, end: int, block_size: int, num_warps: int = 4) -> list[int]:
     """The KV blocks of the sequence (indices into its block table) that warp ``warp`` visits,
     in order, in a CUDA block that covers the tokens [start, end) (``start`` a multiple of
