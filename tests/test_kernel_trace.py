@@ -82,6 +82,7 @@ def test_recorded_loops_match_the_reference(block_size, traced):
         blocks = -(-n // block_size)
         # visits: warp w takes blocks w, w+4, ...; together every block exactly once
         assert t["visits"] == [list(range(w, blocks, 4)) for w in range(4)]
+        assert t["visits"] == [emu.warp_blocks(w, 0, n, block_size) for w in range(4)]
         visited = sorted(b for v in t["visits"] for b in v)
         assert visited == list(range(blocks))
         assert [p for v in t["physical"] for p in v] == \
@@ -107,6 +108,9 @@ def test_v2_partitions_are_traced_each(traced):
     assert [len(trace[(0, 0, p)]["logits"]) for p in range(3)] == [512, 512, 76]
     assert sorted(b for p in range(3) for v in trace[(0, 0, p)]["visits"] for b in v) == \
         list(range(69))
+    for p in range(3):  # the loop of lesson 06's exercise 1, partition by partition
+        start, end = 512 * p, min(512 * (p + 1), 1100)
+        assert trace[(0, 0, p)]["visits"] == [emu.warp_blocks(w, start, end, 16) for w in range(4)]
 
 
 @pytest.mark.parametrize("head_size,block_size,dtype", [
