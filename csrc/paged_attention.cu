@@ -1,4 +1,4 @@
-// Single-query paged attention: the decode kernels of lesson 05.
+// Single-query paged attention: the decode kernels of lessons 05 and 06.
 //
 // Every running sequence has one new token whose query must attend to all the keys and values
 // already in the KV cache. Those keys and values are not contiguous: they live in fixed-size
@@ -38,6 +38,14 @@
 //
 // Readability first: every reduction says which lanes exchange values. The emulator in
 // minipaged/kernels/emulator.py follows this file step by step.
+//
+// Two compile-time switches, both off in every GPU build (minipaged/kernels/cuda_on_cpu.py
+// defines them for its CPU builds of lesson 06 and of lesson 05's load comparison):
+//   MINIPAGED_TRACE                records the loops as they run: MP_TRACE(kind, a, b, value)
+//                                  calls the CPU runtime's recorder; undefined, it is nothing.
+//   MINIPAGED_SHARED_GROUP_LOAD    phase 2 loads the keys the way vLLM's kernel does: the G
+//                                  lanes of a thread group share each 16-byte chunk, 16 / G
+//                                  bytes per lane, instead of each lane loading whole chunks.
 
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -49,10 +57,35 @@
 
 #include "kernels.h"  // the extern "C" declarations: the compiler checks they match
 
+#ifdef MINIPAGED_TRACE
+#define MP_TRACE(kind, a, b, value) \
+  ::cuda_on_cpu::record_event((kind), (long long)(a), (long long)(b), (float)(value))
+#else
+#define MP_TRACE(kind, a, b, value) ((void)0)
+#endif
+
 namespace minipaged {
 
 constexpr int WARP_SIZE = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
+
+#ifdef MINIPAGED_SHARED_GROUP_LOAD
+constexpr bool SHARED_GROUP_LOAD = true;
+#else
+constexpr bool SHARED_GROUP_LOAD = false;
+#endif
+
+// What MP_TRACE records (a, b, value), per CUDA thread; the reader is cuda_on_cpu.run_traced.
+enum TraceKind {
+  TRACE_VISIT = 1,   // the warp's loop reaches a KV block: (block of the sequence, physical
+                     // block, phase 2 or 4)
+  TRACE_KEY_LOAD,    // one global load of key bytes in phase 2: (address, bytes, 0)
+  TRACE_LOGIT,       // phase 2: (token of the sequence, lane in its group, scaled q.k)
+  TRACE_MAX,         // phase 3: (0, 0, the block's maximum logit)
+  TRACE_EXP_SUM,     // phase 3: (0, 0, the block's sum of exponentials)
+  TRACE_LANE_SUM,    // phase 4, before any shuffle: (row, slice, this lane's partial sum)
+  TRACE_WARP_SUM,    // phase 4, the warp's row sum written for the cross-warp add: (row, warp, sum)
+};
 
 // ----------------------------------------------------------------------------------------------
 // 16-byte vectors: one load instruction brings X = 16 / sizeof(T) elements, converted to fp32.
@@ -167,6 +200,87 @@ struct PartitionStats {
   float exp_sum;
 };
 
+// ---- phase 2's key load, two ways --------------------------------------------------------
+// Both return this lane's part of q.k for one token: the G lanes of the token's thread group
+// split the key between them (G = 32 / BLOCK_SIZE, at least 1), and their parts add up to q.k.
+// `k` points at chunk 0 of the token's key; chunk c (X elements, 16 bytes) is at
+// k + c * BLOCK_SIZE * X.
+
+// Ours: lane j of the group loads whole chunks j, j + G, j + 2G, ...: each load is 16 bytes.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+__device__ __forceinline__ float key_dot_own_chunks(const T* k, const float* q_smem,
+                                                    int lane_in_group) {
+  constexpr int X = Vec16<T>::N;
+  constexpr int G = BLOCK_SIZE < WARP_SIZE ? WARP_SIZE / BLOCK_SIZE : 1;
+  constexpr int NUM_K_CHUNKS = HEAD_SIZE / X;
+  constexpr int K_CHUNKS_PER_LANE = (NUM_K_CHUNKS + G - 1) / G;
+  // Load first, then multiply: all of this lane's 16-byte loads are in flight together.
+  uint4 k_raw[K_CHUNKS_PER_LANE];
+#pragma unroll
+  for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
+    const int c = lane_in_group + i * G;
+    if (c < NUM_K_CHUNKS) {
+      k_raw[i] = load16(k + c * BLOCK_SIZE * X);
+      MP_TRACE(TRACE_KEY_LOAD, reinterpret_cast<uintptr_t>(k + c * BLOCK_SIZE * X), 16, 0);
+    }
+  }
+  float partial = 0.f;
+#pragma unroll
+  for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
+    const int c = lane_in_group + i * G;
+    if (c < NUM_K_CHUNKS) {
+      float k_vals[X];
+      unpack<T>(k_raw[i], k_vals);
+      // the matching query chunk, read from shared memory 4 floats at a time
+      const float4* q4 = reinterpret_cast<const float4*>(q_smem + c * X);
+#pragma unroll
+      for (int e = 0; e < X / 4; ++e) {
+        const float4 qv = q4[e];
+        partial += qv.x * k_vals[4 * e] + qv.y * k_vals[4 * e + 1] +
+                   qv.z * k_vals[4 * e + 2] + qv.w * k_vals[4 * e + 3];
+      }
+    }
+  }
+  return partial;
+}
+
+// One load of BYTES bytes (16, 8 or 4): the register type that holds it.
+template <int BYTES> struct LoadType;
+template <> struct LoadType<16> { using type = uint4; };
+template <> struct LoadType<8> { using type = uint2; };
+template <> struct LoadType<4> { using type = unsigned; };
+
+// vLLM's way: the G lanes of a group fetch each 16-byte chunk *together*, VEC_SIZE =
+// 16 / (G * sizeof(T)) elements per lane (lane j takes elements [j * VEC_SIZE, (j+1) * VEC_SIZE)
+// of the chunk), and the group walks the key chunk by chunk. Same bytes, G times as many (G
+// times smaller) load instructions per lane.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+__device__ __forceinline__ float key_dot_shared_chunks(const T* k, const float* q_smem,
+                                                       int lane_in_group) {
+  constexpr int X = Vec16<T>::N;
+  constexpr int G = BLOCK_SIZE < WARP_SIZE ? WARP_SIZE / BLOCK_SIZE : 1;
+  constexpr int VEC_SIZE = X / G;  // = 16 / (G * sizeof(T))
+  constexpr int NUM_K_CHUNKS = HEAD_SIZE / X;  // one load per chunk per lane
+  using Raw = typename LoadType<VEC_SIZE * (int)sizeof(T)>::type;
+  static_assert(VEC_SIZE >= 1 && VEC_SIZE * G == X, "a group's lanes split a chunk evenly");
+  Raw k_raw[NUM_K_CHUNKS];
+#pragma unroll
+  for (int c = 0; c < NUM_K_CHUNKS; ++c) {
+    const T* p = k + c * BLOCK_SIZE * X + lane_in_group * VEC_SIZE;
+    k_raw[c] = *reinterpret_cast<const Raw*>(p);
+    MP_TRACE(TRACE_KEY_LOAD, reinterpret_cast<uintptr_t>(p), sizeof(Raw), 0);
+  }
+  float partial = 0.f;
+#pragma unroll
+  for (int c = 0; c < NUM_K_CHUNKS; ++c) {
+    const T* vals = reinterpret_cast<const T*>(&k_raw[c]);
+    const float* qc = q_smem + c * X + lane_in_group * VEC_SIZE;
+#pragma unroll
+    for (int e = 0; e < VEC_SIZE; ++e) partial += qc[e] * to_float(vals[e]);
+  }
+  return partial;
+}
+
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __device__ __forceinline__ PartitionStats attend(
     const T* __restrict__ q,              // [HEAD_SIZE], this head's query
@@ -179,8 +293,6 @@ __device__ __forceinline__ PartitionStats attend(
   constexpr int X = Vec16<T>::N;                         // elements per 16-byte vector
   // phase 2 (q.k) constants
   constexpr int G = BLOCK_SIZE < WARP_SIZE ? WARP_SIZE / BLOCK_SIZE : 1;  // lanes per token
-  constexpr int NUM_K_CHUNKS = HEAD_SIZE / X;            // 16-byte chunks in one key
-  constexpr int K_CHUNKS_PER_LANE = (NUM_K_CHUNKS + G - 1) / G;
   // phase 4 (probabilities . V) constants
   constexpr int V_VEC = X;                               // tokens in one lane's slice of a row
   constexpr int V_VECS_PER_ROW = BLOCK_SIZE / V_VEC;     // lanes that share a row
@@ -211,33 +323,13 @@ __device__ __forceinline__ PartitionStats attend(
   float qk_max = -FLT_MAX;
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
     const int64_t physical_block = block_table[first_block + b];
+    MP_TRACE(TRACE_VISIT, first_block + b, physical_block, 2);
     const T* k = key_cache + physical_block * k_block_stride +
                  token_in_block * X;  // chunk c of this token is at k + c * BLOCK_SIZE * X
-
-    // Load first, then multiply: all of this lane's 16-byte loads are in flight together.
-    uint4 k_raw[K_CHUNKS_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
-      const int c = lane_in_group + i * G;
-      if (c < NUM_K_CHUNKS) k_raw[i] = load16(k + c * BLOCK_SIZE * X);
-    }
-    float partial = 0.f;
-#pragma unroll
-    for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
-      const int c = lane_in_group + i * G;
-      if (c < NUM_K_CHUNKS) {
-        float k_vals[X];
-        unpack<T>(k_raw[i], k_vals);
-        // the matching query chunk, read from shared memory 4 floats at a time
-        const float4* q4 = reinterpret_cast<const float4*>(q_smem + c * X);
-#pragma unroll
-        for (int e = 0; e < X / 4; ++e) {
-          const float4 qv = q4[e];
-          partial += qv.x * k_vals[4 * e] + qv.y * k_vals[4 * e + 1] +
-                     qv.z * k_vals[4 * e + 2] + qv.w * k_vals[4 * e + 3];
-        }
-      }
-    }
+    // this lane's part of q.k: with our key load, or with vLLM's (MINIPAGED_SHARED_GROUP_LOAD)
+    const float partial = SHARED_GROUP_LOAD
+        ? key_dot_shared_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group)
+        : key_dot_own_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
     // The G lanes of a group are neighbours (lanes G*t .. G*t+G-1): a butterfly over masks
     // G/2 .. 1 adds their partial products, and every lane of the group gets the full q.k.
     // (With G == 1 there is nothing to add and the loop runs zero times.)
@@ -247,6 +339,7 @@ __device__ __forceinline__ PartitionStats attend(
     if (token < num_tokens) {
       if (lane_in_group == 0) logits[token] = qk;
       qk_max = fmaxf(qk_max, qk);
+      MP_TRACE(TRACE_LOGIT, start + token, lane_in_group, qk);
     }
   }
 
@@ -255,6 +348,7 @@ __device__ __forceinline__ PartitionStats attend(
   // (16, 8, ..., G); then the warps combine through red_smem[0 .. NUM_WARPS).
   // The barrier inside block_reduce also makes every logit visible to every thread.
   const float max_logit = block_reduce<NUM_WARPS, G>(qk_max, red_smem, -FLT_MAX, MaxOp());
+  MP_TRACE(TRACE_MAX, 0, 0, max_logit);
 
   float exp_sum = 0.f;
   for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {
@@ -265,6 +359,7 @@ __device__ __forceinline__ PartitionStats attend(
   // Sum: each thread holds its own partial sum, so the warp butterfly runs all the way (16..1);
   // then the warps combine through red_smem[NUM_WARPS .. 2*NUM_WARPS).
   exp_sum = block_reduce<NUM_WARPS, 1>(exp_sum, red_smem + NUM_WARPS, 0.f, SumOp());
+  MP_TRACE(TRACE_EXP_SUM, 0, 0, exp_sum);
   const float inv_sum = 1.f / exp_sum;
   for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) logits[i] *= inv_sum;
   __syncthreads();  // every probability is written before any warp reads them
@@ -282,6 +377,7 @@ __device__ __forceinline__ PartitionStats attend(
 
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
     const int64_t physical_block = block_table[first_block + b];
+    MP_TRACE(TRACE_VISIT, first_block + b, physical_block, 4);
     const T* v = value_cache + physical_block * v_block_stride +
                  slice * V_VEC;  // row r of this lane's slice is at v + r * BLOCK_SIZE
     const int first_token = b * BLOCK_SIZE + slice * V_VEC;  // from `start`
@@ -316,6 +412,7 @@ __device__ __forceinline__ PartitionStats attend(
   // V_VECS_PER_ROW/2 .. 1 adds their slices, so each lane holds its rows' sums for this warp.
 #pragma unroll
   for (int i = 0; i < ROWS_PER_LANE; ++i) {
+    MP_TRACE(TRACE_LANE_SUM, row_in_pass + i * ROWS_PER_PASS, slice, acc[i]);
     acc[i] = butterfly<V_VECS_PER_ROW / 2, 1>(acc[i], SumOp());
   }
 
@@ -325,7 +422,10 @@ __device__ __forceinline__ PartitionStats attend(
 #pragma unroll
     for (int i = 0; i < ROWS_PER_LANE; ++i) {
       const int row = row_in_pass + i * ROWS_PER_PASS;
-      if (row < HEAD_SIZE) out_smem[warp * HEAD_SIZE + row] = acc[i];
+      if (row < HEAD_SIZE) {
+        out_smem[warp * HEAD_SIZE + row] = acc[i];
+        MP_TRACE(TRACE_WARP_SUM, row, warp, acc[i]);
+      }
     }
   }
   __syncthreads();

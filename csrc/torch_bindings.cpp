@@ -420,5 +420,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     return out;
   }, "the recorded shuffles: [lane, source lane, sent bits, received bits] in lane order");
+  m.def("trace_events", [](bool enabled) { cuda_on_cpu::trace_events(enabled); },
+        "trace_events(enabled): clear the event record and start (True) or stop recording the "
+        "MP_TRACE events of a traced build (an untraced build records none)");
+  m.def("take_events", [] {
+    const auto events = cuda_on_cpu::take_events();
+    const int64_t n = (int64_t)events.size();
+    auto ints = torch::empty({n, 7}, torch::kInt64);
+    auto values = torch::empty({n}, torch::kFloat32);
+    auto* i = ints.data_ptr<int64_t>();
+    auto* v = values.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      const auto& e = events[r];
+      const int64_t row[7] = {e.kind, e.block[0], e.block[1], e.block[2], e.thread, e.a, e.b};
+      for (int k = 0; k < 7; ++k) i[r * 7 + k] = row[k];
+      v[r] = e.value;
+    }
+    return std::make_tuple(ints, values);
+  }, "the recorded events: (int64 [n, 7] = kind, blockIdx x, y, z, thread, a, b; float32 [n])");
 #endif
 }

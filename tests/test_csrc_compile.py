@@ -49,14 +49,27 @@ def test_there_are_kernels_to_compile():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH or /usr/local/cuda/bin)")
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda p: p.name)
 def test_cu_file_compiles_for_sm80_and_sm90(source, tmp_path):
+    compile_for_gpus(source, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH or /usr/local/cuda/bin)")
+def test_vllms_key_load_compiles_for_the_gpu_too(tmp_path):
+    """MINIPAGED_SHARED_GROUP_LOAD (lesson 05's comparison) is off in every GPU build, but its
+    code must stay valid CUDA: compiled here for sm_90 with the switch on (head size 64 and
+    block size 16 only, to keep it short)."""
+    compile_for_gpus(CSRC / "paged_attention.cu", tmp_path, archs=("90",),
+                     macros=["-DMINIPAGED_SHARED_GROUP_LOAD", "-DMINIPAGED_FEW_INSTANCES"])
+
+
+def compile_for_gpus(source, tmp_path, archs=("80", "90"), macros=()):
     cmd = [
         NVCC, "-c", str(source), "-o", str(tmp_path / (source.stem + ".o")),
         "-std=c++17", "-O2",
-        "-gencode", "arch=compute_80,code=sm_80",
-        "-gencode", "arch=compute_90,code=sm_90",
+        *(f for a in archs for f in ("-gencode", f"arch=compute_{a},code=sm_{a}")),
         "-Xcompiler", "-fPIC",
         "--threads", "0",  # the two architectures in parallel
-        *TORCH_LIKE_MACROS,
+        *TORCH_LIKE_MACROS, *macros,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "LC_ALL": "C"})
@@ -132,8 +145,9 @@ def test_binding_calls_every_launcher_and_exports_the_ops():
     assert exported == {"paged_attention", "paged_attention_plan", "paged_attention_v1_limits",
                         "reshape_and_cache", "copy_blocks", "swap_blocks"}
     # the CPU build (minipaged.kernels.cuda_on_cpu) adds the emulated device's controls only: the device
-    # number, the switch that skips the host-data checks as a GPU must, the launch counters and
-    # the one-warp shuffle trace that lesson 05 draws
+    # number, the switch that skips the host-data checks as a GPU must, the launch counters, the
+    # one-warp shuffle trace and the MP_TRACE event record that lesson 06 draws
     assert set(re.findall(r'm\.def\(\s*"(\w+)"', cpu_only)) == {
-        "set_device", "set_host_checks", "counters", "trace_warp", "take_warp_trace"}
+        "set_device", "set_host_checks", "counters", "trace_warp", "take_warp_trace",
+        "trace_events", "take_events"}
     assert "getCurrentCUDAStream" in text and "CUDAGuard" in text

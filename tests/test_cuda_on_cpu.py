@@ -1,4 +1,4 @@
-"""Lesson 05: the real CUDA kernels of csrc/, run on the CPU lane by lane, against the reference.
+"""Lesson 06: the real CUDA kernels of csrc/, run on the CPU lane by lane, against the reference.
 
 ``minipaged.kernels.cuda_on_cpu.load()`` compiles the unmodified .cu files with the host
 compiler; every CUDA thread is a host thread, __syncthreads a real barrier, shuffles a real
@@ -24,7 +24,7 @@ import torch
 
 from minipaged.kernels import cuda_on_cpu, ops, reference
 
-pytestmark = pytest.mark.lesson05
+pytestmark = pytest.mark.lesson06
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}

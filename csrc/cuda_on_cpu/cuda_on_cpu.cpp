@@ -65,6 +65,11 @@ std::atomic<unsigned> g_trace_block[3] = {};
 std::mutex g_trace_mutex;
 std::vector<ShuffleRecord> g_trace;
 
+// The event recorder (trace_events / record_event).
+std::atomic<bool> g_events_on{false};
+std::mutex g_events_mutex;
+std::vector<TraceEvent> g_events;
+
 // ---- static __shared__ census ---------------------------------------------------------------
 // A kernel's __shared__ variables are function-local statics (see cuda_on_cpu.h). The host
 // compiler names them after the kernel: _ZZ<kernel's mangled name without _Z>E<variable>. The
@@ -429,6 +434,23 @@ void trace_warp(dim3 block, int warp) {
 std::vector<ShuffleRecord> take_warp_trace() {
   std::lock_guard<std::mutex> lock(g_trace_mutex);
   return std::move(g_trace);
+}
+
+void trace_events(bool enabled) {
+  std::lock_guard<std::mutex> lock(g_events_mutex);
+  g_events.clear();
+  g_events_on.store(enabled);
+}
+
+void record_event(int kind, long long a, long long b, float value) {
+  if (!g_events_on.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(g_events_mutex);
+  g_events.push_back({kind, {blockIdx.x, blockIdx.y, blockIdx.z}, tl_thread, a, b, value});
+}
+
+std::vector<TraceEvent> take_events() {
+  std::lock_guard<std::mutex> lock(g_events_mutex);
+  return std::move(g_events);
 }
 
 namespace detail {

@@ -57,6 +57,9 @@ struct dim3 {
 struct __attribute__((may_alias, aligned(16))) uint4 {
   unsigned x, y, z, w;
 };
+struct __attribute__((may_alias, aligned(8))) uint2 {
+  unsigned x, y;
+};
 struct __attribute__((may_alias, aligned(8))) float2 {
   float x, y;
 };
@@ -243,6 +246,21 @@ struct ShuffleRecord {
 };
 void trace_warp(dim3 block, int warp);
 std::vector<ShuffleRecord> take_warp_trace();
+// Events of the traced build of the kernels (MINIPAGED_TRACE, lessons 05 and 06): while
+// `trace_events(true)` is in force, every `record_event` call of a CUDA thread appends what it
+// says (a kind, two integers, a float: their meaning is the kernel's, see MP_TRACE in
+// paged_attention.cu) with the thread's blockIdx and linear thread index. `trace_events` clears
+// the record; `take_events` hands it over in arrival order (threads interleave).
+struct TraceEvent {
+  int kind;
+  unsigned block[3];
+  int thread;
+  long long a, b;
+  float value;
+};
+void trace_events(bool enabled);
+void record_event(int kind, long long a, long long b, float value);
+std::vector<TraceEvent> take_events();
 // Why the last failed launch of this host thread failed, in words ("" if it did not).
 const char* last_error_detail();
 

@@ -1,4 +1,4 @@
-"""Lesson 05 exercises: a butterfly reduction, the address of a key element, a lane's loads.
+"""Lesson 05 exercises: a butterfly, the address of a key element, a lane's loads, load counts.
 
     warp_reduce(values, op) -> (32,) array
         reduce 32 lane values with XOR shuffles (``emulator.shfl_xor``), so that every
@@ -10,10 +10,15 @@
     lane_key_chunks(lane, head_size, block_size, x) -> (token, [chunks])
         in phase 2, which token of the KV block lane ``lane`` works on, and which 16-byte chunks
         of that token's key it loads, in the order of its loads
+    key_loads(head_size, block_size, x, shared) -> (instructions, bytes)
+        for one KV block in phase 2: the load instructions one warp issues for the keys, and the
+        bytes each lane loads per instruction, with our load (``shared=False``) or vLLM's
+        thread-group-shared one (``shared=True``)
 
 Expected answers: ``emulator.butterfly_reduce``; the shape of the cache engine's key
 blocks (``CacheEngine.key_block_shape``), flattened by NumPy; the lanes' loads of
-``emulator.warp_key_load``, load after load.
+``emulator.warp_key_load``, load after load; ``emulator.key_loads_per_block`` (which
+tests/test_kernel_trace.py checks against the real kernel's recorded loads).
 """
 from __future__ import annotations
 
@@ -108,4 +113,29 @@ def check_lane_key_chunks(fn, num_cases: int = 200, seed: int | None = 0) -> Che
                         f"`if (c < NUM_K_CHUNKS)`)")
             fail(learner.name, case, f"lane={lane}, head_size={head_size}, "
                  f"block_size={block_size}, x={x}", got, expected, hint)
+    return passed(learner, num_cases)
+
+
+@exercise
+def check_key_loads(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
+    learner = Learner("key_loads", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        x = rng.choice([4, 8])
+        block_size = rng.choice([8, 16, 32])
+        head_size = rng.choice([h for h in (64, 80, 96, 112, 128, 256) if h % x == 0])
+        shared = case % 2 == 1
+        shape = emu.KernelShape(head_size, block_size, x)
+        expected = emu.key_loads_per_block(shape, shared_group_load=shared)
+        got = learner(head_size, block_size, x, shared)
+        got = tuple(got) if isinstance(got, (tuple, list)) else got
+        if got != expected:
+            hint = ("ours: the lanes of a thread group deal the key's whole chunks among "
+                    "themselves, so a warp needs one round per G chunks (a last, partial round "
+                    "counts too)")
+            if shared:
+                hint = ("vLLM's: every lane of a group takes part in every chunk, so the group "
+                        "splits each 16 bytes G ways and walks the chunks one by one")
+            fail(learner.name, case, f"head_size={head_size}, block_size={block_size}, x={x}, "
+                 f"shared={shared}", got, expected, hint)
     return passed(learner, num_cases)

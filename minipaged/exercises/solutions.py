@@ -136,6 +136,12 @@ def lane_key_chunks(lane, head_size, block_size, x):
     return lane // G, list(range(lane % G, head_size // x, G))
 
 
+def key_loads(head_size, block_size, x, shared):
+    G = max(32 // block_size, 1)  # lanes per token
+    chunks = head_size // x  # 16-byte chunks in one key
+    return (chunks, 16 // G) if shared else (-(-chunks // G), 16)
+
+
 # ---- lesson 11 -------------------------------------------------------------------------------
 
 
@@ -195,7 +201,19 @@ def row_parallel(x, weight, bias, world_size):
 
 
 # ---- lesson 06 (kernel phases) -----------------------------------------------
-# (answers of lesson 06's exercises go here)
+
+
+def warp_blocks(warp, start, end, block_size):
+    first_block = start // block_size
+    num_blocks = -(-(end - start) // block_size)
+    return [first_block + b for b in range(warp, num_blocks, 4)]
+
+
+def combine_partitions(max_logits, exp_sums, outs):
+    import numpy as np
+
+    weights = exp_sums * np.exp(max_logits - max_logits.max())  # each partition's share
+    return weights @ outs / weights.sum()
 
 
 # ---- lesson 07 (forward pass) ------------------------------------------------

@@ -1,4 +1,4 @@
-"""The real CUDA kernels of ``csrc/``, compiled for the CPU and run lane by lane (lesson 05).
+"""The real CUDA kernels of ``csrc/``, compiled for the CPU and run lane by lane (lessons 05, 06).
 
 ``load()`` compiles ``csrc/paged_attention.cu``, ``csrc/cache_kernels.cu`` and
 ``csrc/torch_bindings.cpp`` with the host C++ compiler (``torch.utils.cpp_extension``, cached on
@@ -12,7 +12,12 @@ whose methods take CPU tensors::
     out = kernels.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                   scale)
 
-This is for tests, sanitizers and the lesson, not for speed: a decode step of a small model takes
+Three builds of the same sources (``VARIANTS``): ``load()`` is the kernel as a GPU runs it;
+``load("traced")`` defines ``MINIPAGED_TRACE``, so that the kernel's ``MP_TRACE`` calls record
+its loops (``minipaged.kernels.kernel_trace.run_traced`` reads them); ``load("shared_load")``
+also defines ``MINIPAGED_SHARED_GROUP_LOAD``, vLLM's way of loading keys (lesson 05).
+
+This is for tests, sanitizers and the lessons, not for speed: a decode step of a small model takes
 seconds. The build is a ``minipaged.kernels.build.JitBuild`` like the CPU and CUDA ops, but it
 raises when it fails (there is nothing to fall back to when the point is to run these kernels).
 Here every tensor is on the host, so the binding also checks the contents of ``context_lens``,
@@ -89,34 +94,57 @@ def write_rewritten_sources(out_dir: Path, drop_barrier: str | None = None) -> l
     return written
 
 
-def _make(job: JitBuild) -> CudaKernels:
-    sources = write_rewritten_sources(build_dir(TAG) / "src")
+# variant -> (the build's folder under the cache root, extension name, extra macros)
+VARIANTS = {
+    "plain": ("cuda_on_cpu", "minipaged_cuda_on_cpu", []),
+    "traced": ("cuda_on_cpu_traced", "minipaged_cuda_on_cpu_traced", ["-DMINIPAGED_TRACE"]),
+    "shared_load": ("cuda_on_cpu_shared_load", "minipaged_cuda_on_cpu_shared_load",
+                    ["-DMINIPAGED_TRACE", "-DMINIPAGED_SHARED_GROUP_LOAD"]),
+}
+
+
+def _make_variant(variant: str):
+    tag, name, macros = VARIANTS[variant]
+
+    def make(job: JitBuild) -> CudaKernels:
+        return _make(job, tag, name, macros)
+    return make
+
+
+def _make(job: JitBuild, tag: str, name: str, macros: list[str]) -> CudaKernels:
+    sources = write_rewritten_sources(build_dir(tag) / "src")
     os.environ.setdefault("MAX_JOBS", "2")
     module = compile_extension(
-        job, name="minipaged_cuda_on_cpu", tag=TAG,
+        job, name=name, tag=tag,
         sources=[CSRC / "torch_bindings.cpp", *sources,
                  *(RUNTIME_DIR / s for s in RUNTIME_SOURCES)],
         depends=[CSRC / "kernels.h", RUNTIME_DIR / "cuda_on_cpu.h",
                  *sorted(p for p in (RUNTIME_DIR / "include").rglob("*") if p.is_file())],
         extra_include_paths=[str(RUNTIME_DIR / "include"), str(CSRC)],
-        extra_cflags=["-O2", "-DMINIPAGED_CUDA_ON_CPU", *FLAGS[1:]],
+        extra_cflags=["-O2", "-DMINIPAGED_CUDA_ON_CPU", *macros, *FLAGS[1:]],
         extra_ldflags=["-pthread"])
     return CudaKernels(module)
 
 
-TAG = "cuda_on_cpu"  # the build's folder under the cache root
+TAG = VARIANTS["plain"][0]  # the build's folder under the cache root
 # NOTE: strict: a failed build raises, since there is nothing to fall back to when the point is
 # to run these very kernels; and no switch turns it off.
-BUILD = JitBuild("the CUDA kernels for the CPU", "a few minutes", _make, strict=True)
+BUILDS = {variant: JitBuild(f"the CUDA kernels for the CPU ({variant})", "a few minutes",
+                            _make_variant(variant), strict=True) for variant in VARIANTS}
+BUILD = BUILDS["plain"]
 
 
-def load() -> CudaKernels:
-    """The CUDA kernels built for the CPU (once per process, cached on disk)."""
-    return BUILD.load()
+def load(variant: str = "plain") -> CudaKernels:
+    """The CUDA kernels built for the CPU (once per process, cached on disk): ``variant`` is
+    "plain" (as on a GPU), "traced" (MP_TRACE records) or "shared_load" (traced, with vLLM's
+    key load)."""
+    if variant not in BUILDS:
+        raise ValueError(f"variant must be one of {sorted(BUILDS)}, not {variant!r}")
+    return BUILDS[variant].load()
 
 
 # ----------------------------------------------------------------------------------------------
-# One warp's shuffles, recorded while the real kernel runs (lesson 05)
+# One warp's shuffles, recorded while the real kernel runs (lesson 06)
 # ----------------------------------------------------------------------------------------------
 def trace_shuffles(kernels, run, block=(0, 0, 0), warp: int = 0):
     """Run ``run()`` (a call of ``kernels``) with the shuffles of one warp recorded.

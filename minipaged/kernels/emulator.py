@@ -1,4 +1,4 @@
-"""The paged-attention kernel of ``csrc/paged_attention.cu``, run lane by lane in NumPy (lesson 05).
+"""The kernel of ``csrc/paged_attention.cu``, run lane by lane in NumPy (lessons 05 and 06).
 
 The emulator follows the CUDA file step by step, so the lesson can run the kernel on a laptop
 and the tests can check its logic without a GPU:
@@ -205,6 +205,25 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
     return _like(out, query)
 
 
+def key_loads_per_block(c: KernelShape, shared_group_load: bool = False) -> tuple[int, int]:
+    """(load instructions one warp issues for the keys of one KV block in phase 2, bytes each
+    lane loads per instruction): ours, each lane whole 16-byte chunks; vLLM's
+    (``shared_group_load``, MINIPAGED_SHARED_GROUP_LOAD), the G lanes of a group 16 / G bytes
+    each of every chunk (lesson 05; tests/test_kernel_trace.py counts the real kernel's)."""
+    if shared_group_load:
+        return c.NUM_K_CHUNKS, 16 // c.G
+    return c.K_CHUNKS_PER_LANE, 16
+
+
+def warp_blocks(warp: int, start: int, end: int, block_size: int, num_warps: int = 4) -> list[int]:
+    """The KV blocks of the sequence (indices into its block table) that warp ``warp`` visits,
+    in order, in a CUDA block that covers the tokens [start, end) (``start`` a multiple of
+    ``block_size``; V1: [0, context_len), V2: one partition): the kernel's phase 2 and 4 loops."""
+    first_block = start // block_size
+    num_blocks = -(-(end - start) // block_size)
+    return [first_block + b for b in range(warp, num_blocks, num_warps)]
+
+
 def _cuda_block(c: KernelShape, q, key_cache, value_cache, block_table, context_len, scale,
                 faults, trace, ids):
     """One CUDA block: one query head of one sequence. Returns the output row (head_size,)."""
@@ -227,7 +246,7 @@ def _cuda_block(c: KernelShape, q, key_cache, value_cache, block_table, context_
     q_chunks = q_smem.reshape(c.NUM_K_CHUNKS, c.x)[chunk]  # (32, n, x) each lane's q chunks
     qk_masks = masks.get("qk_dot", butterfly_masks(c.G // 2))
     for warp in range(c.num_warps):
-        for b in range(warp, num_blocks, c.num_warps):  # warps stride over the KV blocks
+        for b in warp_blocks(warp, 0, context_len, c.block_size, c.num_warps):
             k_block = key_cache[block_table[b]]  # (D // x, block_size, x)
             k_vals = k_block[chunk, token_in_block[:, None]]  # (32, n, x): 16-byte loads
             partial = np.where(chunk_ok, (q_chunks * k_vals).sum(-1), 0).sum(-1)  # (32,)
@@ -267,7 +286,7 @@ def _cuda_block(c: KernelShape, q, key_cache, value_cache, block_table, context_
     token_offsets = slice_[:, None] * c.V_VEC + np.arange(c.V_VEC)  # (32, V_VEC) in the block
     acc = np.zeros((c.num_warps, WARP_SIZE, c.ROWS_PER_LANE), dtype=np.float32)  # registers
     for warp in range(c.num_warps):
-        for b in range(warp, num_blocks, c.num_warps):
+        for b in warp_blocks(warp, 0, context_len, c.block_size, c.num_warps):
             v_block = value_cache[block_table[b]]  # (D, block_size)
             tokens = b * c.block_size + token_offsets  # (32, V_VEC)
             in_context = tokens < context_len

@@ -1,4 +1,4 @@
-"""Lesson 05 on a GPU: our CUDA kernels against the torch reference, minipaged.kernels.reference.
+"""Lesson 06 on a GPU: our CUDA kernels against the torch reference, minipaged.kernels.reference.
 
 Attention is compared by relative error (N(0,1) inputs, the reference computed in fp32 on the
 CPU from the very same low-precision inputs); the output is filled with NaN before each run so an
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from minipaged.kernels import ops, reference  # noqa: E402
 
-pytestmark = pytest.mark.lesson05
+pytestmark = pytest.mark.lesson06
 
 DEVICE = "cuda"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

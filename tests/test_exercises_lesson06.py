@@ -1,0 +1,86 @@
+"""Lesson 06's checkers: each passes the solution, fails a plausible wrong answer in a few lines
+with a hint that does not state the code, and says "not done yet" for an unanswered exercise."""
+import ast
+import inspect
+
+import numpy as np
+import pytest
+
+from minipaged.exercises import lesson06, not_done
+from minipaged.exercises import solutions as S
+
+pytestmark = pytest.mark.lesson06
+
+
+def blocks_ignoring_start(warp, start, end, block_size):
+    return list(range(warp, -(-end // block_size), 4))  # V1's blocks, whatever the partition
+
+
+def blocks_rounded_down(warp, start, end, block_size):
+    return [start // block_size + b for b in range(warp, (end - start) // block_size, 4)]
+
+
+def combine_by_averaging(max_logits, exp_sums, outs):
+    return outs.mean(0)
+
+
+def combine_without_the_max(max_logits, exp_sums, outs):
+    return exp_sums @ outs / exp_sums.sum()
+
+
+CHECKS = [
+    (lesson06.check_warp_blocks, S.warp_blocks, [blocks_ignoring_start, blocks_rounded_down]),
+    (lesson06.check_combine_partitions, S.combine_partitions,
+     [combine_by_averaging, combine_without_the_max]),
+]
+
+
+@pytest.mark.parametrize("check, solution, wrong", CHECKS, ids=lambda v: getattr(v, "__name__", ""))
+def test_checker_passes_the_solution(check, solution, wrong, monkeypatch):
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+    for seed in (0, 1, 2):
+        result = check(solution, seed=seed)
+        assert result.passed and "✓" in result
+
+
+@pytest.mark.parametrize("check, solution, wrong", CHECKS, ids=lambda v: getattr(v, "__name__", ""))
+def test_checker_fails_wrong_answers_in_a_few_lines(check, solution, wrong, capsys):
+    for fn in wrong:
+        capsys.readouterr()
+        result = check(fn)
+        assert result.status == "failed" and not result.passed
+        message = str(result)
+        assert "case" in message and "hint:" in message and "expected:" in message
+        assert "yours:" in message and len(message.splitlines()) <= 6
+        assert capsys.readouterr().out == message + "\n"
+
+
+@pytest.mark.parametrize("check, solution, wrong", CHECKS, ids=lambda v: getattr(v, "__name__", ""))
+def test_checker_says_not_done_yet(check, solution, wrong, monkeypatch):
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+
+    def unanswered(*args):
+        not_done()
+
+    result = check(unanswered)
+    assert result.status == "not done" and "not done yet" in result
+
+
+def test_hints_point_at_the_idea_without_stating_the_code():
+    code = ["//", " % ", "ceil(", "range(", "np.exp(", "max_logits", "@"]
+    for node in ast.walk(ast.parse(inspect.getsource(lesson06))):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "hint"
+                                                for t in node.targets):
+            hint = "".join(part.value for part in ast.walk(node.value)
+                           if isinstance(part, ast.Constant) and isinstance(part.value, str))
+            assert not [c for c in code if c in hint], hint
+
+
+def test_the_solutions_agree_with_the_real_kernels_loop():
+    from minipaged.kernels import emulator as emu
+
+    for start, end in [(0, 37), (512, 1100), (0, 1)]:
+        for warp in range(4):
+            assert S.warp_blocks(warp, start, end, 16) == emu.warp_blocks(warp, start, end, 16)
+    assert np.isfinite(S.combine_partitions(np.array([1.0, 900.0]), np.array([2.0, 3.0]),
+                                            np.ones((2, 4)))).all()
