@@ -308,11 +308,11 @@ def _check_engine(plugins, workload, on_step, num_gpu_blocks, block_size, max_st
     ref_groups, my_groups = {}, {}
     num_preempted = num_copies = 0
 
-    def wrong(step, what):
+    def wrong(step, text, yours=None, llms=None):
         culprit = witness.first or ("every plug-in agreed with its answer: the difference is "
                                     "in the assembled engine's own code")
-        raise ExerciseFailed(f"✗ engine: step {step}: {what[2]}\n  yours:    {what[0]!r}\n"
-                             f"  LLM():    {what[1]!r}\n  {culprit}")
+        both = (f"\n  yours:    {yours!r}\n  LLM():    {llms!r}" if yours or llms else "")
+        raise ExerciseFailed(f"✗ engine: step {step}: {text}{both}\n  {culprit}")
 
     for step in range(1, max_steps + 1):
         for i, req in enumerate(workload):
@@ -331,9 +331,9 @@ def _check_engine(plugins, workload, on_step, num_gpu_blocks, block_size, max_st
         try:
             mine.step()
         except PluginError as exc:
-            wrong(step, ("an error", "a step", f"{exc}"))  # names the plug-in
+            wrong(step, f"your engine stopped in plug-in {exc.plugin}: it {exc.detail}")
         except Exception as exc:  # the engine cannot go on with what a plug-in returned
-            wrong(step, (f"{type(exc).__name__}: {exc}", "a step", "your engine stopped"))
+            wrong(step, f"your engine stopped: {type(exc).__name__}: {exc}")
         ref_snap, my_snap = ref_snaps[-1], my_snaps[-1]
         if on_step is not None:
             on_step(step, my_snap, ref_snap)
@@ -342,19 +342,17 @@ def _check_engine(plugins, workload, on_step, num_gpu_blocks, block_size, max_st
         theirs, yours = _tables_of_llm(ref_snap), _tables_of_llm(my_snap)
         for seq_id in sorted(set(theirs) | set(yours)):
             if theirs.get(seq_id) != yours.get(seq_id):
-                wrong(step, (yours.get(seq_id), theirs.get(seq_id),
-                             f"after step {step} the block table of sequence {seq_id} differs "
-                             f"(yours, then LLM()'s; None: it holds no blocks); plug-ins that "
-                             f"changed it this step: {mine.touched.get(seq_id, ['none'])}"))
+                wrong(step, f"the block table of sequence {seq_id} differs (None: it holds "
+                      f"no blocks); plug-ins that changed it in this step: "
+                      f"{', '.join(mine.touched.get(seq_id, ['none']))}",
+                      yours.get(seq_id), theirs.get(seq_id))
         for rid, group in ref_groups.items():
             for theirs_seq, my_seq in zip(group.get_seqs(), my_groups[rid].get_seqs()):
                 if theirs_seq.get_token_ids() != my_seq.get_token_ids():
-                    wrong(step, (my_seq.get_token_ids(), theirs_seq.get_token_ids(),
-                                 f"after step {step} the tokens of sequence {my_seq.seq_id} "
-                                 f"(request {rid}) differ (yours, then LLM()'s)"))
+                    wrong(step, f"the tokens of sequence {my_seq.seq_id} (request {rid}) "
+                          f"differ", my_seq.get_token_ids(), theirs_seq.get_token_ids())
     else:
-        wrong(max_steps, ("still running", "finished", f"requests still unfinished after "
-                                                        f"{max_steps} steps"))
+        wrong(max_steps, f"requests still unfinished after {max_steps} steps")
     fallback = sorted(n for n, fn in plugins.items() if isinstance(fn, _FallBack) and fn.not_done)
     yours = sorted(n for n, fn in plugins.items() if isinstance(fn, _FallBack) and not fn.not_done)
     return CheckResult(

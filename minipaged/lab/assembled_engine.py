@@ -63,7 +63,7 @@ class PluginError(RuntimeError):
 
     def __init__(self, step: int, plugin: str, message: str) -> None:
         super().__init__(f"step {step}: plug-in {plugin}: {message}")
-        self.step, self.plugin = step, plugin
+        self.step, self.plugin, self.detail = step, plugin, message
 
 
 class AssembledEngine:
