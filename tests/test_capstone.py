@@ -127,7 +127,7 @@ def test_unanswered_plug_ins_fall_back_to_the_answers_and_the_check_says_so():
     result = ex.check_engine(ex.assemble(slot_of=slot_of, fork=solutions.fork))
     assert result.passed, result
     assert "your plug-ins: fork" in result
-    assert "the answers stood in for slot_of (not done)" in result
+    assert "the others are the answers from solutions.py" in result
 
 
 def test_assemble_refuses_unknown_names():
