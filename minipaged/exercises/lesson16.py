@@ -178,7 +178,7 @@ def tiny_llm(block_size: int = 4, num_gpu_blocks: int = 14):
     engine supports: preemption by recompute, no prefix caching, no chunked prefill."""
     from transformers import LlamaConfig
 
-    from minipaged import LLM
+    from minipaged.entrypoints.llm import LLM
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
