@@ -43,26 +43,38 @@ def test_the_answers_match_llm_on_the_default_workload_with_preemption_and_forks
     assert preemptions >= 1 and copies >= 1
 
 
+def fits(prompt_len, max_tokens, n, num_gpu_blocks, block_size=4):
+    """Does one request of n sequences fit the pool alone (what LLM() accepts)?"""
+    shared = prompt_len // block_size if n > 1 else 0
+    per_seq = -(-(prompt_len + max_tokens - shared * block_size) // block_size)
+    return shared + n * per_seq <= num_gpu_blocks
+
+
 @st.composite
 def workloads(draw):
+    num_gpu_blocks = draw(st.integers(10, 16))
     requests = []
     for i in range(draw(st.integers(2, 5))):
         prompt = draw(st.lists(st.integers(3, 255), min_size=1, max_size=10))
         max_tokens = draw(st.integers(1, 9))
+        n = draw(st.integers(1, 3))
+        if not fits(len(prompt), max_tokens, n, num_gpu_blocks):
+            n = 1
         if draw(st.booleans()):  # greedy, n sequences (they stay alike: same tokens)
-            params = SamplingParams(n=draw(st.integers(1, 3)), temperature=0,
+            params = SamplingParams(n=n, temperature=0,
                                     max_tokens=max_tokens, ignore_eos=draw(st.booleans()))
         else:  # top-p sampling, seeded
             params = SamplingParams(temperature=draw(st.sampled_from([0.7, 1.0])),
                                     top_p=draw(st.sampled_from([0.5, 0.9, 1.0])),
                                     max_tokens=max_tokens, seed=draw(st.integers(0, 99)))
         requests.append(ex.Request(prompt, params, draw(st.integers(0, 4))))
-    return requests
+    return requests, num_gpu_blocks
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workload=workloads(), num_gpu_blocks=st.integers(10, 16))
-def test_the_answers_match_llm_step_by_step_on_random_workloads(workload, num_gpu_blocks):
+@given(case=workloads())
+def test_the_answers_match_llm_step_by_step_on_random_workloads(case):
+    workload, num_gpu_blocks = case
     result = ex.check_engine(workload=workload, num_gpu_blocks=num_gpu_blocks)
     assert result.passed, result
 
@@ -71,10 +83,13 @@ def test_random_workloads_in_a_tiny_pool_preempt_and_copy_and_still_match():
     rng = __import__("random").Random(7)
     total_preemptions = total_copies = 0
     for _ in range(3):
-        workload = [ex.Request([rng.randrange(3, 256) for _ in range(rng.randint(3, 9))],
-                               SamplingParams(n=rng.choice([1, 2, 3]), temperature=0,
-                                              max_tokens=rng.randint(4, 9), ignore_eos=True),
-                               rng.randint(0, 2)) for _ in range(5)]
+        workload = []
+        for _ in range(5):
+            prompt = [rng.randrange(3, 256) for _ in range(rng.randint(3, 9))]
+            max_tokens, n = rng.randint(4, 9), rng.choice([1, 2, 3])
+            n = n if fits(len(prompt), max_tokens, n, 10) else 1
+            workload.append(ex.Request(prompt, SamplingParams(
+                n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True), rng.randint(0, 2)))
         result = ex.check_engine(workload=workload, num_gpu_blocks=10)
         assert result.passed, result
         preemptions, copies = counts(result)
@@ -131,6 +146,12 @@ def test_unanswered_plug_ins_fall_back_to_the_answers_and_the_check_says_so():
     assert result.passed, result
     assert "your plug-ins: fork" in result
     assert "the others are the answers from solutions.py" in result
+
+
+def test_a_request_the_pool_cannot_hold_is_a_clear_error():
+    too_big = ex.Request(list(range(3, 40)), SamplingParams(n=3, temperature=0, max_tokens=9))
+    with pytest.raises(ValueError, match="workload: request 0"):
+        ex.check_engine(workload=[too_big], num_gpu_blocks=10)
 
 
 def test_assemble_refuses_unknown_names():

@@ -319,8 +319,11 @@ def _check_engine(plugins, workload, on_step, num_gpu_blocks, block_size, max_st
         for i, req in enumerate(workload):
             if req.arrive_at_step == step - 1:
                 rid = str(i)
-                ref.add_request(rid, None, req.params, prompt_token_ids=req.prompt_token_ids,
-                                arrival_time=float(i))
+                try:
+                    ref.add_request(rid, None, req.params, arrival_time=float(i),
+                                    prompt_token_ids=req.prompt_token_ids)
+                except ValueError as exc:  # the workload, not the learner's code
+                    raise ValueError(f"workload: request {i}: {exc}") from None
                 ref_groups[rid] = ref.scheduler.waiting[-1]
                 my_groups[rid] = mine.add_request(rid, req.prompt_token_ids, req.params,
                                                   float(i))
