@@ -154,6 +154,12 @@ def test_a_request_the_pool_cannot_hold_is_a_clear_error():
         ex.check_engine(workload=[too_big], num_gpu_blocks=10)
 
 
+def test_a_plug_in_left_out_of_the_dict_is_its_answer():
+    result = ex.check_engine({"append_action": cow_never_copies})
+    assert result.status == "failed" and "append_action" in result
+    assert ex.check_engine({"fork": solutions.fork}).passed
+
+
 def test_assemble_refuses_unknown_names():
     with pytest.raises(ValueError, match="unknown plug-ins"):
         ex.assemble(slot_off=solutions.slot_of)

@@ -297,7 +297,7 @@ def check_engine(plugins: dict[str, Callable] | None = None, workload: list[Requ
 @exercise
 def _check_engine(plugins, workload, on_step, num_gpu_blocks, block_size, max_steps):
     answers = package_plugins()
-    plugins = dict(plugins or answers)
+    plugins = {**answers, **(plugins or {})}  # a plug-in not given: its answer
     witness = _Witness(plugins, answers)
     llm = tiny_llm(block_size, num_gpu_blocks)
     ref = llm.llm_engine
