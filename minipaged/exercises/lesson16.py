@@ -24,6 +24,7 @@ package's ``prepare_inputs`` on random mixed steps, and ``LLMEngine`` itself.
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Callable, NamedTuple
 
 import torch
@@ -31,46 +32,61 @@ import torch
 from minipaged.exercises import solutions
 from minipaged.exercises.checking import (CheckResult, ExerciseFailed, Learner, NotDone,
                                           exercise, fail, passed, rng_for)
-from minipaged.exercises.lesson08 import _random_batches, _show
-from minipaged.lab.assembled_engine import PLUGINS, AssembledEngine, PluginError, RunningGroup
+from minipaged.lab.assembled_engine import (PLUGINS, AssembledEngine, PluginError, RunningGroup,
+                                            SeqView)
+from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.lab.dry_run import DryRun
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import SequenceStatus
 from minipaged.worker.sampler import top_k_top_p_filter
 
-__all__ = ["RunningGroup", "check_pick_victims", "check_step_slot_mapping", "check_engine",
-           "package_plugins", "assemble", "Request", "default_workload"]
+__all__ = ["RunningGroup", "SeqView", "check_pick_victims", "check_step_slot_mapping",
+           "check_engine", "package_plugins", "assemble", "Request", "default_workload"]
 
 
-# -- exercise 1: who is preempted ----------------------------------------------------------------
-def _random_running(rng, num_cases):
-    """(running groups as RunningGroup, free blocks, the real scheduler's (kept, preempted))."""
-    cases = 0
-    while cases < num_cases:
+# -- random traffic with parallel sampling, preempting by recompute -----------------------------
+def _random_steps(rng):
+    """(DryRun, the step's scheduler outputs or None) on random traffic with parallel sampling:
+    each step is yielded twice, before ``schedule()`` (None) and after it, before the "model"
+    runs. Every sequence of a group gets the same tokens, so a group stays alike. Endless."""
+    while True:
         block_size = rng.choice([1, 2, 4])
         run = DryRun(block_size, rng.randint(6, 20), preemption_mode="recompute")
-        sched, bm = run.scheduler, run.block_manager
         for _ in range(rng.randint(4, 16)):
             for _ in range(rng.choice([0, 1, 1, 2])):
                 length = rng.randint(1, 2 * block_size + 1)
                 run.add_request([rng.randrange(1000) for _ in range(length)],
                                 n=rng.choice([1, 1, 2, 3]))
-            running = sorted(sched.running, key=lambda g: g.arrival_time)
-            views = []
-            for g in running:
-                seqs = g.get_seqs(SequenceStatus.RUNNING)
-                held = len({id(b) for s in seqs for b in bm.block_tables[s.seq_id]})
-                views.append(RunningGroup(g.request_id, held, bm.num_blocks_to_append(seqs)))
-            free = bm.get_num_free_gpu_blocks()
-            outs = run.step()  # every sequence of a group gets the same token: they stay alike
-            if views:
-                yield views, free, ([g.request_id for g in outs.decode_seq_groups],
-                                    [r for r, _ in outs.preempted])
-                cases += 1
-            for g in list(sched.running):
+            yield run, None
+            outs = run.scheduler.schedule()
+            yield run, outs
+            run.sampled(outs)
+            for g in list(run.scheduler.running):
                 if rng.random() < 0.15:
                     for s in g.get_seqs(SequenceStatus.RUNNING):
                         run.finish(s)
+
+
+# -- exercise 1: who is preempted ----------------------------------------------------------------
+def _random_running(rng, num_cases):
+    """(running groups as RunningGroup, free blocks, the real scheduler's (kept, preempted))."""
+    return itertools.islice(_running_cases(rng), num_cases)
+
+
+def _running_cases(rng):
+    before = None
+    for run, outs in _random_steps(rng):
+        bm = run.block_manager
+        if outs is None:
+            before = []
+            for g in sorted(run.scheduler.running, key=lambda g: g.arrival_time):
+                seqs = g.get_seqs(SequenceStatus.RUNNING)
+                held = len({id(b) for s in seqs for b in bm.block_tables[s.seq_id]})
+                before.append(RunningGroup(g.request_id, held, bm.num_blocks_to_append(seqs)))
+            free = bm.get_num_free_gpu_blocks()
+        elif before:
+            yield before, free, ([g.request_id for g in outs.decode_seq_groups],
+                                 [r for r, _ in outs.preempted])
 
 
 @exercise
@@ -93,11 +109,38 @@ def check_pick_victims(fn, num_cases: int = 200, seed: int | None = 0) -> CheckR
 
 
 # -- exercise 2: the slot mapping of a mixed step ------------------------------------------------
+def _random_batches(rng, num_cases):
+    """(SeqViews in a random order, block size, the slot mapping of ``prepare_inputs``)."""
+    return itertools.islice(_batch_cases(rng), num_cases)
+
+
+def _batch_cases(rng):
+    for run, outs in _random_steps(rng):
+        if outs is None or not outs.scheduled_seq_groups:
+            continue
+        groups = rng.sample(outs.scheduled_seq_groups, len(outs.scheduled_seq_groups))
+        views = []
+        for g in groups:
+            seqs = g.get_seqs(SequenceStatus.RUNNING)
+            if seqs[0].num_computed_tokens == 0:  # a prompt: computed once for its sequences
+                seqs = seqs[:1]
+            views += [SeqView(s.get_token_ids(), s.num_computed_tokens,
+                              run.block_manager.get_block_table(s)) for s in seqs]
+        batch = prepare_inputs_for_groups(groups, run.block_manager, run.block_size,
+                                          torch.device("cpu"))
+        yield views, run.block_size, batch.meta.slot_mapping.tolist()
+
+
+def _show(seqs) -> str:
+    return "[" + ", ".join(f"SeqView({len(s.token_ids)} tokens, computed "
+                           f"{s.num_computed_tokens}, table {s.block_table})" for s in seqs) + "]"
+
+
 @exercise
 def check_step_slot_mapping(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("step_slot_mapping", fn)
-    for case, (seqs, block_size, batch) in enumerate(_random_batches(rng_for(seed), num_cases)):
-        expected = batch.meta.slot_mapping.tolist()
+    for case, (seqs, block_size, expected) in enumerate(_random_batches(rng_for(seed),
+                                                                        num_cases)):
         got = [int(s) for s in learner(list(seqs), block_size, solutions.slot_of)]
         if got != expected:
             if sorted(got) == sorted(expected):

@@ -117,7 +117,8 @@ class AssembledEngine:
                 for i in range(params.best_of)]
         self._next_seq_id += len(seqs)
         group = SequenceGroup(request_id, seqs, params, arrival_time)
-        seed = params.seed if params.seed is not None else f"engine {self.seed}, request {request_id}"
+        seed = (params.seed if params.seed is not None
+                else f"engine {self.seed}, request {request_id}")  # as LLMEngine seeds it
         self.generators.update(sequence_generators(seed, [s.seq_id for s in seqs]))
         self.waiting.append(group)
         return group
