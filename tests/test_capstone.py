@@ -148,6 +148,15 @@ def test_unanswered_plug_ins_fall_back_to_the_answers_and_the_check_says_so():
     assert "the others are the answers from solutions.py" in result
 
 
+def test_every_plug_in_the_learners_own_and_right():
+    answers = ex.package_plugins()
+    own = {name: (lambda f: lambda *args: f(*args))(answers[name]) for name in PLUGINS}
+    result = ex.check_engine(ex.assemble(**own))
+    assert result.passed, result
+    assert f"your plug-ins: {', '.join(sorted(PLUGINS))}" in result
+    assert "the others" not in result
+
+
 def test_a_request_the_pool_cannot_hold_is_a_clear_error():
     too_big = ex.Request(list(range(3, 40)), SamplingParams(n=3, temperature=0, max_tokens=9))
     with pytest.raises(ValueError, match="workload: request 0"):
