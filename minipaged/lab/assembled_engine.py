@@ -154,6 +154,7 @@ class AssembledEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> None:
+        """One iteration: schedule (plug-ins decide), copy, run the model, sample, observe."""
         self.num_steps += 1
         self.touched = {}
         copies: dict[int, list[int]] = {}
