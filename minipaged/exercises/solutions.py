@@ -237,4 +237,27 @@ def combine_partitions(max_logits, exp_sums, outs):
 
 
 # ---- lesson 16 (capstone) ----------------------------------------------------
-# (answers of lesson 16's exercises go here)
+
+
+def pick_victims(running, num_free):
+    queue, kept, preempted = list(running), [], []
+    while queue:
+        group = queue.pop(0)
+        while group.blocks_needed > num_free:
+            victim = queue.pop() if queue else group
+            preempted.append(victim.request_id)
+            num_free += victim.blocks_held
+            if victim is group:
+                break
+        else:
+            num_free -= group.blocks_needed
+            kept.append(group.request_id)
+    return kept, preempted
+
+
+def step_slot_mapping(seqs, block_size, slot_of):
+    prompts = [s for s in seqs if s.num_computed_tokens == 0]
+    decodes = [s for s in seqs if s.num_computed_tokens > 0]
+    slots = [slot_of(s.block_table, pos, block_size)
+             for s in prompts for pos in range(len(s.token_ids))]
+    return slots + [slot_of(s.block_table, len(s.token_ids) - 1, block_size) for s in decodes]
