@@ -110,3 +110,23 @@ def test_saturation_batch_is_where_tokens_per_s_reaches_most_of_its_best():
     assert rl.saturation_batch([1, 2, 4], [10, 30, 28]) == 2
     assert math.isclose(rl.decode_step(SMOL, 2, 3, 4).bytes,
                         SMOL.weight_params * 4 + 2 * 3 * SMOL.kv_bytes_per_token(4))
+
+
+def test_roofline_drawing_has_both_ceilings_every_point_and_a_title_that_fits():
+    import xml.etree.ElementTree as ET
+
+    from visualizer.roofline import render_roofline
+
+    m = rl.Machine("m", peak_flops=20e9, bandwidth=5e9)
+    points = [("decode B=1", 0.5, 0.8e9), ("decode B=64", 29.0, 5e9), ("prefill", 52.0, 9e9)]
+    title = "this machine's roofline: engine steps placed on it"
+    root = ET.fromstring(render_roofline(m, points, title=title))
+    classes = [e.get("class") for e in root.iter()]
+    assert classes.count("ceiling") == 2 and classes.count("point") == 3
+    assert classes.count("legend-entry") == 5
+    assert len({e.get("fill") for e in root.iter() if e.tag.endswith("circle")}) == 3  # distinct
+    assert 10 + 0.6 * 13 * len(title) <= float(root.get("width"))
+    xs = {e.get("data-name"): float(e.get("data-x")) for e in root.iter() if e.get("class") == "point"}
+    assert xs == {"decode B=1": 0.5, "decode B=64": 29.0, "prefill": 52.0}
+    with pytest.raises(ValueError, match="points"):
+        render_roofline(m, [])
