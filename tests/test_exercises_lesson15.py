@@ -37,7 +37,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("check, solution, wrong_answers", CASES, ids=lambda c: getattr(c, "__name__", ""))
+@pytest.mark.parametrize("check, solution, wrong_answers", CASES,
+                         ids=lambda c: getattr(c, "__name__", ""))
 def test_checker_passes_the_solution_and_stops_at_wrong_answers(check, solution, wrong_answers,
                                                                  monkeypatch):
     monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)

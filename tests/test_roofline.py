@@ -30,7 +30,8 @@ def test_decode_intensity_grows_with_the_batch_and_tends_to_half_a_flop_per_byte
 
 
 def test_prefill_is_far_more_intense_than_decode():
-    assert rl.prefill_step(SMOL, [512], 2).intensity > 100 * rl.decode_step(SMOL, 1, 512, 2).intensity
+    decode = rl.decode_step(SMOL, 1, 512, 2)
+    assert rl.prefill_step(SMOL, [512], 2).intensity > 100 * decode.intensity
 
 
 def test_roofline_and_step_time():
@@ -126,7 +127,8 @@ def test_roofline_drawing_has_both_ceilings_every_point_and_a_title_that_fits():
     assert classes.count("legend-entry") == 5
     assert len({e.get("fill") for e in root.iter() if e.tag.endswith("circle")}) == 3  # distinct
     assert 10 + 0.6 * 13 * len(title) <= float(root.get("width"))
-    xs = {e.get("data-name"): float(e.get("data-x")) for e in root.iter() if e.get("class") == "point"}
+    xs = {e.get("data-name"): float(e.get("data-x"))
+          for e in root.iter() if e.get("class") == "point"}
     assert xs == {"decode B=1": 0.5, "decode B=64": 29.0, "prefill": 52.0}
     with pytest.raises(ValueError, match="points"):
         render_roofline(m, [])

@@ -34,7 +34,8 @@ def render_roofline(machine, points: list[tuple[str, float, float]], title: str 
     ys = [y for _, _, y in points] + [machine.peak_flops]
     if min(xs) <= 0 or min(ys) <= 0:
         raise ValueError("intensities and FLOP/s must be > 0 on a log-log plot")
-    x_lo, x_hi = 10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 1.5))
+    x_lo = 10 ** math.floor(math.log10(min(xs) / 1.5))
+    x_hi = 10 ** math.ceil(math.log10(max(xs) * 1.5))
     y_lo = 10 ** math.floor(math.log10(min(min(ys), machine.attainable(x_lo)) / 1.5))
     y_hi = 10 ** math.ceil(math.log10(max(ys) * 1.5))
 

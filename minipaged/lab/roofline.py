@@ -64,7 +64,8 @@ class ModelDims:
     @property
     def weight_params(self) -> int:
         """Weights a step reads: every layer's q, k, v, o and MLP matrices, and the LM head."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h
         mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
         return self.num_layers * (attention + mlp) + self.vocab_size * h
