@@ -233,7 +233,19 @@ def combine_partitions(max_logits, exp_sums, outs):
 
 
 # ---- lesson 15 (performance) -------------------------------------------------
-# (answers of lesson 15's exercises go here)
+
+
+def decode_intensity(dims, batch_size, context_len, dtype_bytes):
+    attention = 4 * dims.num_layers * dims.num_heads * dims.head_dim * context_len
+    flops = batch_size * (2 * dims.weight_params + attention)
+    moved = (dims.weight_params * dtype_bytes
+             + batch_size * context_len * dims.kv_bytes_per_token(dtype_bytes))
+    return flops / moved
+
+
+def max_batch_size(kv_budget_bytes, kv_bytes_per_token, block_size, seq_len):
+    num_blocks = kv_budget_bytes // (block_size * kv_bytes_per_token)
+    return num_blocks // -(-seq_len // block_size)  # ceil(seq_len / block_size) blocks each
 
 
 # ---- lesson 16 (capstone) ----------------------------------------------------
