@@ -24,7 +24,7 @@ def render_pair_rotation(vectors: list[tuple[str, float, float]], title: str | N
     if not vectors:
         raise ValueError("nothing to draw")
     top = 34 if title else 8
-    width, height = SIZE + 2 * MARGIN, top + SIZE + 2 * MARGIN
+    width, height = SIZE + 2 * MARGIN, top + SIZE + 2 * MARGIN + 14
     root = svg_root(width, height, "pair-rotation")
     if title:
         caption(root, 10, 22, title)
@@ -33,8 +33,9 @@ def render_pair_rotation(vectors: list[tuple[str, float, float]], title: str | N
     scale = (SIZE / 2 - 6) / longest
     el(root, "line", x1=cx - SIZE / 2, y1=cy, x2=cx + SIZE / 2, y2=cy, stroke=MUTED)
     el(root, "line", x1=cx, y1=cy - SIZE / 2, x2=cx, y2=cy + SIZE / 2, stroke=MUTED)
-    text(root, cx + SIZE / 2, cy + 14, "dim i", anchor="end", fill=MUTED, size=10)
-    text(root, cx + 4, cy - SIZE / 2 + 10, "dim i + D/2", fill=MUTED, size=10)
+    # The axes are named under the plot, where no arrow or label can reach.
+    text(root, 10, height - 10, "x: dimension i    y: dimension i + D/2", fill=MUTED, size=10,
+         class_="axis-note")
     el(root, "circle", cx=cx, cy=cy, r=longest * scale, fill="none", stroke=MUTED,
        stroke_dasharray="3 3")
     for i, (label, x, y) in enumerate(vectors):
