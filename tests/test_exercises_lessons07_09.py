@@ -180,3 +180,15 @@ def test_random_steps_cover_overspent_budgets_and_shared_steps():
 def test_first_token_steps_of_a_lone_prompt_is_a_ceiling():
     assert lesson09.first_token_steps_of_scheduler(budget=6, num_decodes=2, prompt_lens=[9]) == [3]
     assert lesson09.first_token_steps_of_scheduler(6, 2, [8, 1]) == [2, 3]
+
+
+@pytest.mark.lesson07
+def test_first_layers_of_gpt2_keep_their_blocks_and_positions(tiny_gpt2):
+    from minipaged.lab.first_layers import load_first_layers
+    from minipaged.worker import checkpoint
+
+    path, _ = tiny_gpt2
+    _, _, model = load_first_layers(path, num_layers=1)
+    full = checkpoint.load_state_dict(path)
+    assert len(model.h) == 1
+    assert torch.equal(model.wpe.weight, full["transformer.wpe.weight"])
