@@ -1,4 +1,4 @@
-"""Chunked prefill (lesson 08): a token budget per step that decodes never wait for, and prompts
+"""Chunked prefill (lesson 09): a token budget per step that decodes never wait for, and prompts
 split across steps, with exactly the tokens of whole-prompt prefill and of transformers."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.sequence import Sequence, SequenceGroup
 from tiny_models import greedy_reference, pick_prompts
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson09
 
 LENGTHS = [1, 7, 33, 61, 16]
 NEW = 12

@@ -40,8 +40,8 @@ def test_lesson_02_block_table_entries_are_the_ceiling():
     assert ns["mean_len"] > 256  # so the last row really needs the ceiling
 
 
-@pytest.mark.lesson08
-def test_lesson_06_titles_fit_the_drawings():
+@pytest.mark.lesson09
+def test_lesson_09_titles_fit_the_drawings():
     """The chunked-prefill pictures carry long titles: each lies inside its drawing, and the
     drawing fits a JupyterLab output area."""
     import torch
@@ -60,7 +60,7 @@ def test_lesson_06_titles_fit_the_drawings():
               SamplingParams=SamplingParams, apply_step=apply_step, prepare_inputs=prepare_inputs,
               torch=torch, render_flat_batch=render_flat_batch, SVG=SVG,
               names={0: "a", 1: "b", 2: "c"})
-    shown = run_cell("08_engine", "budget 4, step", ns)
+    shown = run_cell("09_continuous_batching", "budget 4, step", ns)
     assert len(shown) == 3
     for svg in shown:
         root = ET.fromstring(svg.data)

@@ -1,4 +1,4 @@
-"""Lesson 08: our GPT-2 and LLaMA give transformers' logits, through prefill and paged decode."""
+"""Lessons 07 and 08: our GPT-2 and LLaMA give transformers' logits, through prefill and paged decode."""
 import random
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from minipaged.engine.llm_engine import LLMEngine
 from minipaged.models.input_metadata import InputMetadata
 
-pytestmark = pytest.mark.lesson08
+pytestmark = [pytest.mark.lesson07, pytest.mark.lesson08]
 
 
 def prefill_meta(lengths, slots):

@@ -137,7 +137,7 @@ def test_timeline_and_flat_batch_views_have_clean_labels(seed):
                                            "prompt_run": info["prompt_run"],
                                            "preempted": info["preempted"], "finished": []}))
     assert_clean_layout(render_timeline(snapshots, arrivals, title="timeline"), "timeline")
-    # Two runs drawn on one step axis (lesson 08: static against continuous batching) have
+    # Two runs drawn on one step axis (lesson 09: static against continuous batching) have
     # the same columns and width, even when one run is shorter and started at another step.
     short = [type("Snap", (), dict(vars(s), step=s.step + 100)) for s in snapshots[:6]]
     later = {rid: step + 100 for rid, step in arrivals.items() if step <= 6}

@@ -10,6 +10,7 @@ Renderers (plain functions, snapshot in, SVG string out; no ipywidgets needed):
     render_phase4_sums(t, out_row)                          lesson 06 (the real kernel's loops)
     render_memory_waste(contiguous_report, paged_report)   lesson 01
     render_line_chart({"name": [(x, y), ...]})              lessons 04, 06 (measurements)
+    render_pair_rotation([("p=0", x, y), ...])              lesson 07 (rotary embedding)
 
 Recording and widgets:
 
@@ -30,13 +31,14 @@ from visualizer.charts import render_line_chart
 from visualizer.kernel_trace import (render_key_loads, render_logits, render_phase4_sums,
                                      render_warp_visits)
 from visualizer.memory_waste import render_memory_waste
+from visualizer.rotary import render_pair_rotation
 from visualizer.scheduler_view import render_scheduler
 from visualizer.source import show_file_part, show_source
 
 __all__ = [
     "render_block_tables", "render_scheduler", "render_butterfly", "butterfly_steps",
     "render_memory_waste", "render_line_chart", "render_warp_visits", "render_logits",
-    "render_phase4_sums", "render_key_loads", "EventRecorder", "RecordedStep", "describe",
+    "render_phase4_sums", "render_key_loads", "render_pair_rotation", "EventRecorder", "RecordedStep", "describe",
     "fork_tree_nodes", "show_source", "show_file_part",
     "fork_tree_dot", "fork_tree_text", "render_fork_tree", "show_fork_tree",
     "EventPlayer", "StepPlayer", "LiveBlockTableView",

@@ -1,4 +1,4 @@
-"""One engine step's flat batch, drawn token by token (lesson 08).
+"""One engine step's flat batch, drawn token by token (lessons 07, 08 and 09).
 
     render_flat_batch(prepare_inputs(...), block_size, names={seq_id: "req 0"})
 

@@ -2,7 +2,7 @@
 
     render_timeline(step_snapshots, arrivals={"0": 1, "1": 1, "2": 4, ...})
 
-One row per request, one column per engine step (lesson 08: continuous against static
+One row per request, one column per engine step (lesson 09: continuous against static
 batching). A cell says what the request did in that step: waiting (arrived, not running),
 prefill, decode, or preempted. Elements for tests: ``timeline-cell`` (``data-request``,
 ``data-step``, ``data-state``) and ``timeline-row`` (``data-request``, ``data-arrival``,

@@ -217,11 +217,52 @@ def combine_partitions(max_logits, exp_sums, outs):
 
 
 # ---- lesson 07 (forward pass) ------------------------------------------------
-# (answers of lesson 07's exercises go here)
+
+
+def chunk_mask(context_len, num_new):
+    import torch
+
+    first = context_len - num_new  # position of the chunk's first token
+    rows = torch.arange(first, context_len)[:, None]  # (num_new, 1): each new token's position
+    cols = torch.arange(context_len)[None, :]  # (1, context_len)
+    return cols <= rows
+
+
+def rotate(vec, position, inv_freq):
+    import torch
+
+    half = vec.shape[0] // 2
+    angle = position * inv_freq  # (D/2,)
+    x, y = vec[:half], vec[half:]
+    return torch.cat((x * angle.cos() - y * angle.sin(), x * angle.sin() + y * angle.cos()))
 
 
 # ---- lesson 09 (continuous batching) -----------------------------------------
-# (answers of lesson 09's exercises go here)
+
+
+def prefill_chunks(budget, num_decodes, tokens_left):
+    left = budget - num_decodes  # the decodes come first, and may even exceed the budget
+    taken = []
+    for need in tokens_left:
+        take = max(0, min(need, left))
+        taken.append(take)
+        left -= take
+    return taken
+
+
+def first_token_steps(budget, num_decodes, prompt_lens):
+    left = list(prompt_lens)
+    steps = [0] * len(left)
+    step = 0
+    while not all(steps):
+        step += 1
+        todo = [i for i, s in enumerate(steps) if not s]
+        for i, take in zip(todo, prefill_chunks(budget, num_decodes, [left[i] for i in todo])):
+            left[i] -= take
+            if left[i] == 0:
+                steps[i] = step
+                num_decodes += 1  # from the next step on it decodes
+    return steps
 
 
 # ---- lesson 10 (sampling) ----------------------------------------------------

@@ -1,4 +1,4 @@
-"""Replaying an arrival trace through the engine: continuous against static batching (lesson 08).
+"""Replaying an arrival trace through the engine: continuous against static batching (lesson 09).
 
 Requests arrive at given engine steps. With **continuous** (iteration-level) batching, each one is
 handed to the engine as soon as it arrives, and joins the running batch at the next step. With

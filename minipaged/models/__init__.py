@@ -1,1 +1,1 @@
-"""The models: GPT-2 and LLaMA over a flat batch of tokens with a paged attention layer (lesson 08)."""
+"""The models: GPT-2 and LLaMA over a flat batch of tokens with a paged attention layer (lesson 07)."""

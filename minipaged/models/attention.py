@@ -1,4 +1,4 @@
-"""The paged attention layer shared by all models (lesson 08).
+"""The paged attention layer shared by all models (lesson 07).
 
 It replaces the usual "concatenate past keys" attention: new keys and values are written into
 their cache slots, prompts attend to themselves, chunks after a cached context and decode tokens

@@ -1,4 +1,4 @@
-"""GPT-2 with paged attention (lesson 08).
+"""GPT-2 with paged attention (lesson 07 compares it with LLaMA).
 
 Same weights and arithmetic as transformers' GPT2LMHeadModel: learned position embeddings,
 pre-LayerNorm blocks, fused q/k/v projection (``Conv1D`` weights stored as (in, out)), GELU MLP and

@@ -1,4 +1,4 @@
-"""What the attention layers need to know about one flattened batch (lesson 08)."""
+"""What the attention layers need to know about one flattened batch (lesson 07)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""LLaMA (and SmolLM2) with paged attention (lesson 08).
+"""LLaMA (and SmolLM2) with paged attention (lesson 07 follows its first layer).
 
 Same weights and arithmetic as transformers' LlamaForCausalLM: RMSNorm, grouped-query attention
 with RoPE, a SwiGLU MLP, optionally tied input and output embeddings. The model works on a flat

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) as LLaMA uses them, settings read from the HF config."""
+"""Rotary position embeddings (RoPE) as LLaMA uses them, settings read from the HF config (lesson 07)."""
 from __future__ import annotations
 
 import torch

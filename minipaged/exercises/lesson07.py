@@ -1,0 +1,133 @@
+"""Lesson 07 exercises: what one attention layer does with the tokens of a flat batch.
+
+    chunk_mask(context_len, num_new) -> (num_new, context_len) booleans
+        which cached positions each new token of a prefill chunk may attend to: the chunk is the
+        last ``num_new`` of ``context_len`` tokens (the earlier ones are already in the cache);
+        row i is the chunk's i-th token, column j the token at position j; True where allowed
+    rotate(vec, position, inv_freq) -> (D,) tensor
+        the rotary embedding of one head's query or key vector ``vec`` (D,) at ``position``: for
+        each i < D/2, dimensions i and i + D/2 form a pair that turns by the angle
+        ``position * inv_freq[i]`` (counter-clockwise, the first of the pair as the x axis)
+
+Expected answers: ``reference.paged_prefill_attention`` on a paged cache (the mask is read out
+of what it attends to) and ``models.rotary.RotaryEmbedding`` (as LLaMA layers call it).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.kernels import reference
+from minipaged.models.rotary import RotaryEmbedding, rope_inv_freq
+
+
+def package_chunk_mask(context_len: int, num_new: int, block_size: int = 4,
+                       seed: int = 0) -> torch.Tensor:
+    """The package's mask, read out of ``paged_prefill_attention``: with all logits equal, a new
+    token spreads its attention evenly over the positions it may see; values that are one-hot
+    per position then show which those are. (num_new, context_len) bool."""
+    g = torch.Generator().manual_seed(seed)
+    head_size = 4 * -(-context_len // 4)  # one-hot values need a dimension per position
+    num_blocks = -(-context_len // block_size)
+    pool = num_blocks + 3
+    table = torch.randperm(pool, generator=g)[:num_blocks]  # scattered physical blocks
+    key_cache = torch.zeros(pool, 1, head_size // 4, block_size, 4)
+    value_cache = torch.zeros(pool, 1, head_size, block_size)
+    pos = torch.arange(context_len)
+    slots = table[pos // block_size] * block_size + pos % block_size  # (L,)
+    keys = torch.randn(context_len, 1, head_size, generator=g)
+    values = torch.eye(context_len, head_size)[:, None, :]  # (L, 1, D): one-hot per position
+    reference.reshape_and_cache(keys, values, key_cache, value_cache, slots)
+    query = torch.zeros(num_new, 1, head_size)  # every logit 0: uniform over what is allowed
+    out = reference.paged_prefill_attention(
+        query, key_cache, value_cache, table[None].to(torch.int32),
+        torch.tensor([0, num_new], dtype=torch.int32),
+        torch.tensor([context_len], dtype=torch.int32), 1.0)  # (num_new, 1, D)
+    return out[:, 0, :context_len] > 0
+
+
+def _as_bools(got, num_new, context_len):
+    t = torch.as_tensor(got)
+    if tuple(t.shape) != (num_new, context_len):
+        return None
+    return t.bool()
+
+
+@exercise
+def check_chunk_mask(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
+    learner = Learner("chunk_mask", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        context_len = rng.randint(1, 24)
+        num_new = rng.randint(1, context_len)
+        expected = package_chunk_mask(context_len, num_new, rng.choice([1, 2, 4, 8]),
+                                      rng.randrange(1000))
+        got = _as_bools(learner(context_len, num_new), num_new, context_len)
+        if got is None or not torch.equal(got, expected):
+            if got is None:
+                hint = "one row per new token, one column per position of the whole context"
+            elif torch.equal(got, torch.ones_like(expected).tril()[:num_new]):
+                hint = ("row i is not position i: the chunk's tokens come after the "
+                        "context_len - num_new cached ones")
+            elif not got[:, :context_len - num_new].all():
+                hint = "every new token may read the whole cached prefix"
+            else:
+                hint = "inside the chunk the mask is causal: a token sees itself, not later ones"
+            expected_rows = ["".join("x" if a else "." for a in row) for row in expected.tolist()]
+            got_rows = (None if got is None else
+                        ["".join("x" if a else "." for a in row) for row in got.tolist()])
+            fail(learner.name, case, f"context_len={context_len}, num_new={num_new} "
+                 f"(x = may attend)", got_rows, expected_rows, hint)
+    return passed(learner, num_cases)
+
+
+def package_rotate(vec: torch.Tensor, position: int, theta: float) -> torch.Tensor:
+    """``RotaryEmbedding`` of a LLaMA layer on one vector: (D,) -> (D,)."""
+    rotary = RotaryEmbedding(types.SimpleNamespace(rope_theta=theta), vec.shape[0], position + 1)
+    q = vec[None, None, :]  # (T=1, H=1, D)
+    rotated, _ = rotary(torch.tensor([position]), q, q)
+    return rotated[0, 0]
+
+
+def _flip(vec: torch.Tensor) -> torch.Tensor:
+    """The second half negated: turning a flipped vector one way turns the vector the other."""
+    half = vec.shape[0] // 2
+    return torch.cat((vec[:half], -vec[half:]))
+
+
+@exercise
+def check_rotate(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
+    learner = Learner("rotate", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        head_size = rng.choice([4, 8, 16, 64])
+        theta = rng.choice([10000.0, 100000.0, 500.0])
+        position = rng.choice([0, 1, 2, rng.randint(3, 300)])
+        g = torch.Generator().manual_seed(rng.randrange(10**6))
+        vec = torch.randn(head_size, generator=g)
+        inv_freq, _ = rope_inv_freq(types.SimpleNamespace(rope_theta=theta), head_size)
+        expected = package_rotate(vec, position, theta)
+        got = learner(vec.clone(), position, inv_freq.clone())
+        got = torch.as_tensor(got, dtype=torch.float32).flatten()
+        if got.shape != expected.shape or not torch.allclose(got, expected, atol=1e-3, rtol=1e-3):
+            half = head_size // 2
+            if got.shape != expected.shape:
+                hint = "return one vector of the same size as vec"
+            elif position and torch.allclose(got, _flip(package_rotate(_flip(vec), position,
+                                                                       theta)), atol=1e-3,
+                                             rtol=1e-3):
+                hint = ("turned the wrong way round: counter-clockwise, with the first of the "
+                        "pair as the x axis")
+            elif torch.allclose(got.norm(), vec.norm(), rtol=1e-3):
+                hint = (f"a rotation keeps the length, good; now which dimensions pair up? "
+                        f"(i with i + {half}, not with i + 1)")
+            else:
+                hint = ("a rotation keeps the vector's length: write each pair as a point (x, y) "
+                        "and turn it about the origin")
+            fail(learner.name, case, f"head_size={head_size}, position={position}, "
+                 f"vec[:4]={[round(v, 3) for v in vec[:4].tolist()]}",
+                 [round(v, 3) for v in got[:6].tolist()] if got.numel() else got.tolist(),
+                 [round(v, 3) for v in expected[:6].tolist()], hint + " (first 6 values shown)")
+    return passed(learner, num_cases)
