@@ -69,10 +69,12 @@ def _top_p_for(rng, logits: torch.Tensor, case: int) -> float:
         return 1.0
     probs = torch.softmax(torch.sort(logits, descending=True).values, dim=-1)  # (V,)
     sums = torch.cumsum(probs, dim=-1).tolist()
-    while True:
-        top_p = rng.choice([1e-3, 0.3, 0.5]) if case % 10 == 1 else round(rng.uniform(0.05, 0.99), 3)
+    for attempt in range(1000):
+        top_p = (rng.choice([1e-3, 0.3, 0.5]) if case % 10 == 1 and attempt < 3
+                 else round(rng.uniform(0.05, 0.99), 3))
         if all(abs(s - top_p) > _MARGIN for s in sums):
             return top_p
+    return 1.0
 
 
 @exercise
@@ -139,7 +141,7 @@ def _beam_case(rng, case: int):
     width = rng.choice([2, 3, 4])
     num_beams = 1 if case % 4 == 0 else width
     vocab = rng.randint(max(width, 3), 8)
-    while True:
+    for _ in range(1000):  # redraw until no two of the best scores are within the margin
         logits = [[rng.gauss(0.0, 2.0) for _ in range(vocab)] for _ in range(num_beams)]
         # (B, V) log-softmax of each row, in plain Python (no thread pool for tiny tensors)
         logprobs = torch.tensor([[x - max(row) - math.log(sum(math.exp(y - max(row)) for y in row))
@@ -149,7 +151,8 @@ def _beam_case(rng, case: int):
         scores = sorted((torch.tensor(cum, dtype=torch.float64)[:, None]
                          + logprobs.double()).flatten().tolist(), reverse=True)
         if all(a - b > _MARGIN for a, b in zip(scores[:width + 1], scores[1:width + 1])):
-            return cum, logprobs, width
+            break
+    return cum, logprobs, width
 
 
 def _as_pairs(got):
