@@ -266,7 +266,30 @@ def first_token_steps(budget, num_decodes, prompt_lens):
 
 
 # ---- lesson 10 (sampling) ----------------------------------------------------
-# (answers of lesson 10's exercises go here)
+
+
+def top_p_filter(logits, top_p):
+    import torch
+
+    if top_p >= 1.0:
+        return logits.clone()
+    sorted_logits, order = torch.sort(logits, descending=True)  # (V,) most likely first
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens before each one
+    drop_sorted = before >= top_p
+    drop_sorted[0] = False  # the most likely token always stays
+    drop = torch.zeros_like(drop_sorted)
+    drop[order] = drop_sorted
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def beam_step(cum_logprobs, logprobs, width):
+    import torch
+
+    scores = torch.tensor(cum_logprobs, dtype=logprobs.dtype)[:, None] + logprobs  # (B, V)
+    best = torch.topk(scores.flatten(), width).indices.tolist()  # best first
+    vocab = logprobs.shape[-1]
+    return [(i // vocab, i % vocab) for i in best]
 
 
 # ---- lesson 12 (speculative decoding) ----------------------------------------
