@@ -55,7 +55,8 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True,
                  load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
                  worker_timeout: float = DEFAULT_TIMEOUT_S,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 distributed_executor_backend: str | None = None) -> None:
         self.config = cfg = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -65,7 +66,8 @@ class LLMEngine:
             preemption_mode=preemption_mode, watermark=watermark,
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
             hf_config=hf_config, tensor_parallel_size=tensor_parallel_size,
-            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching)
+            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching,
+            distributed_executor_backend=distributed_executor_backend)
         resolved_device = resolve_device(cfg.device)
 
         # -- the model ---------------------------------------------------------------------------
@@ -73,13 +75,17 @@ class LLMEngine:
         self.hf_config = cfg.hf_config or checkpoint.load_config(source)
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, resolved_device)
         self.worker: Worker
-        if cfg.tensor_parallel_size == 1:
+        backend = cfg.distributed_executor_backend or "mp"
+        if cfg.tensor_parallel_size == 1 and backend == "mp":
             self.worker = LocalWorker(self.hf_config, source, cfg.load_format, self.dtype,
                                       resolved_device)
-        else:  # the driver holds no model: N processes hold a shard each (lesson 14)
-            self.worker = TensorParallelWorkers(cfg.tensor_parallel_size, self.hf_config, source,
-                                                cfg.load_format, self.dtype, resolved_device,
-                                                cfg.worker_timeout)
+        else:  # the driver holds no model: N ranks hold a shard each (lesson 14)
+            workers_class = TensorParallelWorkers
+            if backend == "ray":  # (imported only when asked for: it imports Ray)
+                from minipaged.worker.ray_workers import RayTensorParallelWorkers as workers_class
+            self.worker = workers_class(cfg.tensor_parallel_size, self.hf_config, source,
+                                        cfg.load_format, self.dtype, resolved_device,
+                                        cfg.worker_timeout)
         self.tokenizer = (checkpoint.load_tokenizer(source, cfg.tokenizer)
                           if source is not None else None)
         hf = self.hf_config
