@@ -172,18 +172,11 @@ class TensorParallelWorkers(TensorParallelDriver):
         return [p.pid for p in self.processes]
 
     # -- talking to the workers ------------------------------------------------------------------
-    def _call(self, request: tuple, what: str) -> list:
-        self._check_usable()
+    def _request(self, request: tuple, what: str) -> list:
         payload = pickle.dumps(request)  # plain pickle: tensors are copied, no shared memory
         for outbox in self._outboxes:
             outbox.put(payload)
-        try:
-            return self._wait(self.timeout, what)
-        except WorkerError:
-            raise
-        except BaseException:  # Ctrl-C mid-step: the workers' next answer would be stale
-            self._stop_now(f"interrupted during {what}")
-            raise
+        return self._wait(self.timeout, what)
 
     def _wait(self, timeout: float, what: str) -> list:
         """Every worker's answer, in rank order; WorkerError if one fails, dies or is late."""
@@ -219,10 +212,6 @@ class TensorParallelWorkers(TensorParallelDriver):
             pass
         self._fail(f"worker {rank} (pid {process.pid}) died during {what} "
                    f"({_describe_exit(process.returncode)})")
-
-    def _fail(self, message: str) -> None:
-        self._stop_now(message)
-        raise WorkerError(message)
 
     def _stop_now(self, reason: str) -> None:
         """Stop the workers without asking them (they may be dead, hung or mid-collective)."""

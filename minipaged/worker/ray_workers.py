@@ -38,7 +38,7 @@ import torch
 
 from minipaged.config import RAY_MISSING
 from minipaged.worker.tensor_parallel import (DEFAULT_TIMEOUT_S, STARTUP_FACTOR, RankWorker,
-                                              TensorParallelDriver, WorkerError, WorkerSpec,
+                                              TensorParallelDriver, WorkerSpec,
                                               check_tensor_parallel)
 
 CPUS_PER_RANK = 1  # one CPU per rank's bundle on the CPU (a scheduling unit: Ray's, not a core)
@@ -219,16 +219,8 @@ class RayTensorParallelWorkers(TensorParallelDriver):
         return bool(ready)
 
     # -- talking to the actors -------------------------------------------------------------------
-    def _call(self, request: tuple, what: str) -> list:
-        self._check_usable()
-        try:
-            return self._gather([a.handle.remote(request) for a in self.actors], self.timeout,
-                                what)
-        except WorkerError:
-            raise
-        except BaseException:  # Ctrl-C mid-step: the actors' next answer would be stale
-            self._stop_now(f"interrupted during {what}")
-            raise
+    def _request(self, request: tuple, what: str) -> list:
+        return self._gather([a.handle.remote(request) for a in self.actors], self.timeout, what)
 
     def _gather(self, refs: list, timeout: float, what: str) -> list:
         """The answers of ``refs`` (one per rank, in rank order); WorkerError if a rank fails,
@@ -262,10 +254,6 @@ class RayTensorParallelWorkers(TensorParallelDriver):
         if not placement:
             return "an unknown node"
         return f"node {placement[rank]['ip']} {placement[rank]['node_id'][:8]}"
-
-    def _fail(self, message: str) -> None:
-        self._stop_now(message)
-        raise WorkerError(message)
 
     def _stop_now(self, reason: str) -> None:
         """Kill the actors without asking them (they may be dead, hung or mid-collective)."""

@@ -7,7 +7,7 @@ Two back-ends start the ranks: ``mp_workers.py`` (processes on this machine) and
   and its KV cache (a ``LocalWorker`` on the shard), then answer the driver's requests;
 - ``TensorParallelDriver``, the driver's side: the ``Worker`` interface (``worker.py``) as
   requests sent to every rank. A back-end adds only how a request reaches the ranks and how
-  their answers (or their deaths) come back: ``_call``.
+  their answers (or their deaths) come back: ``_request``, and how to stop them: ``_stop_now``.
 
 A request is a plain tuple, the same for both back-ends:
 
@@ -167,9 +167,9 @@ class TensorParallelDriver(Worker):
     """The ``Worker`` interface over N ranks, whatever starts them.
 
     The driver's own tensors (inputs, logits, sampling) stay on the CPU (``device``); the
-    caches live in the ranks. A back-end sets ``world_size``, ``worker_device``, ``timeout``,
-    ``weight_bytes`` and ``_finalizer`` (a ``weakref.finalize`` that stops the ranks), and
-    implements ``_call``.
+    caches live in the ranks. A back-end calls ``_init_driver``, sets ``weight_bytes`` and
+    ``_finalizer`` (a ``weakref.finalize`` that stops the ranks), and implements ``_request``
+    and ``_stop_now``.
     """
 
     device = torch.device("cpu")
@@ -189,15 +189,32 @@ class TensorParallelDriver(Worker):
         self.kv_cache_bytes: list[int] = [0] * world_size
 
     @abstractmethod
-    def _call(self, request: tuple, what: str) -> list:
-        """Send ``request`` to every rank; their answers in rank order, or WorkerError."""
+    def _request(self, request: tuple, what: str) -> list:
+        """Send ``request`` to every rank; their answers in rank order. A rank that dies,
+        raises or is late: ``_fail`` (which raises WorkerError)."""
 
-    def _check_usable(self) -> None:
+    @abstractmethod
+    def _stop_now(self, reason: str) -> None:
+        """Stop the ranks without asking them (they may be dead, hung or mid-collective), and
+        remember ``reason`` in ``_error``."""
+
+    def _call(self, request: tuple, what: str) -> list:
         if self._error is not None:
             raise WorkerError(f"the tensor-parallel workers were stopped after an error: "
                               f"{self._error}")
         if not self._finalizer.alive:
             raise WorkerError("the tensor-parallel workers were shut down")
+        try:
+            return self._request(request, what)
+        except WorkerError:
+            raise
+        except BaseException:  # Ctrl-C mid-step: the ranks' next answer would be stale
+            self._stop_now(f"interrupted during {what}")
+            raise
+
+    def _fail(self, message: str) -> None:
+        self._stop_now(message)
+        raise WorkerError(message)
 
     # -- what the engine calls -------------------------------------------------------------------
     def profile_num_gpu_blocks(self, max_num_batched_tokens: int, max_model_len: int,
