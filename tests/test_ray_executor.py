@@ -7,7 +7,6 @@ rank's bundle is one CPU, so PACK puts one rank on each node, and every test shu
 down (the cluster has room for one engine at a time). The cluster is always shut down, and no
 process of it may be left.
 """
-import logging
 import os
 import signal
 import subprocess
@@ -17,12 +16,12 @@ import time
 import pytest
 
 from minipaged import LLM, SamplingParams
+from minipaged.lab.ray_cluster import LOOPBACK
 from minipaged.worker.tensor_parallel import WorkerError, shard_weight_bytes
 from tiny_models import save_tiny_model
 from tp_helpers import ENGINE, assert_same_outputs, gone, workload
 
 pytestmark = pytest.mark.lesson14
-LOOPBACK = "127.0.0.1"
 RAY = dict(distributed_executor_backend="ray")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,72 +34,14 @@ def _import_ray():
     return ray
 
 
-def _processes_of(address: str) -> list[int]:
-    """The pids of every process started for the cluster at ``address`` (they name its GCS)."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.info["pid"] != os.getpid() and address in " ".join(p.info["cmdline"] or []):
-            found.append(p.info["pid"])
-    return found
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    # NOTE: Ray's switch for clusters on one machine also makes it take 127.0.0.1 as the
-    # address of every node and of the GCS; Ray reads it when it is imported (here, and in
-    # every process of the cluster, which inherit it from this one).
-    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray = _import_ray()
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
+    _import_ray()
+    from minipaged.lab.ray_cluster import simulated_cluster
 
-    from ray._private import services
-
-    saved_constant = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False  # (if Ray was imported before this fixture)
-    saved_get_node = services.get_node
-
-    def patient_get_node(*args, **kwargs):
-        """NOTE: a starting node gives its raylet 30 s to register, which two busy cores can
-        miss: wait up to 3 minutes instead."""
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                return saved_get_node(*args, **kwargs)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-
-    services.get_node = patient_get_node
-    started, pids = None, []
-    try:
-        started = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=1, node_ip_address=LOOPBACK, include_dashboard=False))
-        for _ in range(2):
-            started.add_node(num_cpus=1, node_ip_address=LOOPBACK)
-        started.wait_for_nodes()
-        ray.init(address=started.address, logging_level=logging.WARNING, log_to_driver=False)
+    with simulated_cluster(num_nodes=3) as started:
         yield started
-    finally:
-        if started is not None:
-            pids = _processes_of(started.address)
-        ray.shutdown()
-        if started is not None:
-            started.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = saved_constant
-        services.get_node = saved_get_node
-        if saved is None:
-            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-        else:
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
-    left = [] if gone(pids, within=20) else _processes_of(started.address)
-    for pid in left:  # (ours: the cluster's; stopped so that they never outlive the tests)
-        os.kill(pid, signal.SIGKILL)
-    assert pids and not left, f"processes of the Ray cluster were left behind: {left}"
+    assert started.left_behind == [], "processes of the Ray cluster were left behind"
 
 
 def _leftovers(ray) -> tuple[list, list]:
@@ -252,8 +193,10 @@ def test_a_hung_actor_times_out_and_is_stopped(cluster, tiny_llama):
     import ray
 
     prompts, params = workload(tiny_llama[1])
-    parallel = LLM(tiny_llama[0], tensor_parallel_size=2, worker_timeout=3, **RAY, **ENGINE)
-    pids = [p["pid"] for p in parallel.llm_engine.worker.placement]
+    parallel = LLM(tiny_llama[0], tensor_parallel_size=2, **RAY, **ENGINE)
+    workers = parallel.llm_engine.worker
+    workers.timeout = 3.0  # (after the start: loading may take longer on a busy machine)
+    pids = [p["pid"] for p in workers.placement]
     os.kill(pids[0], signal.SIGSTOP)  # alive, but never answers
     try:
         start = time.monotonic()
