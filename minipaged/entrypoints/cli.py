@@ -46,10 +46,14 @@ ENGINE_OPTIONS = [
     ("tensor_parallel_size", int, "split the model over N worker processes (lesson 14)"),
     ("worker_timeout", float, "seconds a tensor-parallel step may take before the engine "
                               "gives up"),
+    ("distributed_executor_backend", str, "who starts the tensor-parallel ranks: mp (processes "
+                                          "on this machine) or ray (actors on a Ray cluster; "
+                                          "pip install 'minipaged[ray]')"),
     ("enforce_eager", bool, "on CUDA: run decode steps eagerly instead of replaying CUDA "
                             "graphs"),
 ]
-_CHOICES = {"preemption_mode": ["recompute", "swap"], "load_format": ["auto", "dummy"]}
+_CHOICES = {"preemption_mode": ["recompute", "swap"], "load_format": ["auto", "dummy"],
+            "distributed_executor_backend": ["mp", "ray"]}
 
 # The server's limits on one request, as flags of `serve` (ServerLimits' fields with dashes):
 # (field, help). A flag left out keeps ServerLimits' default.

@@ -39,66 +39,16 @@ import threading
 import time
 import traceback
 import weakref
-from dataclasses import dataclass, fields, replace
 
 import torch
 
-from minipaged.models.parallel_layers import tensor_parallel_state
-from minipaged.worker.worker import Worker
+from minipaged.worker.tensor_parallel import (DEFAULT_TIMEOUT_S, STARTUP_FACTOR, RankWorker,
+                                              TensorParallelDriver, WorkerError, WorkerSpec,
+                                              check_tensor_parallel, shard_weight_bytes)
 
-DEFAULT_TIMEOUT_S = 120.0  # one step; loading the model may take STARTUP_FACTOR times longer
-STARTUP_FACTOR = 5
-
-
-class WorkerError(RuntimeError):
-    """A tensor-parallel worker died, failed or hung; the engine's workers are stopped."""
-
-
-def check_tensor_parallel(hf_config, world_size, device: torch.device) -> None:
-    """Refuse, with a clear ValueError, a tensor_parallel_size this model cannot split into.
-
-    NOTE: N must divide the query heads, the kv heads and the MLP width. We refuse rather than
-    replicate kv heads (as later vLLM versions do when N > kv heads): one rule, easy to draw.
-    """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {world_size!r}")
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    inner = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
-             or 4 * hf_config.hidden_size)
-    for what, total in (("the attention heads", heads), ("the key/value heads", kv_heads),
-                        ("the MLP width", inner)):
-        if total % world_size:
-            raise ValueError(f"tensor_parallel_size {world_size} does not divide {what} "
-                             f"({total}) of this model; choose a tensor_parallel_size that "
-                             f"divides {heads} heads, {kv_heads} kv heads and {inner} MLP "
-                             f"columns")
-    if device.type == "cuda" and world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs, this "
-                         f"machine has {torch.cuda.device_count()}")
-
-
-def shard_weight_bytes(hf_config, world_size: int, rank: int, dtype=torch.float32) -> int:
-    """Bytes of rank ``rank``'s weights, from a shard built on the meta device (no memory)."""
-    from minipaged.models.registry import get_model_class
-
-    with tensor_parallel_state(rank, world_size), torch.device("meta"):
-        model = get_model_class(hf_config)(hf_config)
-    element = torch.tensor([], dtype=dtype).element_size()
-    return sum(p.numel() for p in model.parameters()) * element
-
-
-@dataclass
-class WorkerSpec:
-    """What a worker needs to build its shard (pickled to the spawned process)."""
-
-    hf_config: object
-    source: str | None
-    load_format: str
-    dtype: torch.dtype
-    device: str
-    timeout: float
-    num_threads: int
+# (WorkerError, shard_weight_bytes, check_tensor_parallel: importable from here as before)
+__all__ = ["TensorParallelWorkers", "WorkerError", "DEFAULT_TIMEOUT_S", "check_tensor_parallel",
+           "shard_weight_bytes", "worker_main"]
 
 
 # -- the worker process ----------------------------------------------------------------------------
@@ -123,57 +73,18 @@ def worker_main(fd: int) -> None:
 
 
 def _serve(rank, world_size, conn, init_method, spec: WorkerSpec) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from minipaged.models.parallel_layers import set_tensor_parallel_state
-    from minipaged.worker.model_runner import PreparedInputs
-    from minipaged.worker.worker import LocalWorker
-
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(spec.num_threads)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                            rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=spec.timeout))
-    set_tensor_parallel_state(rank, world_size)
-    # This rank's shard, its cache and its runner: one process's worker, as with N = 1.
-    worker = LocalWorker(spec.hf_config, spec.source, spec.load_format, spec.dtype, device)
+    """The rank's loop: a ``RankWorker`` (``tensor_parallel.py``) answers each request."""
+    worker = RankWorker(rank, world_size, init_method, spec)
     reply = lambda value: conn.send_bytes(pickle.dumps(("ok", value)))  # noqa: E731
-    reply(worker.memory_per_rank()[0]["weights"])
+    reply(worker.weight_bytes())
     try:
         while True:
             request = pickle.loads(conn.recv_bytes())
-            kind = request[0]
-            if kind == "shutdown":
+            if request[0] == "shutdown":
                 return
-            if kind == "profile":
-                reply(worker.profile_num_gpu_blocks(*request[1:]))
-            elif kind == "init_cache":
-                worker.init_cache(*request[1:])
-                reply(worker.memory_per_rank()[0]["kv_cache"])
-            elif kind == "step":
-                _, cache_ops, (input_ids, positions, meta, sample_indices) = request
-                for op, arg in cache_ops:  # swap_out, swap_in, copy: in the driver's order
-                    getattr(worker, op)(arg)
-                inputs = PreparedInputs(input_ids.to(device), positions.to(device),
-                                        _meta_to(meta, device), [], sample_indices.to(device), [])
-                logits = worker.execute_model(inputs)  # (R, vocab), all ranks
-                reply(logits.cpu() if rank == 0 else None)
-            else:
-                raise ValueError(f"unknown request {kind!r}")
+            reply(worker.handle(request))
     finally:
-        dist.destroy_process_group()
-
-
-def _meta_to(meta, device: torch.device):
-    moved = {f.name: getattr(meta, f.name).to(device) for f in fields(meta)
-             if isinstance(getattr(meta, f.name), torch.Tensor)}
-    return replace(meta, **moved)
+        worker.close()
 
 
 # -- the driver's side -----------------------------------------------------------------------------
@@ -213,11 +124,9 @@ def _stop_workers(processes, conns, outboxes, rendezvous_dir, graceful: bool) ->
     shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
-class TensorParallelWorkers(Worker):
-    """The driver's handle on N worker processes: the ``Worker`` interface (``worker.py``).
-
-    The driver's own tensors (inputs, logits, sampling) stay on the CPU (``device``); the
-    caches live in the workers.
+class TensorParallelWorkers(TensorParallelDriver):
+    """The driver's handle on N worker processes: the ``Worker`` interface (``worker.py``),
+    through ``TensorParallelDriver`` (``tensor_parallel.py``); this class adds the processes.
 
     Args:
         world_size: N, the number of worker processes.
@@ -230,14 +139,7 @@ class TensorParallelWorkers(Worker):
                  dtype: torch.dtype, device: torch.device,
                  timeout: float = DEFAULT_TIMEOUT_S) -> None:
         check_tensor_parallel(hf_config, world_size, device)
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"worker_timeout must be a number of seconds > 0, got {timeout!r}")
-        self.world_size = world_size
-        self.device = torch.device("cpu")
-        self.worker_device = device
-        self.timeout = float(timeout)
-        self._error: str | None = None
-        self._cache_ops: list[tuple[str, dict]] = []
+        self._init_driver(world_size, device, timeout)
         spec = WorkerSpec(hf_config, source, load_format, dtype, device.type, self.timeout,
                           max(1, (os.cpu_count() or 1) // world_size))
         self._rendezvous_dir = rendezvous_dir = tempfile.mkdtemp(prefix="minipaged-tp-")
@@ -263,70 +165,18 @@ class TensorParallelWorkers(Worker):
             self._conns.append(conn)
             self._outboxes.append(outbox)
             outbox.put(pickle.dumps((rank, world_size, init_method, spec)))
-        self.weight_bytes: list[int] = self._wait(self.timeout * STARTUP_FACTOR, "loading")
-        self.kv_cache_bytes: list[int] = [0] * world_size
+        self.weight_bytes = self._wait(self.timeout * STARTUP_FACTOR, "loading")
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    # -- what the engine calls -------------------------------------------------------------------
-    def profile_num_gpu_blocks(self, max_num_batched_tokens: int, max_model_len: int,
-                               gpu_memory_utilization: float, block_bytes: int) -> int | None:
-        """CUDA: each rank profiles its own GPU; the pool is what the tightest rank allows."""
-        if self.worker_device.type != "cuda":
-            return None
-        return min(self._call(("profile", max_num_batched_tokens, max_model_len,
-                               gpu_memory_utilization, block_bytes), "profiling"))
-
-    def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate each rank's cache: the same blocks, ``num_kv_heads / N`` heads each."""
-        per_rank = num_kv_heads // self.world_size
-        self.kv_cache_bytes = self._call(("init_cache", num_layers, per_rank, head_size,
-                                          block_size, num_gpu_blocks, num_cpu_blocks), "init")
-
-    def swap_out(self, src_to_dst: dict[int, int]) -> None:
-        self._cache_ops.append(("swap_out", dict(src_to_dst)))
-
-    def swap_in(self, src_to_dst: dict[int, int]) -> None:
-        self._cache_ops.append(("swap_in", dict(src_to_dst)))
-
-    def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
-        self._cache_ops.append(("copy", {k: list(v) for k, v in src_to_dsts.items()}))
-
-    def execute_model(self, inputs) -> torch.Tensor:
-        """Logits (R, vocab) of one step; the cache operations queued since the last step go
-        first."""
-        cache_ops, self._cache_ops = self._cache_ops, []
-        small = (inputs.input_ids.cpu(), inputs.positions.cpu(), _meta_to(inputs.meta, "cpu"),
-                 inputs.sample_indices.cpu())
-        return self._call(("step", cache_ops, small), "a step")[0]
-
-    def memory_per_rank(self) -> list[dict[str, int]]:
-        return [{"weights": w, "kv_cache": kv}
-                for w, kv in zip(self.weight_bytes, self.kv_cache_bytes)]
-
-    def shutdown(self) -> None:
-        self._finalizer()
-
     # -- talking to the workers ------------------------------------------------------------------
-    def _call(self, request: tuple, what: str) -> list:
-        if self._error is not None:
-            raise WorkerError(f"the tensor-parallel workers were stopped after an error: "
-                              f"{self._error}")
-        if not self._finalizer.alive:
-            raise WorkerError("the tensor-parallel workers were shut down")
+    def _request(self, request: tuple, what: str) -> list:
         payload = pickle.dumps(request)  # plain pickle: tensors are copied, no shared memory
         for outbox in self._outboxes:
             outbox.put(payload)
-        try:
-            return self._wait(self.timeout, what)
-        except WorkerError:
-            raise
-        except BaseException:  # Ctrl-C mid-step: the workers' next answer would be stale
-            self._stop_now(f"interrupted during {what}")
-            raise
+        return self._wait(self.timeout, what)
 
     def _wait(self, timeout: float, what: str) -> list:
         """Every worker's answer, in rank order; WorkerError if one fails, dies or is late."""
@@ -362,10 +212,6 @@ class TensorParallelWorkers(Worker):
             pass
         self._fail(f"worker {rank} (pid {process.pid}) died during {what} "
                    f"({_describe_exit(process.returncode)})")
-
-    def _fail(self, message: str) -> None:
-        self._stop_now(message)
-        raise WorkerError(message)
 
     def _stop_now(self, reason: str) -> None:
         """Stop the workers without asking them (they may be dead, hung or mid-collective)."""
