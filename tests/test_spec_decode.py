@@ -158,7 +158,7 @@ def test_seeded_sampling_is_the_same_in_any_batch(tiny_llama, drafts):
                     [seeded], [PROMPTS[0]])
         others = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 3
         crowded = run(LLMEngine(path, dtype="float32", block_size=4, num_gpu_blocks=30,
-                                speculative_config=spec),
+                                max_model_len=64, speculative_config=spec),
                       others[:2] + [seeded] + others[2:], PROMPTS[1:3] + PROMPTS[:1] + [[9]])
         assert alone["0"][0][0] == crowded["2"][0][0]
 
