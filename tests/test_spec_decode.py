@@ -251,9 +251,9 @@ def test_cli_flags_reach_the_engine(monkeypatch, tiny_llama):
 
 @pytest.mark.slow
 def test_embedded_model_greedy_with_prompt_lookup_and_a_stop_string():
-    prompt = ("Repeat this list exactly: apples, pears, plums, cherries, grapes, lemons. "
-              "Again: apples, pears, plums,")
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, stop=["lemons"])
+    prompt = ("Repeat this list exactly: apples, pears, plums, cherries, grapes, figs, dates, "
+              "kiwis, melons, limes, lemons. Again: apples,")
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1, stop=["lemons"])
     base = LLM(None, block_size=16)
     expected = base.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     llm = LLM(None, block_size=16, speculative_config={
