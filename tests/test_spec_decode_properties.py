@@ -64,13 +64,15 @@ def workloads(draw):
     reqs = []
     for _ in range(draw(st.integers(1, 5))):
         length = draw(st.integers(2, 14))
-        if draw(st.sampled_from([True, True, False])):  # a prompt that repeats itself: prompt lookup finds matches
+        # mostly a prompt that repeats itself: prompt lookup finds matches
+        if draw(st.sampled_from([True, True, False])):
             unit = draw(st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=4))
             prompt = (unit * length)[:length]
         else:
             prompt = draw(st.lists(st.integers(2, VOCAB - 1), min_size=length, max_size=length))
         params = SamplingParams(
-            temperature=0.0, n=draw(st.integers(1, 2)), max_tokens=draw(st.one_of(st.integers(8, 32), st.integers(1, 32))),
+            temperature=0.0, n=draw(st.integers(1, 2)),
+            max_tokens=draw(st.one_of(st.integers(8, 32), st.integers(1, 32))),
             ignore_eos=True, logprobs=draw(st.sampled_from([None, 1])),
             presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.4])))
         reqs.append((prompt, params))
@@ -120,7 +122,8 @@ def test_speculation_changes_nothing_but_the_speed(models, engine, spec, reqs):
                     assert a.keys() == b.keys()
                     assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
     stats = spec_engine.stats
-    event(f"preempted: {stats.num_preemptions_recompute + stats.num_preemptions_swap > 0}")
+    num_preempted = stats.num_preemptions_recompute + stats.num_preemptions_swap
+    event(f"preempted: {num_preempted > 0}")
     event(f"drafts accepted: {stats.num_spec_accepted_tokens > 0}")
     event(f"method: {spec.get('method', 'draft')}")
     event(f"verifications: {stats.num_spec_verifications > 0}")
