@@ -212,7 +212,11 @@ def test_snapshot_rollback_events_stats_and_metrics(tiny_llama, drafts):
             assert len(info["lookahead_slots"]) == len(info["proposed"])
             assert len(info["blocks_after"]) <= len(info["blocks_before"])
     assert any(e["op"] == "rollback" for e in events)
-    assert any(e["op"] == "append" and e.get("lookahead") for e in events)
+    assert any(e["op"] == "lookahead" for e in events)
+    from visualizer.events import describe
+    for e in events:
+        if e["op"] in ("lookahead", "rollback"):
+            assert describe(e, engine.block_manager.snapshot()).startswith("seq ")
     stats = engine.stats.as_dict()
     assert stats["spec_acceptance_rate"] == pytest.approx(
         stats["num_spec_accepted_tokens"] / stats["num_spec_proposed_tokens"])
