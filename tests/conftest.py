@@ -8,6 +8,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import save_tiny_model  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _exercises_unanswered_by_default(monkeypatch):
+    """No test here sees MINIPAGED_SOLUTIONS unless it sets it: lessons/conftest.py sets it for
+    the notebooks, and a run of ``pytest tests lessons`` imports that into this process too."""
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """(directory, transformers model) of a tiny random LLaMA with 4 heads and 2 kv heads."""

@@ -41,10 +41,11 @@ def prometheus_text(async_engine) -> str:
         lines.extend([f"# HELP minipaged_{name} {help_text}", f"# TYPE minipaged_{name} {kind}"])
         lines.extend(f"minipaged_{name}{labels} {value}" for labels, value in samples)
 
+    # (.get: a metrics dict from before speculative decoding, a checker's, has no spec_* keys)
     for key, help_text in _GAUGES:
-        metric(key, "gauge", help_text, [("", m[key])])
+        metric(key, "gauge", help_text, [("", m.get(key, 0))])
     for key, help_text in _COUNTERS:
-        metric(f"{key}_total", "counter", help_text, [("", m[key])])
+        metric(f"{key}_total", "counter", help_text, [("", m.get(key, 0))])
     metric("preemptions_total", "counter", "Requests preempted to free KV blocks.",
            [('{mode="recompute"}', m["preemptions_recompute"]),
             ('{mode="swap"}', m["preemptions_swap"])])
