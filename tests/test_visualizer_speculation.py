@@ -58,6 +58,19 @@ def test_accepted_guesses_stay_in_their_slots():
     assert [k for k, _ in slots["after"][1][1]] == ["accepted", "accepted", "target", "empty"]
 
 
+def test_a_bonus_token_past_the_table_is_drawn_as_waiting_for_its_block():
+    sequence, spec = a_verification(4)
+    spec = dict(spec, proposed=[200, 201, 202, 203, 204, 205], accepted=6,
+                emitted=[200, 201, 202, 203, 204, 205, 206])  # 17 tokens: slot 16 has no block
+    sequence = {"logical_blocks": [{"token_ids": (list(range(100, 110)) + spec["emitted"])[i:i + 4]}
+                                   for i in range(0, 17, 4)]}
+    spec["blocks_before"] = spec["blocks_after"] = [5, 9, 2, 7]
+    root = ET.fromstring(render_verification(sequence, spec, 4))
+    pending = with_class(root, "pending")
+    assert len(pending) == 1 and pending[0].get("data-position") == "16"
+    assert "then the target's bonus token" in "".join(root.itertext())
+
+
 def test_a_finished_sequence_is_refused_with_a_clear_error():
     sequence, spec = a_verification(1)
     with pytest.raises(ValueError, match="finished"):

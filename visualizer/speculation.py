@@ -45,7 +45,7 @@ def verification_slots(sequence: dict, spec: dict, block_size: int) -> dict:
     Returns {"first_block": index of the first drawn block, "before": [(block number, [(kind,
     token id or None), ...])], "after": [...], "freed": block numbers given back}.
     """
-    tokens = [t for lb in sequence["logical_blocks"] for t in lb["token_ids"]]
+    tokens = tokens_of(sequence)
     emitted, proposed = list(spec["emitted"]), list(spec["proposed"])
     accepted = spec["accepted"]
     length = len(tokens) - len(emitted)  # tokens before the step, the newest one included
@@ -99,19 +99,25 @@ def render_verification(sequence: dict, spec: dict, block_size: int, decode=None
     decode = decode or str
     top = 34 if title else 10
     height = top + 2 * ROW_GAP + 2 * (SLOT_H + 34) + 24
-    width = max(20 + num_blocks * (block_w + 10), 560)
+    n_acc, n_prop = spec["accepted"], len(spec["proposed"])
+    target_pos = len(tokens_of(sequence)) - 1  # the target's token: the last emitted
+    pending = target_pos >= len(spec["blocks_after"]) * block_size
+    n_back = n_prop - n_acc - (1 if n_acc < n_prop else 0)
+    headings = {
+        "before": f"before verification: the newest token and {n_prop} guesses in lookahead slots",
+        "after": f"after: {n_acc} of {n_prop} accepted, then the target's "
+                 + ("bonus token" if n_acc == n_prop else "correction")
+                 + (f", {n_back} rolled back" if n_back else "")
+                 + (f", block {', '.join(f'#{b}' for b in slots['freed'])} freed"
+                    if slots["freed"] else ""),
+    }
+    legend_w = sum(30 + 0.6 * 9 * len(KINDS[k][0]) for k in LEGEND)
+    width = max(20 + num_blocks * (block_w + 10) + (120 if pending else 0), 20 + legend_w,
+                20 + 0.6 * 11 * max(len(h) for h in headings.values()))
     root = svg_root(width, height, "verification", data_block_size=block_size,
                     data_accepted=spec["accepted"], data_proposed=len(spec["proposed"]))
     if title:
         caption(root, 10, 20, title)
-    n_acc, n_prop = spec["accepted"], len(spec["proposed"])
-    headings = {
-        "before": f"before verification: the newest token and {n_prop} guesses in lookahead slots",
-        "after": f"after: {n_acc} of {n_prop} accepted, the target's token, "
-                 f"{n_prop - n_acc - (1 if n_acc < n_prop else 0)} rolled back"
-                 + (f", block {', '.join(f'#{b}' for b in slots['freed'])} freed"
-                    if slots["freed"] else ""),
-    }
     y = top
     for row in ("before", "after"):
         group = el(root, "g", class_="block-row", data_row=row)
@@ -150,14 +156,30 @@ def render_verification(sequence: dict, spec: dict, block_size: int, decode=None
                     text(block, sx + (slot_w - 2) / 2, by + SLOT_H + 7, label, size=9,
                          anchor="middle", fill=MUTED if kind == "rolled_back" else INK,
                          class_="token-label")
+        if row == "after" and pending:  # the bonus token's block comes with the next step
+            bx = 10 + len(drawn) * (block_w + 10)
+            el(group, "rect", x=bx, y=by, width=slot_w - 2, height=SLOT_H - 6,
+               fill=KINDS["target"][1], stroke=INK, stroke_width=2, class_="slot pending",
+               data_kind="target", data_position=target_pos)
+            text(group, bx + (slot_w - 2) / 2, by + SLOT_H + 7,
+                 shorten(decode(tokens_of(sequence)[-1]), label_chars), size=9, anchor="middle",
+                 class_="token-label")
+            text(group, bx, by - 3, "its block: next step", size=9, fill=MUTED)
         y += ROW_GAP + SLOT_H + 34
     _legend(root, 10, height - 16)
     return to_string(root)
 
 
+LEGEND = ("cached", "newest", "draft", "accepted", "target", "rolled_back")
+
+
+def tokens_of(sequence: dict) -> list[int]:
+    return [t for lb in sequence["logical_blocks"] for t in lb["token_ids"]]
+
+
 def _legend(root, x, y):
     group = el(root, "g", class_="legend")
-    for kind in ("cached", "newest", "draft", "accepted", "target", "rolled_back"):
+    for kind in LEGEND:
         label, fill, stroke = KINDS[kind]
         entry = el(group, "g", class_="legend-entry", data_kind=kind)
         el(entry, "rect", x=x, y=y - 9, width=14, height=10, fill=fill, stroke=stroke)
