@@ -63,6 +63,9 @@ class Sequence:
         # Tokens whose K/V are in the cache. After a preemption by recompute it drops to 0, and
         # the next run computes every token again as one "prompt".
         self.num_computed_tokens = 0
+        # Speculative decoding (lesson 12): slots reserved this step after the newest token,
+        # for the proposed tokens the target verifies; 0 outside a speculative step.
+        self.num_lookahead_slots = 0
         self._append_tokens_to_blocks(self.prompt_token_ids)
 
     def _append_tokens_to_blocks(self, token_ids: list[int]) -> None:

@@ -23,11 +23,14 @@ LAYER_DEPS = {
     "kernels": {"types"},
     "models": {"types", "kernels"},
     "worker": {"types", "core", "models", "kernels"},
-    "engine": {"types", "core", "worker", "kernels"},
+    "spec_decode": {"types", "core", "worker", "models", "kernels"},
+    "engine": {"types", "core", "worker", "kernels", "spec_decode"},
     "entrypoints": {"types", "engine", "core", "worker", "kernels"},
-    "lab": {"types", "core", "engine", "worker", "models", "kernels", "entrypoints"},
-    "exercises": {"types", "core", "engine", "worker", "models", "kernels", "entrypoints", "lab"},
-    "visualizer": {"types", "core", "engine", "worker", "models", "kernels", "entrypoints", "lab"},
+    "lab": {"types", "core", "engine", "worker", "models", "kernels", "spec_decode", "entrypoints"},
+    "exercises": {"types", "core", "engine", "worker", "models", "kernels", "spec_decode",
+                  "entrypoints", "lab"},
+    "visualizer": {"types", "core", "engine", "worker", "models", "kernels", "spec_decode",
+                   "entrypoints", "lab"},
     "api": {"types", "engine", "entrypoints"},  # minipaged/__init__.py, __main__.py
 }
 TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config"}
@@ -166,7 +169,8 @@ def test_core_holds_no_tensors():
 def test_subpackage_inits_import_nothing():
     """``minipaged/<layer>/__init__.py`` is a docstring: importing one module of a layer never
     drags in the others (and so never closes a circle)."""
-    for name in ("core", "engine", "worker", "models", "kernels", "entrypoints", "lab"):
+    for name in ("core", "engine", "worker", "models", "kernels", "entrypoints", "lab",
+                 "spec_decode"):
         path = ROOT / "minipaged" / name / "__init__.py"
         tree = ast.parse(path.read_text())
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))

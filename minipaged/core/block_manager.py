@@ -12,6 +12,7 @@ from typing import Callable
 from minipaged.core.allocator import BlockAllocator, FreeListAllocator
 from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.block_snapshot import snapshot_block_manager
+from minipaged.core.lookahead import num_lookahead_blocks
 from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -216,6 +217,7 @@ class BlockSpaceManager:
             elif table[-1].ref_count > 1:
                 shared[id(table[-1])] = table[-1]
                 writers[id(table[-1])] = writers.get(id(table[-1]), 0) + 1
+            num_needed += num_lookahead_blocks(seq, self.block_size)  # (lesson 12)
         for key, block in shared.items():
             # Copy-on-write copies the block for each writer; if every holder writes, the last
             # one finds itself alone (ref count 1) and keeps the block.
@@ -230,7 +232,29 @@ class BlockSpaceManager:
             seq: a running sequence whose newest token is not in the cache yet.
         """
         cow = self.append_slot(seq)
+        # Speculative decoding (lesson 12): fresh blocks for the lookahead slots. (A shared last
+        # block was copied by append_slot already, so no write goes into a shared block.)
+        table = self.block_tables[seq.seq_id]
+        for _ in range(num_lookahead_blocks(seq, self.block_size)):
+            table.append(self.gpu_allocator.allocate())
+            self._emit("append", seq_id=seq.seq_id, block=table[-1].block_number,
+                       new_block=True, lookahead=True)
         return [cow] if cow is not None else []
+
+    def rollback_slots(self, seq: Sequence) -> None:
+        """Speculative decoding dropped rejected proposals (lesson 12): free the blocks after the
+        sequence's last token, which hold no token now, and name the full blocks of computed
+        (accepted) tokens for the prefix cache."""
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return  # finished (and freed) in the step
+        freed = table[len(seq.logical_token_blocks):]
+        del table[len(seq.logical_token_blocks):]
+        for block in reversed(freed):
+            self.gpu_allocator.free(block)
+        self.cache_blocks(seq, min(seq.num_computed_tokens, len(table) * self.block_size))
+        self._emit("rollback", seq_id=seq.seq_id, num_tokens=seq.get_len(),
+                   blocks=[b.block_number for b in freed])
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room in the cache for the sequence's newest token.

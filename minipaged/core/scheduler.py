@@ -27,6 +27,7 @@ import enum
 from dataclasses import dataclass, field
 
 from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.lookahead import drop_lookahead, fit_lookahead
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -228,11 +229,15 @@ class Scheduler:
             if seq_group.pending_chunks:  # still prefilling: no new slot, no token to decode
                 running.append(seq_group)
                 continue
+            seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+            fit_lookahead(seqs, budget)  # speculative decoding's proposals (lesson 12)
             while not self.block_manager.can_append_slot(seq_group):
                 if self.running:
                     # Take memory from the latest arrival (lowest priority).
                     victim = self.running.pop(-1)
                     preempted_log.append(self._preempt(victim, blocks_to_swap_out))
+                elif drop_lookahead(seqs):
+                    continue  # without proposals it may fit: better than preempting itself
                 else:
                     # Nothing left to take from: this group itself goes. (A request that fits
                     # the pool alone never gets here: validate_request refuses the others.)
@@ -242,7 +247,7 @@ class Scheduler:
                 self._append_slots(seq_group, blocks_to_copy)
                 running.append(seq_group)
                 decode_groups.append(seq_group)
-                budget -= seq_group.num_seqs(SequenceStatus.RUNNING)
+                budget -= sum(1 + seq.num_lookahead_slots for seq in seqs)
         self.running = running
         preempted = bool(preempted_log)
 

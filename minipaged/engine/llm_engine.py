@@ -26,6 +26,7 @@ from minipaged.engine.validation import (RequestLimits, as_arrival_time, check_r
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.spec_decode.speculator import Speculator
 from minipaged.validation import as_token_ids
 from minipaged.worker import checkpoint
 from minipaged.worker.cache_engine import cache_block_bytes
@@ -55,7 +56,7 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True,
                  load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
                  worker_timeout: float = DEFAULT_TIMEOUT_S,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, speculative_config=None) -> None:
         self.config = cfg = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -65,7 +66,8 @@ class LLMEngine:
             preemption_mode=preemption_mode, watermark=watermark,
             enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
             hf_config=hf_config, tensor_parallel_size=tensor_parallel_size,
-            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching)
+            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching,
+            speculative_config=speculative_config)
         resolved_device = resolve_device(cfg.device)
 
         # -- the model ---------------------------------------------------------------------------
@@ -96,6 +98,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(hf, self.tokenizer),
                                                 self.max_model_len)
         self.sampler = Sampler()
+        spec = cfg.speculative_config  # speculative decoding (lesson 12), or None
+        self.speculator = None if spec is None else Speculator(
+            spec, self.vocab_size, cfg.block_size, self.block_manager.num_total_gpu_blocks,
+            self.dtype, resolved_device)
 
         self.stats = EngineStats()
         self._observers: list[Callable[[StepSnapshot], None]] = []
@@ -195,6 +201,9 @@ class LLMEngine:
             prompt_token_ids = self.encode(prompt)
         prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate_request(prompt_token_ids, sampling_params)
+        if self.speculator is not None and sampling_params.use_beam_search:
+            raise ValueError("use_beam_search: beam search does not run with speculative "
+                             "decoding (speculative_config is set)")
 
         seqs = [Sequence(next(self._seq_counter), prompt, prompt_token_ids, self.block_size)
                 for _ in range(sampling_params.best_of)]
@@ -258,6 +267,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the groups touched by it."""
         t = [time.perf_counter()]
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running, self.max_model_len)
         outs = self.scheduler.schedule()
         ended = self._collect_aborted()
         if outs.is_empty() and not outs.preempted and not self.scheduler.running:
@@ -273,15 +284,23 @@ class LLMEngine:
             self.worker.copy(outs.blocks_to_copy)
         self.stats.count_schedule(outs, self.block_manager)
 
-        inputs = prepare_inputs(outs, self.block_manager, self.block_size, self.device)
+        drafts = None
+        if self.speculator is not None:
+            for request_id, _ in outs.preempted:  # their blocks (and the draft's KV) are gone
+                self.speculator.forget(self._requests[request_id].get_seqs())
+            drafts = self.speculator.propose(outs, self.block_manager, self._generators)
+        inputs = prepare_inputs(outs, self.block_manager, self.block_size, self.device, drafts)
         t.append(time.perf_counter())
-        if inputs.computed:
+        if inputs.computed or inputs.spec_rows:
             logits = self.worker.execute_model(inputs)
             t.append(time.perf_counter())
-            results = self.sampler(logits, inputs.rows, self._generators) if inputs.rows else {}
+            num_rows = len(inputs.rows)
+            results = (self.sampler(logits[:num_rows], inputs.rows, self._generators)
+                       if inputs.rows else {})
             t.append(time.perf_counter())
-            self.stats.num_prompt_tokens += inputs.meta.num_prompt_tokens
-            self.stats.num_generation_tokens += inputs.meta.num_generation_tokens
+            num_verified = sum(1 + len(r.draft_token_ids) for r in inputs.spec_rows)
+            self.stats.num_prompt_tokens += inputs.meta.num_prompt_tokens - num_verified
+            self.stats.num_generation_tokens += inputs.meta.num_generation_tokens + num_verified
             for seq, num_computed in inputs.computed:  # now in the cache
                 seq.num_computed_tokens = num_computed
             for group in outs.scheduled_seq_groups:
@@ -289,8 +308,13 @@ class LLMEngine:
                     self.stats.num_sampled_tokens += len(results[group.request_id])
                     self.output_processor.process(group, results[group.request_id],
                                                   self.block_manager)
+            if inputs.spec_rows:  # verify the drafts, append what is kept, roll back the rest
+                self.speculator.apply(logits[num_rows:], inputs.spec_rows, self._generators,
+                                      self.output_processor, self.block_manager, self.stats)
         else:
             t += [time.perf_counter()] * 2
+        if self.speculator is not None:
+            self.speculator.end_step()
         finished = self.scheduler.free_finished_seq_groups()
         for group in finished:
             self._forget(group)
@@ -307,6 +331,8 @@ class LLMEngine:
 
     def _forget(self, group: SequenceGroup) -> None:
         self._requests.pop(group.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(group.get_seqs())
         for seq in group.get_seqs():
             self._generators.pop(seq.seq_id, None)
 
@@ -340,8 +366,9 @@ class LLMEngine:
         return self._collect_aborted()
 
     def _notify(self, outs: SchedulerOutputs, finished: list[SequenceGroup]) -> None:
-        snap = StepSnapshot.of_step(outs, finished, self.block_manager, self.scheduler,
-                                    self.stats)
+        snap = StepSnapshot.of_step(
+            outs, finished, self.block_manager, self.scheduler, self.stats,
+            self.speculator.last_step if self.speculator is not None else None)
         for fn in list(self._observers):
             fn(snap)
 

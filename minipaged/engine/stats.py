@@ -32,6 +32,12 @@ class EngineStats:
     # computed (num_prompt_tokens counts the computed ones), and cached blocks evicted.
     num_cached_prompt_tokens: int = 0
     num_evicted_blocks: int = 0
+    # Speculative decoding (lesson 12): drafts proposed, drafts accepted, tokens emitted by
+    # verifications (accepted + one each), and verifications run.
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_emitted_tokens: int = 0
+    num_spec_verifications: int = 0
     # Where a step's time goes, in seconds, summed over all steps.
     time_schedule: float = 0.0
     time_prepare: float = 0.0
@@ -40,7 +46,26 @@ class EngineStats:
     time_update: float = 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "spec_acceptance_rate": self.spec_acceptance_rate,
+                "spec_mean_accepted_length": self.spec_mean_accepted_length}
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts (0 before any proposal)."""
+        return self.num_spec_accepted_tokens / max(self.num_spec_proposed_tokens, 1)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification (accepted drafts + 1; 0 before any)."""
+        return self.num_spec_emitted_tokens / max(self.num_spec_verifications, 1)
+
+    def count_verification(self, num_proposed: int, num_emitted: int) -> None:
+        """One verification proposed ``num_proposed`` drafts and emitted ``num_emitted``
+        tokens (the accepted drafts and one more)."""
+        self.num_spec_verifications += 1
+        self.num_spec_proposed_tokens += num_proposed
+        self.num_spec_accepted_tokens += num_emitted - 1
+        self.num_spec_emitted_tokens += num_emitted
 
     def reset(self) -> None:
         """Every counter back to zero (a benchmark measuring one run after a warm-up)."""
@@ -95,11 +120,15 @@ class StepSnapshot:
     scheduler: dict
     stats: dict = field(default_factory=dict)
     num_batched_tokens: int = 0  # tokens the model computed in this step
+    # Speculative decoding (lesson 12), by seq id: "proposed" drafts, how many "accepted", the
+    # "emitted" tokens, the "lookahead_slots" they were written to, "blocks_before"/"_after"
+    # the rollback.
+    spec: dict = field(default_factory=dict)
 
     @classmethod
     def of_step(cls, outs: SchedulerOutputs, finished: list[SequenceGroup],
                 block_manager: BlockSpaceManager, scheduler: Scheduler,
-                stats: EngineStats) -> StepSnapshot:
+                stats: EngineStats, spec: dict | None = None) -> StepSnapshot:
         """The snapshot after a step: copies, so that later steps do not change it.
 
         Args:
@@ -108,6 +137,7 @@ class StepSnapshot:
             block_manager: gives the pool.
             scheduler: gives the queues.
             stats: the engine's counters after the step.
+            spec: the step's verifications (``Speculator.last_step``), if any.
         """
         return cls(
             step=stats.num_steps,
@@ -122,4 +152,5 @@ class StepSnapshot:
             scheduler=scheduler.snapshot(),
             stats=stats.as_dict(),
             num_batched_tokens=outs.num_batched_tokens,
+            spec={k: dict(v) for k, v in (spec or {}).items()},
         )

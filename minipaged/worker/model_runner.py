@@ -28,6 +28,20 @@ class Row:
 
 
 @dataclass
+class SpecRow:
+    """Speculative decoding (lesson 12): a sequence verifying ``draft_token_ids`` (k of them).
+
+    Its newest token and the k drafts run as one chunk over its cached prefix; the step's logits
+    then hold k + 1 rows for it, after the rows of ``PreparedInputs.rows``, in order: the
+    target's distribution at each draft position, and after the last draft.
+    """
+
+    seq_group: SequenceGroup
+    seq_id: int
+    draft_token_ids: list[int]
+
+
+@dataclass
 class PreparedInputs:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
@@ -36,6 +50,7 @@ class PreparedInputs:
     sample_indices: torch.Tensor  # (R,) which of the T tokens produce a next-token distribution
     computed: list[tuple[Sequence, int]]  # after the step: (sequence, its num_computed_tokens)
     chunks: list[PrefillChunk] = field(default_factory=list)  # the prefill part, in batch order
+    spec_rows: list[SpecRow] = field(default_factory=list)  # their logits follow ``rows``'
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:
@@ -45,7 +60,8 @@ def _pad(tables: list[list[int]]) -> torch.Tensor:
 
 
 def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager,
-                   block_size: int, device: torch.device) -> PreparedInputs:
+                   block_size: int, device: torch.device,
+                   drafts: dict[int, list[int]] | None = None) -> PreparedInputs:
     """The flat batch of one step, from the scheduler's outputs.
 
     Args:
@@ -53,7 +69,11 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
         block_manager: gives each sequence's block table.
         block_size: tokens per block.
         device: where the tensors go (the worker's ``device``).
+        drafts: speculative decoding (lesson 12): the proposed tokens of decoding sequences,
+            by sequence id; such a sequence runs as a chunk (its newest token and the drafts,
+            in the slots the scheduler reserved) and gets a ``SpecRow``.
     """
+    drafts = {seq_id: d for seq_id, d in (drafts or {}).items() if d}
     chunks, decode_groups = scheduled.prefill_chunks, scheduled.decode_seq_groups
     # Prompts from scratch first, then chunks that read a cached context.
     chunks = [c for c in chunks if c.start == 0] + [c for c in chunks if c.start > 0]
@@ -89,6 +109,27 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
             rows.append(Row(group, list(chunk.seq_ids), True))
         computed += [(group.find(seq_id), chunk.end) for seq_id in chunk.seq_ids]
 
+    # 1b. Verifications (lesson 12): [newest token, d1..dk] at positions L-1 .. L+k-1, a chunk
+    # over the cached prefix whose every token gives a row of logits (they go last).
+    spec_rows: list[SpecRow] = []
+    spec_indices: list[int] = []
+    for group in decode_groups:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            if seq.seq_id not in drafts:
+                continue
+            table_list = block_manager.get_block_table(seq)
+            table = torch.tensor(table_list)  # (num_blocks,)
+            start, draft = seq.get_len() - 1, drafts[seq.seq_id]
+            pos = torch.arange(start, start + 1 + len(draft))  # (k + 1,)
+            spec_indices += range(len(input_ids), len(input_ids) + 1 + len(draft))
+            input_ids += [seq.get_last_token_id()] + draft
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)  # (k + 1,)
+            chunk_lens.append(1 + len(draft))
+            chunk_tables.append(table_list)
+            chunk_ends.append(start + 1 + len(draft))
+            spec_rows.append(SpecRow(group, seq.seq_id, list(draft)))
+
     # 2. Decodes: one new token per running sequence whose earlier tokens are cached.
     block_tables: list[list[int]] = []
     context_lens: list[int] = []
@@ -96,6 +137,8 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
     decode_slots: list[int] = []
     for group in decode_groups:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
+            if seq.seq_id in drafts:
+                continue  # verified as a chunk above
             pos = seq.get_len() - 1
             table = block_manager.get_block_table(seq)
             input_ids.append(seq.get_last_token_id())
@@ -130,8 +173,9 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
     )
     return PreparedInputs(to_device(torch.tensor(input_ids, dtype=torch.long)),
                           to_device(torch.cat(positions).long()), meta, rows,
-                          to_device(torch.tensor(sample_indices, dtype=torch.long)), computed,
-                          chunks)
+                          to_device(torch.tensor(sample_indices + spec_indices,
+                                                 dtype=torch.long)), computed,
+                          chunks, spec_rows)
 
 
 class ModelRunner:
@@ -142,7 +186,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, inputs: PreparedInputs, kv_caches) -> torch.Tensor:
-        """Logits (R, vocab) in float32, one row per ``inputs.rows`` entry."""
+        """Logits (R, vocab) in float32, one row per ``inputs.rows`` entry, then k + 1 rows per
+        ``inputs.spec_rows`` entry."""
         hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)  # (T, C)
         hidden = hidden.index_select(0, inputs.sample_indices)  # (R, C)
         return self.model.compute_logits(hidden).float()  # (R, vocab)

@@ -1,0 +1,137 @@
+"""Speculative decoding inside the engine's step (lesson 12).
+
+    before schedule:  plan()     -- how many lookahead slots each decoding sequence asks for
+                                    (n-gram: as many as it found; draft model: k)
+    after schedule:   propose()  -- the drafts, in the slots the scheduler reserved
+    the target runs:                [newest token, d1..dk] as one chunk, k + 1 rows of logits
+    after the model:  apply()    -- verify, append the emitted tokens one at a time through the
+                                    output processor (stops, EOS, max_tokens as always), roll back
+
+The number of proposals is capped so that a sequence never overshoots ``max_tokens`` or
+``max_model_len``: at most ``remaining - 1`` drafts, since a verification emits one more.
+"""
+from __future__ import annotations
+
+import torch
+
+from minipaged.config import SpeculativeConfig
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.scheduler import SchedulerOutputs
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.spec_decode.proposers import DraftModelProposer, NgramProposer
+from minipaged.spec_decode.verifier import verify
+from minipaged.worker.model_runner import SpecRow
+
+
+class Speculator:
+    """Proposes, and applies verified tokens, for the engine.
+
+    Args:
+        config: the checked ``speculative_config``.
+        vocab_size, block_size, num_gpu_blocks, dtype, device: the target's (a draft model
+            gets a KV cache of the same blocks).
+    """
+
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, block_size: int,
+                 num_gpu_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.ngram = (NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+                      if config.method == "ngram" else None)
+        self.draft = (DraftModelProposer(config.model, vocab_size, block_size, num_gpu_blocks,
+                                         dtype, device) if config.method == "draft" else None)
+        self._ngram_drafts: dict[int, list[int]] = {}
+        self._planned: list[Sequence] = []
+        self._draft_probs: dict[int, torch.Tensor | None] = {}
+        self.last_step: dict[int, dict] = {}  # what the latest step proposed and kept, by seq id
+
+    def plan(self, running: list[SequenceGroup], max_model_len: int) -> None:
+        """Set ``num_lookahead_slots`` of every decoding sequence (the scheduler may lower it)."""
+        self._ngram_drafts = {}
+        self.last_step = {}
+        for group in running:
+            params = group.sampling_params
+            if group.pending_chunks or params.use_beam_search:
+                continue
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                if seq.num_computed_tokens != seq.get_len() - 1:
+                    continue  # not a plain decode (a prefill run)
+                k = min(self.k, params.max_tokens - seq.get_output_len() - 1,
+                        max_model_len - seq.get_len() - 1)
+                if k <= 0:
+                    continue
+                if self.ngram is not None:
+                    draft = self.ngram.propose(seq.get_token_ids(), k)
+                    self._ngram_drafts[seq.seq_id] = draft
+                    k = len(draft)
+                seq.num_lookahead_slots = k
+                self._planned.append(seq)
+
+    def propose(self, outs: SchedulerOutputs, block_manager: BlockSpaceManager,
+                generators: dict[int, torch.Generator]) -> dict[int, list[int]]:
+        """The drafts of the scheduled decoding sequences, by sequence id (as many as the
+        scheduler left lookahead slots for)."""
+        wanted = [(seq, seq.num_lookahead_slots, group.sampling_params, generators[seq.seq_id])
+                  for group in outs.decode_seq_groups
+                  for seq in group.get_seqs(SequenceStatus.RUNNING)
+                  if seq.num_lookahead_slots > 0]
+        self._draft_probs = {}
+        if self.ngram is not None:
+            return {seq.seq_id: self._ngram_drafts[seq.seq_id][:k] for seq, k, *_ in wanted}
+        drafts = {}
+        for seq_id, (tokens, q) in self.draft.propose(wanted, block_manager).items():
+            drafts[seq_id] = tokens
+            self._draft_probs[seq_id] = q
+        return drafts
+
+    def apply(self, logits: torch.Tensor, spec_rows: list[SpecRow],
+              generators: dict[int, torch.Generator], output_processor,
+              block_manager: BlockSpaceManager, stats) -> None:
+        """Verify, append the emitted tokens one by one, roll back the rejected slots.
+
+        Args:
+            logits: (sum of k + 1, V) the rows of the verifications.
+            spec_rows: the verifications, in the order of their rows.
+            generators: the sequences' random generators.
+            output_processor: appends one token and checks the stops (the engine's).
+            block_manager: the pool: frees what the rejected drafts held.
+            stats: the engine's ``EngineStats`` (speculation counters).
+        """
+        results = verify(logits, spec_rows, generators, self._draft_probs)
+        bs = block_manager.block_size
+        self.last_step = {}
+        for row in spec_rows:
+            group, seq = row.seq_group, row.seq_group.find(row.seq_id)
+            emitted = results[row.seq_id]
+            start = seq.get_len()  # position of the first draft
+            table = block_manager.get_block_table(seq)
+            stats.count_verification(len(row.draft_token_ids), len(emitted))
+            self.last_step[row.seq_id] = {
+                "request_id": group.request_id, "proposed": list(row.draft_token_ids),
+                "accepted": len(emitted) - 1, "emitted": [o.token_id for o in emitted],
+                "lookahead_slots": [table[p // bs] * bs + p % bs
+                                    for p in range(start, start + len(row.draft_token_ids))],
+                "blocks_before": table}
+            for out in emitted:  # one at a time: a stop ends the sequence where it is
+                if seq.is_finished():
+                    break
+                output_processor.process(group, {seq.seq_id: out}, block_manager)
+            if not seq.is_finished():
+                seq.num_computed_tokens = seq.get_len() - 1  # all but the newest are cached
+                block_manager.rollback_slots(seq)
+                if self.draft is not None:
+                    self.draft.accepted(seq)
+            self.last_step[row.seq_id]["blocks_after"] = (
+                block_manager.get_block_table(seq) if not seq.is_finished() else [])
+
+    def end_step(self) -> None:
+        """No lookahead outside a step: sequences preempted or swapped keep none."""
+        for seq in self._planned:
+            seq.num_lookahead_slots = 0
+        self._planned = []
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """These sequences' blocks were freed or moved (finished, preempted)."""
+        if self.draft is not None:
+            for seq in seqs:
+                self.draft.forget(seq.seq_id)
