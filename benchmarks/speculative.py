@@ -182,6 +182,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.max_tokens, args.streams, args.single_requests = 8, 2, 1
 
+    load_start = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"{machine_description('cpu')}; CPU capability {capability}; torch {torch.__version__}")
     spec_config = {"method": "ngram", "num_speculative_tokens": args.k,
@@ -210,9 +211,12 @@ def main(argv=None) -> int:
     same = all(r["same"] for r in rows)
     verdict = ("greedy outputs identical with and without speculation in every run" if same else
                "GREEDY OUTPUTS DIFFER with and without speculation (see the table)")
+    load = (f"load average (1 min) {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+            f"end, on {os.cpu_count()} cores")
     print()
     print(table)
     print(verdict)
+    print(load)
     if args.record:
         path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
         command = "python benchmarks/speculative.py " + " ".join(sys.argv[1:])
@@ -226,6 +230,7 @@ def main(argv=None) -> int:
                 f"- streams 1: {args.single_requests} requests one after another; streams "
                 f"{args.streams}: {args.streams} requests at once\n"
                 f"- {verdict}\n"
+                f"- {load}\n"
                 f"- command: `{command.strip()}`\n\n{table}\n")
         with open(path, "a") as f:
             f.write(text)
