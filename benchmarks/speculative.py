@@ -227,7 +227,7 @@ def main(argv=None) -> int:
                 f"- speculation: k = {args.k} proposed tokens, prompt lookup of the last "
                 f"{args.lookup_max}..{args.lookup_min} tokens; greedy, at most {args.max_tokens} "
                 f"new tokens, chat template\n"
-                f"- streams 1: {args.single_requests} requests one after another; streams "
+                f"- streams 1: {args.single_requests} request(s) one after another; streams "
                 f"{args.streams}: {args.streams} requests at once\n"
                 f"- {verdict}\n"
                 f"- {load}\n"
