@@ -1,4 +1,5 @@
-"""The rejection sampler of speculative decoding keeps the target's distribution exactly (lesson 12).
+"""The rejection sampler of speculative decoding keeps the target's distribution exactly
+(lesson 12).
 
 A chi-square test against the analytic distribution on a small vocabulary, with a fixed seed (so
 the test is deterministic) and a threshold far below any honest p-value (so a different seed would

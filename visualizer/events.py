@@ -27,7 +27,7 @@ class RecordedStep:
         """GPU blocks the event touched."""
         e = self.event
         op = e["op"]
-        if op in ("allocate", "fork", "free"):
+        if op in ("allocate", "fork", "free", "lookahead", "rollback"):
             return list(e["blocks"])
         if op == "append":
             return [e["block"]]
@@ -154,4 +154,12 @@ def describe(event: dict, snapshot: dict) -> str:
         return f"request {event['request_id']} {verb}, blocks {arrow}: {pairs}"
     if op == "preempt":
         return f"request {event['request_id']} preempted by {event['mode']}"
+    if op == "lookahead":  # speculative decoding (lesson 12)
+        return (f"seq {event['seq_id']} reserves {_plural(event['num_slots'], 'lookahead slot')}"
+                f" for its proposed tokens" + (f", new blocks {event['blocks']}"
+                                               if event["blocks"] else ""))
+    if op == "rollback":
+        return (f"seq {event['seq_id']} keeps {event['num_tokens']} tokens after verification"
+                + (f"; blocks {event['blocks']} held only rejected tokens: freed"
+                   if event["blocks"] else ""))
     return f"{op} {event}"

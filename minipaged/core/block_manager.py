@@ -235,10 +235,12 @@ class BlockSpaceManager:
         # Speculative decoding (lesson 12): fresh blocks for the lookahead slots. (A shared last
         # block was copied by append_slot already, so no write goes into a shared block.)
         table = self.block_tables[seq.seq_id]
-        for _ in range(num_lookahead_blocks(seq, self.block_size)):
-            table.append(self.gpu_allocator.allocate())
-            self._emit("append", seq_id=seq.seq_id, block=table[-1].block_number,
-                       new_block=True, lookahead=True)
+        new = [self.gpu_allocator.allocate()
+               for _ in range(num_lookahead_blocks(seq, self.block_size))]
+        table += new
+        if seq.num_lookahead_slots:
+            self._emit("lookahead", seq_id=seq.seq_id, num_slots=seq.num_lookahead_slots,
+                       blocks=[b.block_number for b in new])
         return [cow] if cow is not None else []
 
     def rollback_slots(self, seq: Sequence) -> None:

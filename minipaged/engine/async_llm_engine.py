@@ -304,6 +304,11 @@ class AsyncLLMEngine:
             "generation_tokens": stats.num_sampled_tokens,
             "preemptions_recompute": stats.num_preemptions_recompute,
             "preemptions_swap": stats.num_preemptions_swap,
+            "spec_proposed_tokens": stats.num_spec_proposed_tokens,
+            "spec_accepted_tokens": stats.num_spec_accepted_tokens,
+            "spec_emitted_tokens": stats.num_spec_emitted_tokens,
+            "spec_acceptance_rate": stats.spec_acceptance_rate,
+            "spec_mean_accepted_length": stats.spec_mean_accepted_length,
             "requests_finished": dict(self.num_requests_finished),
         }
 

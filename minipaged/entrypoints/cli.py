@@ -84,6 +84,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(name),
                                help=help_text)
+    add_speculative_options(parser)
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -117,10 +118,54 @@ def server_options(args):
     return ServerOptions(api_key or None, args.metrics_public, limits)
 
 
+# Speculative decoding (lesson 12): vLLM's --speculative-config JSON, or its fields as flags
+# (a flag wins over the same key of the JSON): (flag's keyword, config key, type, help).
+SPECULATIVE_OPTIONS = [
+    ("speculative_method", "method", str, "ngram or draft (draft when a model is given)"),
+    ("speculative_model", "model", str, "the draft model: a smaller model, same vocabulary"),
+    ("num_speculative_tokens", "num_speculative_tokens", int, "k: tokens proposed per step"),
+    ("prompt_lookup_max", "prompt_lookup_max", int, "ngram: longest n-gram looked up"),
+    ("prompt_lookup_min", "prompt_lookup_min", int, "ngram: shortest n-gram looked up"),
+]
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    """--speculative-config and the SPECULATIVE_OPTIONS flags, in their own group."""
+    group = parser.add_argument_group("speculative decoding (lesson 12; off by default)")
+    group.add_argument("--speculative-config", default=None,
+                       help='vLLM\'s JSON, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
+    for name, _, kind, help_text in SPECULATIVE_OPTIONS:
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                           help=help_text)
+
+
+def speculative_config(args) -> dict | None:
+    """The ``speculative_config`` the flags give, or None (checked by the engine)."""
+    import json
+
+    config = {}
+    if args.speculative_config is not None:
+        try:
+            config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+    for name, key, _, _ in SPECULATIVE_OPTIONS:
+        if getattr(args, name) is not None:
+            config[key] = getattr(args, name)
+    return config or None
+
+
 def engine_kwargs(args) -> dict:
     """The engine options given on the command line, as LLMEngine keywords."""
-    return {name: getattr(args, name) for name, _, _ in ENGINE_OPTIONS
-            if getattr(args, name) is not None}
+    kwargs = {name: getattr(args, name) for name, _, _ in ENGINE_OPTIONS
+              if getattr(args, name) is not None}
+    spec = speculative_config(args)
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    return kwargs
 
 
 def main(argv: list[str] | None = None) -> int:

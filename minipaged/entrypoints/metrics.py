@@ -13,12 +13,17 @@ _GAUGES = [
     ("gpu_blocks_total", "KV cache blocks in the GPU pool."),
     ("cpu_blocks_used", "KV cache blocks in use in the CPU swap pool."),
     ("cpu_blocks_total", "KV cache blocks in the CPU swap pool."),
+    ("spec_acceptance_rate", "Speculative decoding: accepted / proposed draft tokens."),
+    ("spec_mean_accepted_length", "Speculative decoding: tokens emitted per verification."),
 ]
 _COUNTERS = [
     ("prompt_tokens", "Prompt tokens computed (again after a preemption by recompute)."),
     ("generation_tokens", "Tokens generated (sampled), every sequence of best_of and every "
                           "beam counted."),
     ("num_steps", "Engine steps run."),
+    ("spec_proposed_tokens", "Speculative decoding: draft tokens proposed."),
+    ("spec_accepted_tokens", "Speculative decoding: draft tokens accepted."),
+    ("spec_emitted_tokens", "Speculative decoding: tokens emitted by verifications."),
 ]
 
 

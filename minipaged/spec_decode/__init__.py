@@ -1,1 +1,2 @@
-"""Speculative decoding (lesson 12): proposers guess tokens, the target verifies them in one pass."""
+"""Speculative decoding (lesson 12): proposers guess tokens, the target verifies them in one
+pass."""

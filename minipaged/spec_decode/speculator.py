@@ -116,6 +116,7 @@ class Speculator:
                 if seq.is_finished():
                     break
                 output_processor.process(group, {seq.seq_id: out}, block_manager)
+                stats.num_sampled_tokens += 1
             if not seq.is_finished():
                 seq.num_computed_tokens = seq.get_len() - 1  # all but the newest are cached
                 block_manager.rollback_slots(seq)
