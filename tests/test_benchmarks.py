@@ -45,6 +45,16 @@ def test_chunked_prefill_benchmark_runs_on_a_tiny_model(tiny_llama, capsys):
     assert "| chunked, budget 16 |" in out and "p99 TPOT" in out
 
 
+def test_speculative_benchmark_runs_on_a_tiny_model(tiny_llama, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import speculative
+
+    assert speculative.main(["--model", tiny_llama[0], "--quick"]) == 0  # outputs identical
+    out = capsys.readouterr().out
+    assert "| copying | 1 |" in out and "| open-ended chat | 2 |" in out
+    assert "greedy outputs identical with and without speculation" in out
+
+
 def test_kernel_benchmark_rotates_past_twice_the_l2_and_warns_when_capped():
     """benchmarks/kernel.py needs a GPU to time anything; --help and the rotation rule do not."""
     import importlib.util

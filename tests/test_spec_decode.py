@@ -273,3 +273,23 @@ def test_embedded_model_greedy_with_prompt_lookup_and_a_stop_string():
     print(f"embedded: {len(got.token_ids)} tokens, finish {got.finish_reason}, "
           f"acceptance {llm.llm_engine.stats.spec_acceptance_rate:.2f}, "
           f"max logprob difference seen: {MAX_DIFF['seen']:.2e}")
+
+
+def test_a_sequence_whose_guesses_are_rejected_stops_guessing_for_a_while(tiny_llama, drafts):
+    """The backoff (spec_decode/speculator.py): a draft that is mostly wrong (here, a random
+    one-layer model) is asked less and less, and the output is still exactly greedy."""
+    from minipaged.spec_decode import speculator
+
+    path, _ = tiny_llama
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=2)]
+    prompt = [[5, 6, 7, 8, 9, 5, 6, 7]]
+    plain = run(LLMEngine(path, dtype="float32", block_size=4), params, prompt)
+    engine = LLMEngine(path, dtype="float32", block_size=4, speculative_config={
+        "model": drafts["llama"], "num_speculative_tokens": 4})
+    assert_same(plain, run(engine, params, prompt))
+    stats = engine.stats
+    assert stats.spec_acceptance_rate < speculator.MIN_ACCEPTANCE  # the draft is poor
+    # Without the backoff every decode step of this one sequence would be a verification.
+    decode_steps = stats.num_steps - 1
+    assert stats.num_spec_verifications < decode_steps / 2, (stats.num_spec_verifications,
+                                                             decode_steps)

@@ -293,7 +293,20 @@ def beam_step(cum_logprobs, logprobs, width):
 
 
 # ---- lesson 12 (speculative decoding) ----------------------------------------
-# (answers of lesson 12's exercises go here)
+
+
+def greedy_verify(target_argmax_ids, draft_token_ids):
+    emitted = []
+    for draft, target in zip(draft_token_ids, target_argmax_ids):
+        if draft != target:
+            return emitted + [target]  # the target's correction
+        emitted.append(draft)
+    return emitted + [target_argmax_ids[len(draft_token_ids)]]  # all right: the bonus token
+
+
+def residual_distribution(p, q):
+    left = (p - q).clamp(min=0)  # what q did not already cover
+    return left / left.sum()
 
 
 # ---- lesson 15 (performance) -------------------------------------------------

@@ -9,6 +9,12 @@
 
 The number of proposals is capped so that a sequence never overshoots ``max_tokens`` or
 ``max_model_len``: at most ``remaining - 1`` drafts, since a verification emits one more.
+
+NOTE: a verification of k + 1 tokens costs more than a decode of one (on a CPU several times
+more), so guesses that are mostly rejected make generation slower. Each sequence keeps a
+moving average of its acceptance rate; when it falls below ``MIN_ACCEPTANCE`` the sequence
+decodes plainly for a while (``BACKOFF_STEPS``, doubling each time it happens again, up to
+``MAX_BACKOFF_STEPS``) and then guesses again. Outputs never depend on it: only speed does.
 """
 from __future__ import annotations
 
@@ -21,6 +27,10 @@ from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.spec_decode.proposers import DraftModelProposer, NgramProposer
 from minipaged.spec_decode.verifier import verify
 from minipaged.worker.model_runner import SpecRow
+
+MIN_ACCEPTANCE = 0.3  # below this moving average of accepted / proposed, stop guessing a while
+BACKOFF_STEPS = 8  # plain decode steps before guessing again (doubling each time)
+MAX_BACKOFF_STEPS = 128
 
 
 class Speculator:
@@ -44,11 +54,15 @@ class Speculator:
         self._planned: list[Sequence] = []
         self._draft_probs: dict[int, torch.Tensor | None] = {}
         self.last_step: dict[int, dict] = {}  # what the latest step proposed and kept, by seq id
+        self.step = 0
+        # seq id -> (moving average of its acceptance rate, next backoff, step it may guess again)
+        self._acceptance: dict[int, tuple[float, int, int]] = {}
 
     def plan(self, running: list[SequenceGroup], max_model_len: int) -> None:
         """Set ``num_lookahead_slots`` of every decoding sequence (the scheduler may lower it)."""
         self._ngram_drafts = {}
         self.last_step = {}
+        self.step += 1
         for group in running:
             params = group.sampling_params
             if group.pending_chunks or params.use_beam_search:
@@ -56,6 +70,8 @@ class Speculator:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 if seq.num_computed_tokens != seq.get_len() - 1:
                     continue  # not a plain decode (a prefill run)
+                if self.step < self._acceptance.get(seq.seq_id, (1.0, 0, 0))[2]:
+                    continue  # backing off: its recent guesses were mostly rejected
                 k = min(self.k, params.max_tokens - seq.get_output_len() - 1,
                         max_model_len - seq.get_len() - 1)
                 if k <= 0:
@@ -106,6 +122,7 @@ class Speculator:
             start = seq.get_len()  # position of the first draft
             table = block_manager.get_block_table(seq)
             stats.count_verification(len(row.draft_token_ids), len(emitted))
+            self._record_acceptance(row.seq_id, len(row.draft_token_ids), len(emitted) - 1)
             self.last_step[row.seq_id] = {
                 "request_id": group.request_id, "proposed": list(row.draft_token_ids),
                 "accepted": len(emitted) - 1, "emitted": [o.token_id for o in emitted],
@@ -125,6 +142,16 @@ class Speculator:
             self.last_step[row.seq_id]["blocks_after"] = (
                 block_manager.get_block_table(seq) if not seq.is_finished() else [])
 
+    def _record_acceptance(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """Update the sequence's moving acceptance rate; back off when it is too low."""
+        rate, backoff, resume = self._acceptance.get(seq_id, (1.0, BACKOFF_STEPS, 0))
+        rate = 0.5 * rate + 0.5 * accepted / max(proposed, 1)
+        if rate < MIN_ACCEPTANCE:
+            resume = self.step + backoff
+            backoff = min(2 * backoff, MAX_BACKOFF_STEPS)
+            rate = MIN_ACCEPTANCE  # after the pause, one good verification lifts it again
+        self._acceptance[seq_id] = (rate, backoff, resume)
+
     def end_step(self) -> None:
         """No lookahead outside a step: sequences preempted or swapped keep none."""
         for seq in self._planned:
@@ -133,6 +160,9 @@ class Speculator:
 
     def forget(self, seqs: list[Sequence]) -> None:
         """These sequences' blocks were freed or moved (finished, preempted)."""
+        for seq in seqs:
+            if seq.is_finished():
+                self._acceptance.pop(seq.seq_id, None)
         if self.draft is not None:
             for seq in seqs:
                 self.draft.forget(seq.seq_id)
