@@ -102,6 +102,19 @@ def _wait_until_done(page, timeout: float = 400) -> None:
 
 @pytest.mark.parametrize("name", LESSONS)
 def test_lesson_runs_in_jupyterlab_without_errors(lab, browser, name):
+    try:
+        _run_lesson_in_jupyterlab(lab, browser, name)
+    except Exception as exc:  # noqa: BLE001 - only a crashed browser tab is tried again
+        # NOTE: Chromium's renderer has crashed once ("Target crashed") on this 2-core machine
+        # in a full run, on a lesson that passes alone; that is the browser, not the lesson.
+        # A crashed tab gets one more try in a new tab; any other failure fails at once.
+        if "crashed" not in str(exc):
+            raise
+        print(f"{name}: the browser tab crashed ({exc}); trying once more in a new tab")
+        _run_lesson_in_jupyterlab(lab, browser, name)
+
+
+def _run_lesson_in_jupyterlab(lab, browser, name):
     url, work = lab
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     try:
