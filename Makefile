@@ -23,6 +23,15 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The CUDA kernels compiled for the CPU, each variant (plain, traced, vLLM's shared load), so that
+# lessons 05 and 06 do not wait minutes for the compiler on their first run (`make lab`, `make
+# test`; `make demo` does not need them). The build cache notices changed sources by itself.
+KERNELS_ON_CPU := $(VENV)/.cuda_on_cpu_built
+$(KERNELS_ON_CPU): $(STAMP)
+	$(PY) -c 'from minipaged.kernels import cuda_on_cpu as c; [c.load(v) for v in c.VARIANTS]' \
+	  || echo "warning: the CUDA-on-CPU kernels were not prebuilt; lessons 05 and 06 build them"
+	touch $(KERNELS_ON_CPU)
+
 # Debian packages for the graph views (graphviz) and the real-browser test (chromium).
 system-deps:
 	@if ! command -v dot >/dev/null || ! command -v chromium >/dev/null; then \
@@ -35,7 +44,7 @@ system-deps:
 demo: $(STAMP)
 	$(PY) -m minipaged demo
 
-test: $(STAMP) system-deps
+test: $(STAMP) $(KERNELS_ON_CPU) system-deps
 	$(PY) -m pytest -q tests lessons --nbmake -p no:cacheprovider
 
 # The CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer (also part of `test`).
@@ -45,7 +54,7 @@ sanitize: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -x -m "not slow"
 
-lab: $(STAMP)
+lab: $(STAMP) $(KERNELS_ON_CPU)
 	$(VENV)/bin/jupyter lab lessons/01_kv_cache.ipynb $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 bench: $(STAMP)
