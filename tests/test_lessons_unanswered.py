@@ -25,9 +25,8 @@ pytestmark = pytest.mark.slow
 def _browser_test_runs() -> bool:
     """The JupyterLab-in-Chromium test runs every lesson unanswered too; then this is a repeat."""
     import importlib.util
-    import sys
-    sys.path.insert(0, str(ROOT / "tests"))
-    from process_helpers import chromium_path
+
+    from process_helpers import chromium_path  # tests/ is on sys.path (tests/conftest.py)
     return (chromium_path() is not None and importlib.util.find_spec("jupyterlab") is not None
             and importlib.util.find_spec("playwright") is not None
             and os.environ.get("MINIPAGED_UNANSWERED_HEADLESS") != "1")

@@ -57,6 +57,7 @@ class Speculator:
         self.step = 0
         # seq id -> (moving average of its acceptance rate, next backoff, step it may guess again)
         self._acceptance: dict[int, tuple[float, int, int]] = {}
+        self._fresh = (1.0, BACKOFF_STEPS, 0)  # a sequence that has not been verified yet
 
     def plan(self, running: list[SequenceGroup], max_model_len: int) -> None:
         """Set ``num_lookahead_slots`` of every decoding sequence (the scheduler may lower it)."""
@@ -70,7 +71,7 @@ class Speculator:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 if seq.num_computed_tokens != seq.get_len() - 1:
                     continue  # not a plain decode (a prefill run)
-                if self.step < self._acceptance.get(seq.seq_id, (1.0, 0, 0))[2]:
+                if self.step < self._acceptance.get(seq.seq_id, self._fresh)[2]:
                     continue  # backing off: its recent guesses were mostly rejected
                 k = min(self.k, params.max_tokens - seq.get_output_len() - 1,
                         max_model_len - seq.get_len() - 1)
@@ -144,7 +145,7 @@ class Speculator:
 
     def _record_acceptance(self, seq_id: int, proposed: int, accepted: int) -> None:
         """Update the sequence's moving acceptance rate; back off when it is too low."""
-        rate, backoff, resume = self._acceptance.get(seq_id, (1.0, BACKOFF_STEPS, 0))
+        rate, backoff, resume = self._acceptance.get(seq_id, self._fresh)
         rate = 0.5 * rate + 0.5 * accepted / max(proposed, 1)
         if rate < MIN_ACCEPTANCE:
             resume = self.step + backoff
@@ -163,6 +164,5 @@ class Speculator:
         for seq in seqs:
             if seq.is_finished():
                 self._acceptance.pop(seq.seq_id, None)
-        if self.draft is not None:
-            for seq in seqs:
+            if self.draft is not None:
                 self.draft.forget(seq.seq_id)
