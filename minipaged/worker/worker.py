@@ -1,16 +1,17 @@
-"""What runs the model for the engine: one ``Worker`` interface, two implementations (lesson 08).
+"""What runs the model for the engine: one ``Worker`` interface, three implementations (lesson 08).
 
 The engine (``engine/llm_engine.py``) keeps the bookkeeping: scheduler, block manager, sampler.
 Everything that holds tensors of the model or of the KV cache sits behind a ``Worker``:
 
 - ``LocalWorker``: the model, its ``CacheEngine`` and a ``ModelRunner`` in this process;
-- ``TensorParallelWorkers`` (``worker/mp_workers.py``, lesson 14): N processes, one shard each,
-  every one of them running a ``LocalWorker`` on its shard.
+- ``TensorParallelWorkers`` (``worker/mp_workers.py``, lesson 14): N processes on this machine,
+  one shard each, every one of them running a ``RankWorker`` (``worker/tensor_parallel.py``);
+- ``RayTensorParallelWorkers`` (``worker/ray_workers.py``): the same ``RankWorker`` in N Ray
+  actors, placed on the nodes of a Ray cluster.
 
 The engine calls only the methods below, in this order: ``profile_num_gpu_blocks`` (may be
 skipped), ``init_cache`` once, then per step the cache operations and ``execute_model``, and
-``shutdown`` at the end. A new back-end (several machines, say) implements these and nothing
-else.
+``shutdown`` at the end. A new back-end implements these and nothing else.
 """
 from __future__ import annotations
 
