@@ -6,7 +6,8 @@ says ``not_done()``, its checker says "not done yet" without raising, and the ce
 on with the package's own function. Debian's Chromium, driven by playwright, opens each notebook,
 runs "Run All Cells", waits for the kernel, and saves. Then: no saved output is an error, every
 widget output rendered in the page (no "Error displaying widget"), every code cell ran, and no
-solution was filled in. Nothing is downloaded.
+solution was filled in. The lesson's kernel is then shut down, so that no two lessons' models are
+in memory at once. Nothing is downloaded.
 
 This is the course's unanswered run; ``pytest --nbmake lessons`` is the answered one
 (lessons/conftest.py sets MINIPAGED_SOLUTIONS=1 there). Each lesson's time is printed.

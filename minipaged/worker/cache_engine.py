@@ -39,11 +39,13 @@ class CacheEngine:
         self.x = ops.key_vector_size(dtype)
         if head_size % self.x:
             raise ValueError(f"head_size {head_size} must be a multiple of {self.x} for {dtype}")
-        # NOTE: zero-filled, not empty: attention multiplies masked probabilities (0) by values
-        # in padding slots, and 0 * NaN from uninitialised memory would poison the output.
-        self.gpu_cache = self._allocate(num_gpu_blocks, self.device, pin=False)
+        # NOTE: the pool attention reads is zero-filled, not empty: attention multiplies masked
+        # probabilities (0) by values in padding slots, and 0 * NaN from uninitialised memory
+        # would poison the output. The swap pool is left empty: a CPU block is read only after
+        # a swap-out wrote the whole block, and untouched host pages then take no memory.
+        self.gpu_cache = self._allocate(num_gpu_blocks, self.device, pin=False, zero=True)
         pin = self.device.type == "cuda"  # pinned host memory: asynchronous copies to the GPU
-        self.cpu_cache = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin)
+        self.cpu_cache = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin, zero=False)
 
     def key_block_shape(self) -> tuple[int, ...]:
         return (self.num_kv_heads, self.head_size // self.x, self.block_size, self.x)
@@ -51,13 +53,15 @@ class CacheEngine:
     def value_block_shape(self) -> tuple[int, ...]:
         return (self.num_kv_heads, self.head_size, self.block_size)
 
-    def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
+    def _allocate(self, num_blocks: int, device: torch.device, pin: bool,
+                  zero: bool) -> list[KVCache]:
+        make = torch.zeros if zero else torch.empty
         cache = []
         for _ in range(self.num_layers):
-            k = torch.zeros((num_blocks, *self.key_block_shape()), dtype=self.dtype,
-                            device=device, pin_memory=pin)
-            v = torch.zeros((num_blocks, *self.value_block_shape()), dtype=self.dtype,
-                            device=device, pin_memory=pin)
+            k = make((num_blocks, *self.key_block_shape()), dtype=self.dtype, device=device,
+                     pin_memory=pin)
+            v = make((num_blocks, *self.value_block_shape()), dtype=self.dtype, device=device,
+                     pin_memory=pin)
             cache.append((k, v))
         return cache
 
