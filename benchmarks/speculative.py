@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from machine import machine_description  # noqa: E402
 from minipaged import LLM, SamplingParams  # noqa: E402
+from minipaged.entrypoints.prompts import chat_prompt_ids  # noqa: E402
 
 PASSAGES = [
     "The city library opens at nine in the morning and closes at six in the evening, from Monday "
@@ -113,8 +114,7 @@ def prompt_ids(llm: LLM, conversations: list[list[dict]], seed: int) -> list[lis
     model) gets random ids, a copying prompt's passage written twice."""
     tok = llm.get_tokenizer()
     if tok is not None and getattr(tok, "chat_template", None):
-        return [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
-                           add_special_tokens=False) for c in conversations]
+        return [chat_prompt_ids(tok, c) for c in conversations]
     rng = random.Random(seed)
     vocab = llm.llm_engine.vocab_size
     ids = []

@@ -13,8 +13,9 @@ own output length):
     it runs on this machine.
 It prints a table per trace size (``--num-requests 16 64 256``: requests/s, output tokens/s,
 ratios), the engine's step-time breakdown, one decode step of (up to) 64 sequences taken apart
-(attention, linear layers, other model work, sampling, scheduling, Python; see step_breakdown.py)
-with its achieved fraction of the matmul peak measured in the same run, and, as its last line,
+(attention, linear layers, other model work, sampling, scheduling, Python; see
+minipaged/lab/step_breakdown.py) with its achieved fraction of the matmul peak measured in the
+same run, and, as its last line,
 
     speed-up vs transformers static: X.XXx, vs generate_batch: Y.YYx
 
@@ -38,11 +39,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
+from minipaged.lab.roofline import measure_matmul_peak  # noqa: E402
+from minipaged.lab.step_breakdown import (cpu_capability_notes, decode_step_breakdown,  # noqa: E402
+                                          format_decode_breakdown)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import machine_description  # noqa: E402
-from step_breakdown import (cpu_capability_notes, decode_step_breakdown,  # noqa: E402
-                            format_decode_breakdown, matmul_peak_flops)
 
 # Model shapes for dummy weights (no model hub needed).
 DUMMY_SHAPES = {
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
     machine = machine_description(device)
     if device.type == "cpu":
         machine += "; " + cpu_capability_notes(dtype)
-    peak = matmul_peak_flops(device, dtype)
+    peak = measure_matmul_peak(n=2048, dtype=dtype, repeats=4, device=device)
     runner = getattr(engine.worker, "model_runner", None)  # none in a tensor-parallel driver
     graphs = getattr(runner, "graph_runner", None) is not None
     print(f"model {model_name} on {machine}, {dtype}; matmul peak {peak / 1e9:.1f} GFLOP/s; "

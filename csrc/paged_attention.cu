@@ -77,10 +77,11 @@ constexpr bool SHARED_GROUP_LOAD = false;
 
 // What MP_TRACE records (a, b, value), per CUDA thread; the reader is cuda_on_cpu.run_traced.
 enum TraceKind {
-  TRACE_VISIT = 1,   // the warp's loop reaches a KV block: (block of the sequence, physical
-                     // block, phase 2 or 4)
+  TRACE_VISIT = 1,   // phase 2: the warp's loop reaches a KV block: (block of the sequence,
+                     // physical block, 0)
   TRACE_KEY_LOAD,    // one global load of key bytes in phase 2: (address, bytes, 0)
-  TRACE_LOGIT,       // phase 2: (token of the sequence, lane in its group, scaled q.k)
+  TRACE_LOGIT,       // phase 2, by the first lane of a group: (token of the sequence, 0,
+                     // scaled q.k)
   TRACE_MAX,         // phase 3: (0, 0, the block's maximum logit)
   TRACE_EXP_SUM,     // phase 3: (0, 0, the block's sum of exponentials)
   TRACE_LANE_SUM,    // phase 4, before any shuffle: (row, slice, this lane's partial sum)
@@ -323,13 +324,16 @@ __device__ __forceinline__ PartitionStats attend(
   float qk_max = -FLT_MAX;
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
     const int64_t physical_block = block_table[first_block + b];
-    MP_TRACE(TRACE_VISIT, first_block + b, physical_block, 2);
+    MP_TRACE(TRACE_VISIT, first_block + b, physical_block, 0);
     const T* k = key_cache + physical_block * k_block_stride +
                  token_in_block * X;  // chunk c of this token is at k + c * BLOCK_SIZE * X
     // this lane's part of q.k: with our key load, or with vLLM's (MINIPAGED_SHARED_GROUP_LOAD)
-    const float partial = SHARED_GROUP_LOAD
-        ? key_dot_shared_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group)
-        : key_dot_own_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
+    float partial;
+    if constexpr (SHARED_GROUP_LOAD) {
+      partial = key_dot_shared_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
+    } else {
+      partial = key_dot_own_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
+    }
     // The G lanes of a group are neighbours (lanes G*t .. G*t+G-1): a butterfly over masks
     // G/2 .. 1 adds their partial products, and every lane of the group gets the full q.k.
     // (With G == 1 there is nothing to add and the loop runs zero times.)
@@ -337,9 +341,11 @@ __device__ __forceinline__ PartitionStats attend(
 
     const int token = b * BLOCK_SIZE + token_in_block;  // from `start`
     if (token < num_tokens) {
-      if (lane_in_group == 0) logits[token] = qk;
+      if (lane_in_group == 0) {
+        logits[token] = qk;
+        MP_TRACE(TRACE_LOGIT, start + token, 0, qk);
+      }
       qk_max = fmaxf(qk_max, qk);
-      MP_TRACE(TRACE_LOGIT, start + token, lane_in_group, qk);
     }
   }
 
@@ -377,7 +383,6 @@ __device__ __forceinline__ PartitionStats attend(
 
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
     const int64_t physical_block = block_table[first_block + b];
-    MP_TRACE(TRACE_VISIT, first_block + b, physical_block, 4);
     const T* v = value_cache + physical_block * v_block_stride +
                  slice * V_VEC;  // row r of this lane's slice is at v + r * BLOCK_SIZE
     const int first_token = b * BLOCK_SIZE + slice * V_VEC;  // from `start`

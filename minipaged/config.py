@@ -78,8 +78,7 @@ _RULES = {
     "seed": (as_int, lambda v: True, "an integer"),
     "tensor_parallel_size": (as_int, lambda v: v >= 1, "an integer >= 1"),
     "worker_timeout": (as_number, lambda v: v > 0, "a number of seconds > 0"),
-    "distributed_executor_backend": (_backend, lambda v: v != "ray" or _ray_installed(),
-                                     "None, 'mp' or 'ray' (Ray installed)"),
+    "distributed_executor_backend": (_backend, lambda v: True, "None, 'mp' or 'ray'"),
     "enable_prefix_caching": (_flag, lambda v: True, "True or False"),
     "enable_chunked_prefill": (_flag, lambda v: True, "True or False"),
     "enforce_eager": (_flag, lambda v: True, "True or False"),
@@ -170,12 +169,11 @@ class EngineConfig:
                 continue
             convert, check, allowed = _RULES[f.name]
             converted = convert(value)
-            if f.name == "distributed_executor_backend" and converted == "ray" \
-                    and not check(converted):
-                raise ValueError(RAY_MISSING)
             if converted is None or not check(converted):
                 raise ValueError(f"{f.name} must be {allowed}, got {shown(value)}")
             setattr(self, f.name, converted)
+        if self.distributed_executor_backend == "ray" and not _ray_installed():
+            raise ValueError(RAY_MISSING)
 
     def batch_budget(self, max_model_len: int) -> int:
         """``max_num_batched_tokens``, or by default enough for one whole prompt (and 4096)."""
@@ -317,7 +315,6 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; allowed: "
                              f"{sorted(f.name for f in fields(cls))}")
-        spec = dict(spec)
         model = spec.get("model")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"speculative_config.model must be a path or a model id, "

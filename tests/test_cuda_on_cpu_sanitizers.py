@@ -1,4 +1,4 @@
-"""Lesson 05: the kernels under ThreadSanitizer and AddressSanitizer, on the CPU.
+"""Lesson 06: the kernels under ThreadSanitizer and AddressSanitizer, on the CPU.
 
 csrc/cuda_on_cpu/sanitize_main.cpp runs small cases of every kernel (V1, V2 and its reduce kernel in all
 three dtypes, an empty context between real ones, reshape_and_cache, copy_blocks, swap_blocks, and

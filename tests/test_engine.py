@@ -1,10 +1,10 @@
-"""Lesson 08: continuous batching gives exactly transformers' greedy tokens, also under preemption."""
+"""Lesson 09: continuous batching gives exactly transformers' greedy tokens, also under preemption."""
 import pytest
 
 from minipaged import LLM, SamplingParams
 from tiny_models import config_with_eos, greedy_reference, pick_prompts
 
-pytestmark = pytest.mark.lesson08
+pytestmark = pytest.mark.lesson09
 
 BLOCK = 16
 # 1 token, exactly one block, one block + 1, several blocks, and lengths in between.

@@ -1,4 +1,4 @@
-"""Lesson 05: the NumPy emulator of the CUDA kernel agrees with the torch reference.
+"""Lesson 06: the NumPy emulator of the CUDA kernel agrees with the torch reference.
 
 The emulator runs csrc/paged_attention.cu's algorithm lane by lane (warps, thread groups,
 butterflies, shared memory), so these tests check the kernel's *logic* on any machine; the GPU

@@ -236,7 +236,7 @@ struct Counters {
   long long launches, blocks, block_barriers, warp_exchanges;
 };
 Counters counters();
-// The shuffles of one warp of one CUDA block, recorded for lesson 05: `trace_warp` arms the
+// The shuffles of one warp of one CUDA block, recorded for lesson 06: `trace_warp` arms the
 // recorder for block `block`, warp `warp` (a negative warp disarms it) and clears it; each
 // __shfl*_sync of a lane of that warp then appends what the lane sent, from which lane it read,
 // and what it received, in the lane's program order. (`__syncwarp` is not recorded.)

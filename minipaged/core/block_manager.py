@@ -193,7 +193,7 @@ class BlockSpaceManager:
 
     # -- growing by one token --------------------------------------------------------------------
     def can_append_slot(self, seq_group: SequenceGroup) -> bool:
-        """Can every running sequence of the group get a slot for its next token?"""
+        """Can every running sequence of the group get slots for its next token and lookahead?"""
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         return self.num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
 
@@ -225,8 +225,8 @@ class BlockSpaceManager:
         return num_needed
 
     def reserve_slot(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make room for the sequence's newest token; returns the ``(src, dst)`` block copies the
-        cache engine must make before the model writes it (the scheduler's ``blocks_to_copy``).
+        """Make room for the sequence's newest token and lookahead; returns the ``(src, dst)``
+        block copies the cache engine must make before the model writes (``blocks_to_copy``).
 
         Args:
             seq: a running sequence whose newest token is not in the cache yet.
@@ -254,7 +254,7 @@ class BlockSpaceManager:
         del table[len(seq.logical_token_blocks):]
         for block in reversed(freed):
             self.gpu_allocator.free(block)
-        self.cache_blocks(seq, min(seq.num_computed_tokens, len(table) * self.block_size))
+        self.cache_blocks(seq, seq.num_computed_tokens)
         self._emit("rollback", seq_id=seq.seq_id, num_tokens=seq.get_len(),
                    blocks=[b.block_number for b in freed])
 

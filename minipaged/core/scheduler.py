@@ -96,6 +96,16 @@ def _prefill_progress(seq_group: SequenceGroup) -> list[int] | None:
     return [chunk.start, chunk.seq.get_len()]
 
 
+def queue_badge(g: SequenceGroup) -> dict:
+    """One group as ``Scheduler.snapshot()`` lists it in a queue (what the visualizer draws)."""
+    return {"request_id": g.request_id, "num_seqs": g.num_seqs(),
+            "num_unfinished": sum(not s.is_finished() for s in g.get_seqs()),
+            "num_tokens": max(s.get_len() for s in g.get_seqs()),
+            "seq_ids": [s.seq_id for s in g.get_seqs()],
+            # (tokens in the cache, tokens to prefill) while a prompt is half done
+            "prefill_progress": _prefill_progress(g)}
+
+
 def prefix_leader(seqs: list[Sequence]) -> Sequence:
     """The sequence of a recomputed group that computes the shared prefix: the shortest, so
     that the group's first chunk is the cheapest to admit."""
@@ -191,19 +201,11 @@ class Scheduler:
         return finished
 
     def snapshot(self) -> dict:
-        def badge(g: SequenceGroup) -> dict:
-            return {"request_id": g.request_id, "num_seqs": g.num_seqs(),
-                    "num_unfinished": sum(not s.is_finished() for s in g.get_seqs()),
-                    "num_tokens": max(s.get_len() for s in g.get_seqs()),
-                    "seq_ids": [s.seq_id for s in g.get_seqs()],
-                    # (tokens in the cache, tokens to prefill) while a prompt is half done
-                    "prefill_progress": _prefill_progress(g)}
-
         bm = self.block_manager
         return {
-            "waiting": [badge(g) for g in self.waiting],
-            "running": [badge(g) for g in self.running],
-            "swapped": [badge(g) for g in self.swapped],
+            "waiting": [queue_badge(g) for g in self.waiting],
+            "running": [queue_badge(g) for g in self.running],
+            "swapped": [queue_badge(g) for g in self.swapped],
             "num_gpu_blocks": bm.num_total_gpu_blocks,
             "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
             "num_cpu_blocks": bm.num_total_cpu_blocks,
@@ -232,12 +234,12 @@ class Scheduler:
             seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
             fit_lookahead(seqs, budget)  # speculative decoding's proposals (lesson 12)
             while not self.block_manager.can_append_slot(seq_group):
+                if drop_lookahead(seqs):
+                    continue  # without its proposals it may fit: better than preempting any
                 if self.running:
                     # Take memory from the latest arrival (lowest priority).
                     victim = self.running.pop(-1)
                     preempted_log.append(self._preempt(victim, blocks_to_swap_out))
-                elif drop_lookahead(seqs):
-                    continue  # without proposals it may fit: better than preempting itself
                 else:
                     # Nothing left to take from: this group itself goes. (A request that fits
                     # the pool alone never gets here: validate_request refuses the others.)

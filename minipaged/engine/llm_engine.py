@@ -185,6 +185,9 @@ class LLMEngine:
             params: the request's sampling parameters.
         """
         validate_request(prompt_token_ids, params, self.limits, self.block_manager)
+        if self.speculator is not None and params.use_beam_search:
+            raise ValueError("use_beam_search: beam search does not run with speculative "
+                             "decoding (speculative_config is set)")
 
     def add_request(self, request_id: str | None, prompt: str | None,
                     sampling_params: SamplingParams,
@@ -212,9 +215,6 @@ class LLMEngine:
             prompt_token_ids = self.encode(prompt)
         prompt_token_ids = as_token_ids(prompt_token_ids)
         self.validate_request(prompt_token_ids, sampling_params)
-        if self.speculator is not None and sampling_params.use_beam_search:
-            raise ValueError("use_beam_search: beam search does not run with speculative "
-                             "decoding (speculative_config is set)")
 
         seqs = [Sequence(next(self._seq_counter), prompt, prompt_token_ids, self.block_size)
                 for _ in range(sampling_params.best_of)]

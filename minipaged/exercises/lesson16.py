@@ -38,7 +38,6 @@ from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.lab.dry_run import DryRun
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import SequenceStatus
-from minipaged.worker.sampler import top_k_top_p_filter
 
 __all__ = ["RunningGroup", "SeqView", "check_pick_victims", "check_step_slot_mapping",
            "check_engine", "package_plugins", "assemble", "Request", "default_workload"]
@@ -157,16 +156,9 @@ def check_step_slot_mapping(fn, num_cases: int = 200, seed: int | None = 0) -> C
 
 
 # -- the assembly --------------------------------------------------------------------------------
-def _top_p_from_package(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    return top_k_top_p_filter(logits, -1, top_p)
-
-
 def package_plugins() -> dict[str, Callable]:
     """The answers of every plug-in: ``solutions.py``'s functions."""
-    plugins = {name: getattr(solutions, name, None) for name in PLUGINS}
-    # lesson 10's answer; the package's own filter where solutions.py does not have it yet
-    plugins["top_p_filter"] = getattr(solutions, "top_p_filter", _top_p_from_package)
-    return plugins
+    return {name: getattr(solutions, name) for name in PLUGINS}
 
 
 def assemble(**learner_fns: Callable) -> dict[str, Callable]:

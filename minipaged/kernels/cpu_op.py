@@ -1,4 +1,4 @@
-"""The Python side of the fast C++ CPU paged attention, ``csrc/cpu/attention.cpp`` (lesson 05).
+"""The Python side of the fast C++ CPU paged attention, ``csrc/cpu/attention.cpp`` (lesson 07).
 
 ``minipaged.kernels.build.CPU_OP.load()`` compiles the C++ file (once, cached on disk) and
 returns a ``CpuKernels``: three operations with the same signatures as their torch references

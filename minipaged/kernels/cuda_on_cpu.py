@@ -32,6 +32,7 @@ ThreadSanitizer catches the data race it leaves.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -103,15 +104,8 @@ VARIANTS = {
 }
 
 
-def _make_variant(variant: str):
+def _make(job: JitBuild, variant: str) -> CudaKernels:
     tag, name, macros = VARIANTS[variant]
-
-    def make(job: JitBuild) -> CudaKernels:
-        return _make(job, tag, name, macros)
-    return make
-
-
-def _make(job: JitBuild, tag: str, name: str, macros: list[str]) -> CudaKernels:
     sources = write_rewritten_sources(build_dir(tag) / "src")
     os.environ.setdefault("MAX_JOBS", "2")
     module = compile_extension(
@@ -126,11 +120,11 @@ def _make(job: JitBuild, tag: str, name: str, macros: list[str]) -> CudaKernels:
     return CudaKernels(module)
 
 
-TAG = VARIANTS["plain"][0]  # the build's folder under the cache root
 # NOTE: strict: a failed build raises, since there is nothing to fall back to when the point is
 # to run these very kernels; and no switch turns it off.
 BUILDS = {variant: JitBuild(f"the CUDA kernels for the CPU ({variant})", "a few minutes",
-                            _make_variant(variant), strict=True) for variant in VARIANTS}
+                            functools.partial(_make, variant=variant), strict=True)
+          for variant in VARIANTS}
 BUILD = BUILDS["plain"]
 
 

@@ -1,4 +1,4 @@
-"""The Python side of our CUDA kernels, ``csrc/*.cu`` + ``csrc/torch_bindings.cpp`` (lesson 05).
+"""The Python side of our CUDA kernels, ``csrc/*.cu`` + ``csrc/torch_bindings.cpp`` (lessons 05, 06).
 
 ``minipaged.kernels.build.CUDA_OP.load()`` compiles them (once, on a machine with a CUDA GPU
 and a CUDA build of torch) and returns a ``CudaKernels``; ``minipaged.kernels.cuda_on_cpu``

@@ -62,12 +62,12 @@ def run_traced(query, key_cache, value_cache, block_tables, context_lens, scale,
         if t is None:
             t = trace[(bx, by, bz)] = _empty_block_trace(head_size, slices)
         warp, lane = divmod(thread, WARP_SIZE)
-        if kind == VISIT and lane == 0 and value == 2:
+        if kind == VISIT and lane == 0:
             t["visits"][warp].append(a)
             t["physical"][warp].append(b)
         elif kind == KEY_LOAD:
             t["key_loads"][warp][lane].append((a - base, b))
-        elif kind == LOGIT and b == 0:
+        elif kind == LOGIT:
             t["_logits"][a] = value
         elif kind == MAX and thread == 0:
             t["max"] = value

@@ -31,6 +31,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from minipaged.block import Device
+from minipaged.core.scheduler import queue_badge
+from minipaged.engine.output_processor import OutputProcessor
 from minipaged.engine.stats import StepSnapshot
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.sampling_params import SamplingParams
@@ -94,6 +96,7 @@ class AssembledEngine:
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.budget, self.watermark_blocks = max_num_batched_tokens, watermark_blocks
         self.eos_token_ids, self.seed = frozenset(eos_token_ids), seed
+        self._stops = OutputProcessor(None, self.eos_token_ids, max_model_len)  # (no tokenizer)
         # NOTE: a stack, as FreeListAllocator keeps it: block 0 is on top at first, and the
         # block freed last is handed out first. Another order would run just as well, but
         # its block tables would differ from the engine's.
@@ -340,11 +343,7 @@ class AssembledEngine:
             tokens = [draw(probs, self.generators[s.seq_id]) for s in seqs]
         for seq, token in zip(seqs, tokens):
             seq.append_token_id(token, {token: float(logprobs[token])})
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-            elif (seq.get_output_len() >= params.max_tokens
-                  or seq.get_len() >= self.max_model_len):
-                seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            self._stops.check_stop(seq, params)  # the engine's EOS / max_tokens / length checks
             if seq.is_finished():
                 self._free_seq(seq)
 
@@ -384,13 +383,8 @@ class AssembledEngine:
 
     def scheduler_snapshot(self) -> dict:
         """The queues in the keys of ``Scheduler.snapshot()``."""
-        def badge(g: SequenceGroup) -> dict:
-            return {"request_id": g.request_id, "num_seqs": g.num_seqs(),
-                    "num_unfinished": sum(not s.is_finished() for s in g.get_seqs()),
-                    "num_tokens": max(s.get_len() for s in g.get_seqs()),
-                    "seq_ids": [s.seq_id for s in g.get_seqs()], "prefill_progress": None}
-
-        return {"waiting": [badge(g) for g in sorted(self.waiting, key=lambda g: g.arrival_time)],
-                "running": [badge(g) for g in self.running], "swapped": [],
+        waiting = sorted(self.waiting, key=lambda g: g.arrival_time)
+        return {"waiting": [queue_badge(g) for g in waiting],
+                "running": [queue_badge(g) for g in self.running], "swapped": [],
                 "num_gpu_blocks": self.num_gpu_blocks, "num_free_gpu_blocks": len(self.free),
                 "num_cpu_blocks": 0, "num_free_cpu_blocks": 0}

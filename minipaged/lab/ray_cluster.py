@@ -77,7 +77,7 @@ def simulated_cluster(num_nodes: int = 2, cpus_per_node: int = 1, attempts: int 
 
     saved_constant = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False  # (for a Ray imported before the switch was set)
-    cluster = None
+    cluster, ours = None, set()
     try:
         for attempt in range(attempts):
             before = _children()
@@ -96,7 +96,6 @@ def simulated_cluster(num_nodes: int = 2, cpus_per_node: int = 1, attempts: int 
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-            ours = ours if "ours" in locals() else set()
             deadline = time.monotonic() + 20
             while (_children() & ours) and time.monotonic() < deadline:
                 time.sleep(0.2)

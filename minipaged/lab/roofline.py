@@ -168,11 +168,16 @@ H100_SXM = Machine("H100 SXM", peak_flops=989e12, bandwidth=3.35e12,
                    source="NVIDIA H100 datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16")
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
+    cuda = device.type == "cuda"
     best = float("inf")
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize()  # the GPU ran what was launched
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -189,12 +194,13 @@ def measure_bandwidth(mib: int = 128, repeats: int = 5) -> float:
     return weight.numel() * weight.element_size() / seconds
 
 
-def measure_matmul_peak(n: int = 1536, dtype: torch.dtype = torch.float32,
-                        repeats: int = 3) -> float:
-    """FLOP/s of one (n x n) @ (n x n) matmul in ``dtype``, the best of ``repeats`` runs."""
-    a = torch.randn(n, n).to(dtype)  # (n, n)
-    b = torch.randn(n, n).to(dtype)  # (n, n)
-    return 2 * n ** 3 / _best_seconds(lambda: a @ b, repeats)
+def measure_matmul_peak(n: int = 1536, dtype: torch.dtype = torch.float32, repeats: int = 3,
+                        device: torch.device = torch.device("cpu")) -> float:
+    """FLOP/s of one (n x n) @ (n x n) matmul in ``dtype`` on ``device``, the best of
+    ``repeats`` runs."""
+    a = torch.randn(n, n, device=device).to(dtype)  # (n, n)
+    b = torch.randn(n, n, device=device).to(dtype)  # (n, n)
+    return 2 * n ** 3 / _best_seconds(lambda: a @ b, repeats, device)
 
 
 def measure_machine(name: str = "this CPU (measured)") -> Machine:
@@ -316,14 +322,10 @@ def dummy_gpt2(n_embd: int = 512, n_layer: int = 6, n_head: int = 8, vocab_size:
     """An ``LLM`` with a GPT-2-shaped model of random weights (no checkpoint, no tokenizer: feed
     it ``prompt_token_ids``). The default shape has ~23 M weights, 92 MB in fp32: a few times a
     CPU's last-level cache, so a step reads its weights from main memory, as a real model does."""
-    import tempfile
-
     from transformers import GPT2Config
 
     from minipaged.entrypoints.llm import LLM
 
     config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size,
                         n_positions=1024, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model_dir = tempfile.mkdtemp(prefix="minipaged-l15-")
-    config.save_pretrained(model_dir)
-    return LLM(model_dir, load_format="dummy", **llm_kwargs)
+    return LLM(None, hf_config=config, load_format="dummy", **llm_kwargs)

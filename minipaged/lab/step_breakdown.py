@@ -13,7 +13,8 @@ the model's attention operations and linear layers instrumented:
 
 Useful FLOPs of a decode step are counted exactly: 2 * in * out * rows for each linear layer, and
 4 * context_len * num_heads * head_size per sequence and layer for attention (q.k and p.V). The
-peak is one large square matmul measured in the same run, in the same dtype and thread count.
+peak is one large square matmul (``roofline.measure_matmul_peak``) measured in the same run, in
+the same dtype and thread count.
 """
 from __future__ import annotations
 
@@ -46,20 +47,6 @@ def cpu_capability_notes(dtype: torch.dtype) -> str:
         note += (" (no AVX512-BF16/AMX: bf16 matmuls convert to fp32 on the fly and are slower "
                  "than fp32 here; bf16 saves memory, not time, on this CPU)")
     return note
-
-
-def matmul_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
-    """FLOP/s of one large (n x n) @ (n x n) matmul: the best of a few runs."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    best = float("inf")
-    for _ in range(4):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
 
 
 def _sync(device):

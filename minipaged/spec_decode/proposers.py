@@ -129,8 +129,7 @@ class DraftModelProposer:
         for step in range(max((r[1] for r in requests), default=0)):
             active = [(r, p) for r, p in zip(requests, pieces) if r[1] > step]
             logits = self._run([(seq, p, tables[seq.seq_id]) for (seq, *_), p in active])
-            pieces = []
-            for row, ((seq, k, params, generator), _) in enumerate(active):
+            for row, ((seq, _, params, generator), _) in enumerate(active):
                 token, q = self._choose(logits[row], params, generator)
                 out[seq.seq_id][0].append(token)
                 out[seq.seq_id][1].append(q)

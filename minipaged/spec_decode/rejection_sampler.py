@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from minipaged.worker.sampler import draw
+
 
 def greedy_verify(target_argmax_ids: list[int], draft_token_ids: list[int]) -> list[int]:
     """Accept drafts while they equal the target's choice, then add the target's own token.
@@ -54,16 +56,6 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if total <= 0:
         return p
     return residual / total
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from ``probs`` (V,) by inverting the CDF at one uniform number."""
-    cdf = torch.cumsum(probs.double(), dim=0)  # (V,)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    token = int(torch.searchsorted(cdf, u, right=True).clamp_(max=len(cdf) - 1))
-    while token > 0 and probs[token] <= 0:  # only rounding at the very top can land here
-        token -= 1
-    return token
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
@@ -103,7 +95,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
         if u * float(q[token]) < float(p[token]):
             emitted.append(token)
             continue
-        emitted.append(_draw(residual_distribution(p, q), generator))
+        emitted.append(draw(residual_distribution(p, q), generator))
         return emitted
-    emitted.append(_draw(target_probs[k], generator))  # the bonus token
+    emitted.append(draw(target_probs[k], generator))  # the bonus token
     return emitted

@@ -44,7 +44,6 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, vocab_size: int, block_size: int,
                  num_gpu_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.config = config
         self.k = config.num_speculative_tokens
         self.ngram = (NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
                       if config.method == "ngram" else None)
@@ -66,7 +65,7 @@ class Speculator:
         self.step += 1
         for group in running:
             params = group.sampling_params
-            if group.pending_chunks or params.use_beam_search:
+            if group.pending_chunks:
                 continue
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 if seq.num_computed_tokens != seq.get_len() - 1:
@@ -116,7 +115,6 @@ class Speculator:
         """
         results = verify(logits, spec_rows, generators, self._draft_probs)
         bs = block_manager.block_size
-        self.last_step = {}
         for row in spec_rows:
             group, seq = row.seq_group, row.seq_group.find(row.seq_id)
             emitted = results[row.seq_id]

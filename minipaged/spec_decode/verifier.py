@@ -12,7 +12,7 @@ import torch
 
 from minipaged.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from minipaged.worker.model_runner import SpecRow
-from minipaged.worker.sampler import SequenceOutput, top_k_top_p_filter
+from minipaged.worker.sampler import SequenceOutput, penalize, top_k_top_p_filter
 
 
 def _penalised(logits: torch.Tensor, output: list[int], draft: list[int], params) -> torch.Tensor:
@@ -26,8 +26,7 @@ def _penalised(logits: torch.Tensor, output: list[int], draft: list[int], params
                           torch.ones(rows, len(output), device=logits.device))
     for i, token in enumerate(draft):
         counts[i + 1:, token] += 1  # the drafts before each later position
-    return (logits - params.frequency_penalty * counts
-            - params.presence_penalty * (counts > 0).float())
+    return penalize(logits, counts, params.presence_penalty, params.frequency_penalty)
 
 
 def verify(logits: torch.Tensor, spec_rows: list[SpecRow],

@@ -59,6 +59,14 @@ def _pad(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor(padded, dtype=torch.int32).view(len(padded), width)
 
 
+def _add_positions(positions: list[torch.Tensor], slots: list[torch.Tensor],
+                   table: list[int], start: int, end: int, block_size: int) -> None:
+    """Appends the positions [start, end) of one chunk and the KV slots they write to."""
+    pos = torch.arange(start, end)  # (n,)
+    positions.append(pos)
+    slots.append(torch.tensor(table)[pos // block_size] * block_size + pos % block_size)
+
+
 def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager,
                    block_size: int, device: torch.device,
                    drafts: dict[int, list[int]] | None = None) -> PreparedInputs:
@@ -93,11 +101,8 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
     for chunk in chunks:
         seq, group = chunk.seq, chunk.seq_group
         table_list = block_manager.get_block_table(seq)
-        table = torch.tensor(table_list)  # (num_blocks,)
-        pos = torch.arange(chunk.start, chunk.end)  # (n,)
         input_ids += seq.get_token_ids()[chunk.start:chunk.end]
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)  # (n,)
+        _add_positions(positions, slots, table_list, chunk.start, chunk.end, block_size)
         if chunk.start == 0:
             prompt_lens.append(chunk.num_tokens)
         else:
@@ -118,13 +123,11 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
             if seq.seq_id not in drafts:
                 continue
             table_list = block_manager.get_block_table(seq)
-            table = torch.tensor(table_list)  # (num_blocks,)
             start, draft = seq.get_len() - 1, drafts[seq.seq_id]
-            pos = torch.arange(start, start + 1 + len(draft))  # (k + 1,)
             spec_indices += range(len(input_ids), len(input_ids) + 1 + len(draft))
             input_ids += [seq.get_last_token_id()] + draft
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)  # (k + 1,)
+            _add_positions(positions, slots, table_list, start, start + 1 + len(draft),
+                           block_size)
             chunk_lens.append(1 + len(draft))
             chunk_tables.append(table_list)
             chunk_ends.append(start + 1 + len(draft))

@@ -142,12 +142,12 @@ class TensorParallelWorkers(TensorParallelDriver):
         self._init_driver(world_size, device, timeout)
         spec = WorkerSpec(hf_config, source, load_format, dtype, device.type, self.timeout,
                           max(1, (os.cpu_count() or 1) // world_size))
-        self._rendezvous_dir = rendezvous_dir = tempfile.mkdtemp(prefix="minipaged-tp-")
+        rendezvous_dir = tempfile.mkdtemp(prefix="minipaged-tp-")
         init_method = "file://" + os.path.join(rendezvous_dir, "rendezvous")
         self.processes: list[subprocess.Popen] = []
         self._conns, self._outboxes = [], []
         self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self._conns,
-                                           self._outboxes, rendezvous_dir, True)
+                                           self._outboxes, rendezvous_dir, graceful=True)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -212,13 +212,6 @@ class TensorParallelWorkers(TensorParallelDriver):
             pass
         self._fail(f"worker {rank} (pid {process.pid}) died during {what} "
                    f"({_describe_exit(process.returncode)})")
-
-    def _stop_now(self, reason: str) -> None:
-        """Stop the workers without asking them (they may be dead, hung or mid-collective)."""
-        self._error = reason
-        if self._finalizer.detach() is not None:
-            _stop_workers(self.processes, self._conns, self._outboxes, self._rendezvous_dir,
-                          graceful=False)
 
 
 def _describe_exit(exitcode: int | None) -> str:

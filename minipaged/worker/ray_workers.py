@@ -13,7 +13,8 @@ cluster have room:
                       waits for all answers; rank 0's answer carries the logits
 
 The driver (scheduler, block manager, sampler) stays in the user's process and is not a rank,
-exactly as with the "mp" back-end: ``TensorParallelDriver`` is shared, only ``_call`` differs.
+exactly as with the "mp" back-end: ``TensorParallelDriver`` is shared, only ``_request`` (and
+the stop function) differs.
 
 Connecting: an engine joins the Ray connection this process already has (``ray.init`` done by
 the user), else the cluster at ``$RAY_ADDRESS``, else one started with ``ray start`` on this
@@ -173,14 +174,14 @@ class RayTensorParallelWorkers(TensorParallelDriver):
             _connection["users"] += 1
         self.actors: list = []
         self._placement_groups: list = []  # (one, once made)
-        self._stop_args = (ray, self.actors, self._placement_groups, holds_connection)
-        self._finalizer = weakref.finalize(self, _stop_actors, *self._stop_args)
+        self._finalizer = weakref.finalize(self, _stop_actors, ray, self.actors,
+                                           self._placement_groups, holds_connection)
         cuda = device.type == "cuda"
         bundle = {"GPU": 1} if cuda else {"CPU": CPUS_PER_RANK}
         self._check_room(bundle)
         self.placement_group = pg = placement_group([bundle] * world_size, strategy="PACK")
         self._placement_groups.append(pg)
-        if not self._wait_ready(pg):
+        if not ray.wait([pg.ready()], timeout=self.timeout)[0]:
             self._fail(f"the Ray cluster did not find room for {world_size} bundles of "
                        f"{bundle} within {self.timeout:g} s (free now: "
                        f"{ray.available_resources()})")
@@ -212,11 +213,6 @@ class RayTensorParallelWorkers(TensorParallelDriver):
                              f"x {need} {kind} on the Ray cluster, which has {total:g} {kind} "
                              f"in all; add nodes (ray start --address=...) or lower "
                              f"tensor_parallel_size")
-
-    def _wait_ready(self, pg) -> bool:
-        ray = self._ray
-        ready, _ = ray.wait([pg.ready()], timeout=self.timeout)
-        return bool(ready)
 
     # -- talking to the actors -------------------------------------------------------------------
     def _request(self, request: tuple, what: str) -> list:
@@ -254,9 +250,3 @@ class RayTensorParallelWorkers(TensorParallelDriver):
         if not placement:
             return "an unknown node"
         return f"node {placement[rank]['ip']} {placement[rank]['node_id'][:8]}"
-
-    def _stop_now(self, reason: str) -> None:
-        """Kill the actors without asking them (they may be dead, hung or mid-collective)."""
-        self._error = reason
-        if self._finalizer.detach() is not None:
-            _stop_actors(*self._stop_args, graceful=False)

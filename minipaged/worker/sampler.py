@@ -1,4 +1,4 @@
-"""From logits to next tokens: penalties, temperature, top-k, top-p, greedy, beam search (lesson 08).
+"""From logits to next tokens: penalties, temperature, top-k, top-p, greedy, beam search (lesson 10).
 
 The sampler sees one row of logits per *row* of the step (see ``model_runner.Row``). A fresh
 group's sequences share one prompt row, and draw ``best_of`` tokens from it. For beam search the
@@ -38,7 +38,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
             counts[i].index_add_(0, ids, torch.ones(len(output), device=logits.device))
     pres_t = torch.tensor(pres, device=logits.device)[:, None]  # (R, 1)
     freq_t = torch.tensor(freq, device=logits.device)[:, None]  # (R, 1)
-    return logits - freq_t * counts - pres_t * (counts > 0).float()
+    return penalize(logits, counts, pres_t, freq_t)
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, presence, frequency) -> torch.Tensor:
+    """``logits`` less ``frequency`` per earlier occurrence (``counts``, same shape) and less
+    ``presence`` once for any (numbers, or (R, 1) tensors: one per row)."""
+    return logits - frequency * counts - presence * (counts > 0).float()
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

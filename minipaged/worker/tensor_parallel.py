@@ -7,7 +7,8 @@ Two back-ends start the ranks: ``mp_workers.py`` (processes on this machine) and
   and its KV cache (a ``LocalWorker`` on the shard), then answer the driver's requests;
 - ``TensorParallelDriver``, the driver's side: the ``Worker`` interface (``worker.py``) as
   requests sent to every rank. A back-end adds only how a request reaches the ranks and how
-  their answers (or their deaths) come back: ``_request``, and how to stop them: ``_stop_now``.
+  their answers (or their deaths) come back: ``_request``, and how to stop them: the
+  ``_finalizer``, whose stop function takes ``graceful`` (False: without asking the ranks).
 
 A request is a plain tuple, the same for both back-ends:
 
@@ -168,8 +169,8 @@ class TensorParallelDriver(Worker):
 
     The driver's own tensors (inputs, logits, sampling) stay on the CPU (``device``); the
     caches live in the ranks. A back-end calls ``_init_driver``, sets ``weight_bytes`` and
-    ``_finalizer`` (a ``weakref.finalize`` that stops the ranks), and implements ``_request``
-    and ``_stop_now``.
+    ``_finalizer`` (a ``weakref.finalize`` of a stop function with a ``graceful`` keyword), and
+    implements ``_request``.
     """
 
     device = torch.device("cpu")
@@ -193,10 +194,14 @@ class TensorParallelDriver(Worker):
         """Send ``request`` to every rank; their answers in rank order. A rank that dies,
         raises or is late: ``_fail`` (which raises WorkerError)."""
 
-    @abstractmethod
     def _stop_now(self, reason: str) -> None:
         """Stop the ranks without asking them (they may be dead, hung or mid-collective), and
         remember ``reason`` in ``_error``."""
+        self._error = reason
+        stopping = self._finalizer.detach()  # (self, stop, args, kwargs), or None if done
+        if stopping is not None:
+            _, stop, args, kwargs = stopping
+            stop(*args, **{**kwargs, "graceful": False})
 
     def _call(self, request: tuple, what: str) -> list:
         if self._error is not None:
