@@ -5,7 +5,7 @@
 // blocks scattered over a pool, and the sequence's block table says where. These kernels read
 // them through the block table.
 //
-// Layouts (the same in minipaged/kernels/reference.py and minipaged/kernels/emulator.py):
+// Layouts (the same in minipaged/kernels/reference.py and minipaged/lab/emulator.py):
 //   query        [num_seqs, num_heads, head_size]              (any strides for the first two dims)
 //   key_cache    [num_blocks, num_kv_heads, head_size / X, block_size, X]   X = 16 / sizeof(T)
 //   value_cache  [num_blocks, num_kv_heads, head_size, block_size]
@@ -37,7 +37,7 @@
 // combines the partitions (softmax is a weighted average of the partitions' softmaxes).
 //
 // Readability first: every reduction says which lanes exchange values. The emulator in
-// minipaged/kernels/emulator.py follows this file step by step.
+// minipaged/lab/emulator.py follows this file step by step.
 //
 // Two compile-time switches, both off in every GPU build (minipaged/kernels/cuda_on_cpu.py
 // defines them for its CPU builds of lesson 06 and of lesson 05's load comparison):

@@ -419,7 +419,7 @@ def test_recorded_shuffles_of_one_warp_match_the_emulator(kernels):
     emulator's butterflies say it does: the same masks, the same values within fp32 rounding."""
     import numpy as np
 
-    from minipaged.kernels import emulator as emu
+    from minipaged.lab import emulator as emu
     from visualizer import butterfly_steps
 
     gen = torch.Generator().manual_seed(0)

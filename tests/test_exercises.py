@@ -87,7 +87,7 @@ def sample_in_schedule_order(seqs):
 def reduce_missing_a_mask(values, op):
     import numpy as np
 
-    from minipaged.kernels.emulator import shfl_xor
+    from minipaged.lab.emulator import shfl_xor
     for mask in (8, 4, 2, 1):  # forgot 16: two half-warps each get their own result
         values = (np.add if op == "sum" else np.maximum)(values, shfl_xor(values, mask))
     return values

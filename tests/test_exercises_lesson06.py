@@ -77,7 +77,7 @@ def test_hints_point_at_the_idea_without_stating_the_code():
 
 
 def test_the_solutions_agree_with_the_real_kernels_loop():
-    from minipaged.kernels import emulator as emu
+    from minipaged.lab import emulator as emu
 
     for start, end in [(0, 37), (512, 1100), (0, 1)]:
         for warp in range(4):

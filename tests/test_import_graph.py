@@ -15,17 +15,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("minipaged", "visualizer")
 
 # Who may import whom, by layer. A layer not named on the right of another's arrow is out of
-# bounds for it. Data types (block, sequence, sampling_params, outputs, validation, config) sit below
-# everything; exercises, lab and the visualizer sit above everything.
+# bounds for it. Data types (block, sequence, sampling_params, outputs, validation, config,
+# step_record) sit below everything; exercises, lab and the visualizer sit above everything.
+# ``core`` (bookkeeping) and ``worker`` (tensors) sit side by side: neither imports the other,
+# the scheduler's record of a step (``step_record.py``, plain data) goes between them.
 LAYER_DEPS = {
     "types": set(),
     "core": {"types"},
     "kernels": {"types"},
     "models": {"types", "kernels"},
-    "worker": {"types", "core", "models", "kernels"},
+    "worker": {"types", "models", "kernels"},
     "spec_decode": {"types", "core", "worker", "models", "kernels"},
-    "engine": {"types", "core", "worker", "kernels", "spec_decode"},
-    "entrypoints": {"types", "engine", "core", "worker", "kernels"},
+    "engine": {"types", "core", "worker", "spec_decode"},
+    "entrypoints": {"types", "engine", "worker", "kernels"},
     "lab": {"types", "core", "engine", "worker", "models", "kernels", "spec_decode", "entrypoints"},
     "exercises": {"types", "core", "engine", "worker", "models", "kernels", "spec_decode",
                   "entrypoints", "lab"},
@@ -33,7 +35,8 @@ LAYER_DEPS = {
                    "entrypoints", "lab"},
     "api": {"types", "engine", "entrypoints"},  # minipaged/__init__.py, __main__.py
 }
-TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config"}
+TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config",
+         "step_record"}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -58,26 +61,14 @@ def layer(module: str) -> str:
     return parts[1]
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node, less the bodies of ``if TYPE_CHECKING:`` (imports for annotations only)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if (isinstance(child, ast.If) and isinstance(child.test, ast.Name)
-                    and child.test.id == "TYPE_CHECKING"):
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
-
-
 def imports_of(module: str, path: pathlib.Path, known: set[str]) -> set[str]:
-    """The package modules ``module`` imports (resolved to modules, not names in them)."""
+    """The package modules ``module`` imports (resolved to modules, not names in them): every
+    import, also those inside functions and under ``if TYPE_CHECKING:`` (an import for
+    annotations only is still an edge of the graph, and may close a circle)."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     found = set()
-    for node in _runtime_nodes(tree):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from minipaged.kernels import emulator as emu
+from minipaged.lab import emulator as emu
 from minipaged.kernels import reference
 
 pytestmark = pytest.mark.lesson05

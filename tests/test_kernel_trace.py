@@ -10,8 +10,9 @@ load counts differ exactly as lesson 05 says. Each build compiles once (cached o
 import pytest
 import torch
 
-from minipaged.kernels import cuda_on_cpu, kernel_trace, reference
-from minipaged.kernels import emulator as emu
+from minipaged.kernels import cuda_on_cpu, reference
+from minipaged.lab import kernel_trace
+from minipaged.lab import emulator as emu
 
 pytestmark = [pytest.mark.lesson06, pytest.mark.slow]
 

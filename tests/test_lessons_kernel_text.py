@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from minipaged.kernels import emulator as emu
+from minipaged.lab import emulator as emu
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.models.gpt2 import GPT2Attention
 from minipaged.models.parallel_layers import copy_shard_from, tensor_parallel_state
-from minipaged.worker.mp_workers import WorkerError, shard_weight_bytes
+from minipaged.worker.tensor_parallel import WorkerError, shard_weight_bytes
 from tiny_models import make_config, save_tiny_model
 from tp_helpers import ENGINE, NEW_TOKENS
 from tp_helpers import assert_same_outputs as _assert_same_outputs

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minipaged import LLM, SamplingParams
-from minipaged.kernels import emulator as emu
+from minipaged.lab import emulator as emu
 from minipaged.lab import kv_memory
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.scheduler import Scheduler, SchedulerConfig

@@ -126,7 +126,7 @@ def test_bad_input_is_refused():
 
 @pytest.mark.slow
 def test_a_real_trace_is_drawn_as_recorded():
-    from minipaged.kernels import kernel_trace
+    from minipaged.lab import kernel_trace
     from test_kernel_trace import make_inputs
 
     inputs = make_inputs(64, 16, lens=(150,), num_heads=1, num_kv_heads=1)

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from minipaged.kernels import emulator as emu
+from minipaged.lab import emulator as emu
 from minipaged.lab import kv_memory
 from minipaged.lab.dry_run import RandomTraffic
 from visualizer import (butterfly_steps, render_block_tables, render_butterfly,

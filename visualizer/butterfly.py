@@ -6,7 +6,7 @@ lanes whose values have been combined so far, one colour per team in each column
 teams after the first mask; before it every lane is alone, drawn grey). After the last mask every
 lane of a team holds the same result.
 
-Records come from ``minipaged.kernels.emulator`` (``butterfly_reduce(..., trace=[])`` or
+Records come from ``minipaged.lab.emulator`` (``butterfly_reduce(..., trace=[])`` or
 ``paged_attention(..., trace=[])``): dicts with ``phase``, ``step``, ``mask``, ``pairs``,
 ``values_before`` and ``values_after`` (see that module's docstring).
 

@@ -1,6 +1,6 @@
 """The real kernel's recorded loops, drawn (lessons 05 and 06).
 
-Input: one CUDA block's record from ``minipaged.kernels.kernel_trace.run_traced`` (a dict of
+Input: one CUDA block's record from ``minipaged.lab.kernel_trace.run_traced`` (a dict of
 lists and tensors; any sequence of numbers works) and, for the key loads, the per-lane load
 lists of one warp. Four drawings:
 

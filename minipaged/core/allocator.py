@@ -68,7 +68,9 @@ class BlockAllocator(ABC):
     @abstractmethod
     def acquire(self, block: PhysicalTokenBlock) -> None:
         """One more block table holds ``block`` (a block found by ``longest_cached_prefix`` or
-        ``find_equal``): its ref count grows by one."""
+        ``find_equal``, or one shared by a fork): its ref count grows by one.
+
+        NOTE: the allocators are the only writers of ``ref_count``; the block manager asks."""
 
     @abstractmethod
     def name_blocks(self, blocks: Sequence[PhysicalTokenBlock],

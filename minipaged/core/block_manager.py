@@ -11,7 +11,7 @@ from typing import Callable
 
 from minipaged.core.allocator import BlockAllocator, FreeListAllocator
 from minipaged.block import Device, PhysicalTokenBlock
-from minipaged.core.block_snapshot import snapshot_block_manager
+from minipaged.core.block_snapshot import snapshot_pools
 from minipaged.core.lookahead import num_lookahead_blocks
 from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -159,7 +159,8 @@ class BlockSpaceManager:
         shared = shared_hits + [self.gpu_allocator.allocate()
                                 for _ in range(num_shared - len(shared_hits))]
         for block in shared[len(shared_hits):]:
-            block.ref_count = len(seqs)
+            for _ in seqs[1:]:  # one reference per sequence (allocate gave the first)
+                self.gpu_allocator.acquire(block)
         for seq in seqs:
             own = own_hits[seq.seq_id] + [
                 self.gpu_allocator.allocate()
@@ -293,7 +294,7 @@ class BlockSpaceManager:
         """The child starts with the parent's block table; every block gains one reference."""
         table = list(self.block_tables[parent.seq_id])
         for block in table:
-            block.ref_count += 1
+            self._allocator_of(block).acquire(block)
         self.block_tables[child.seq_id] = table
         self.seqs[child.seq_id] = child
         self.seq_request[child.seq_id] = self.seq_request[parent.seq_id]
@@ -365,7 +366,7 @@ class BlockSpaceManager:
             for src in self.block_tables[seq.seq_id]:
                 if src.block_number in mapping:
                     dst = mapping[src.block_number]
-                    dst.ref_count += 1  # a block shared inside the group stays shared
+                    self._allocator_of(dst).acquire(dst)  # shared inside the group: stays so
                 else:
                     dst, moves = new_block(src)
                     if moves:
@@ -394,10 +395,6 @@ class BlockSpaceManager:
         self.seq_request.pop(seq.seq_id, None)
         self._emit("free", seq_id=seq.seq_id, blocks=[b.block_number for b in table])
 
-    def reset(self) -> None:
-        for seq_id in list(self.block_tables):
-            self.free(self.seqs[seq_id])
-
     # -- reading ---------------------------------------------------------------------------------
     def get_block_table(self, seq: Sequence) -> list[int]:
         return [block.block_number for block in self.block_tables[seq.seq_id]]
@@ -416,4 +413,7 @@ class BlockSpaceManager:
     def snapshot(self) -> dict:
         """Plain data describing every table and block, for the visualizer and tests (see
         ``block_snapshot.py`` for its keys)."""
-        return snapshot_block_manager(self)
+        return {"block_size": self.block_size, "watermark_blocks": self.watermark_blocks,
+                **snapshot_pools(self.block_tables, self.seqs, self.seq_request,
+                                 self.gpu_allocator, self.cpu_allocator),
+                "prefix_caching": self.enable_prefix_caching}

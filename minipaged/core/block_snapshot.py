@@ -1,6 +1,7 @@
 """The block manager as plain data: what the visualizer draws and tests read (lessons 02-07).
 
-Keys of ``snapshot_block_manager(bm)``:
+Keys of ``snapshot_pools(...)`` (``BlockSpaceManager.snapshot()`` adds ``block_size``,
+``watermark_blocks`` and ``prefix_caching``):
 
 - ``sequences``: per sequence its id, request, status, device, length, logical blocks (filled
   slots and token ids) and block table;
@@ -8,29 +9,36 @@ Keys of ``snapshot_block_manager(bm)``:
   (``block_hash``), whether the prefix cache hands it out (``cached``) and whether it is cached
   but held by nobody (``evictable``: it counts as free);
 - ``free_gpu_blocks`` / ``free_cpu_blocks``: the free lists, next to be allocated first;
-- ``evictable_gpu_blocks``, ``prefix_caching``, ``block_size``, ``watermark_blocks``.
+- ``evictable_gpu_blocks``.
+
+NOTE: it reads the manager's parts, not the manager, so that this module imports nothing of the
+block manager's (no import circle, not even one for annotations).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.allocator import BlockAllocator
-from minipaged.block import Device
-
-if TYPE_CHECKING:
-    from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.sequence import Sequence
 
 
-def snapshot_block_manager(bm: BlockSpaceManager) -> dict:
-    """Plain data describing every table and block of ``bm`` (the keys are listed above)."""
+def snapshot_pools(block_tables: dict[int, list[PhysicalTokenBlock]], seqs: dict[int, Sequence],
+                   seq_request: dict[int, str], gpu_allocator: BlockAllocator,
+                   cpu_allocator: BlockAllocator) -> dict:
+    """Plain data describing every table and block (the keys are listed above).
+
+    Args:
+        block_tables, seqs, seq_request: by sequence id, its physical blocks, the sequence and
+            its request id (the block manager's own dicts).
+        gpu_allocator, cpu_allocator: the two pools.
+    """
     sequences = []
     owners = {Device.GPU: {}, Device.CPU: {}}
-    for seq_id, table in bm.block_tables.items():
-        seq = bm.seqs[seq_id]
+    for seq_id, table in block_tables.items():
+        seq = seqs[seq_id]
         device = table[0].device if table else Device.GPU
         sequences.append({
             "seq_id": seq_id,
-            "request_id": bm.seq_request.get(seq_id),
+            "request_id": seq_request.get(seq_id),
             "status": seq.status.name,
             "device": device.value,
             "num_tokens": seq.get_len(),
@@ -42,7 +50,7 @@ def snapshot_block_manager(bm: BlockSpaceManager) -> dict:
         for block in table:
             owners[block.device].setdefault(block.block_number, []).append(seq_id)
 
-    names = bm.gpu_allocator  # what the prefix cache (if any) calls each block
+    names = gpu_allocator  # what the prefix cache (if any) calls each block
 
     def pool(allocator: BlockAllocator) -> list[dict]:
         return [{"block_number": b.block_number, "ref_count": b.ref_count,
@@ -52,15 +60,12 @@ def snapshot_block_manager(bm: BlockSpaceManager) -> dict:
                 for b in allocator.blocks]
 
     return {
-        "block_size": bm.block_size,
-        "watermark_blocks": bm.watermark_blocks,
         "sequences": sequences,
-        "gpu_blocks": pool(bm.gpu_allocator),
-        "cpu_blocks": pool(bm.cpu_allocator),
-        "free_gpu_blocks": bm.gpu_allocator.free_block_numbers(),
-        "free_cpu_blocks": bm.cpu_allocator.free_block_numbers(),
+        "gpu_blocks": pool(gpu_allocator),
+        "cpu_blocks": pool(cpu_allocator),
+        "free_gpu_blocks": gpu_allocator.free_block_numbers(),
+        "free_cpu_blocks": cpu_allocator.free_block_numbers(),
         # Cached blocks nobody holds, next to be evicted first (they are in the free list
         # too, after the truly free blocks).
-        "evictable_gpu_blocks": bm.gpu_allocator.evictable_block_numbers(),
-        "prefix_caching": bm.enable_prefix_caching,
+        "evictable_gpu_blocks": gpu_allocator.evictable_block_numbers(),
     }

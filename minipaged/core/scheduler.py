@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.lookahead import drop_lookahead, fit_lookahead
+from minipaged.core.prefill_plan import PrefillChunk, plan_prefill, prefix_leader
+from minipaged.core.scheduler_outputs import PoolCounts, SchedulerOutputs, queue_badge
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.step_record import SequenceRun
 
 
 class PreemptionMode(enum.Enum):
@@ -46,106 +49,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
-@dataclass
-class PrefillChunk:
-    """Tokens ``[start, end)`` of ``seq`` computed in one step.
-
-    They attend to the tokens before ``start`` (already in the cache, or written by an earlier
-    chunk of the same step) and causally to themselves. ``seq_ids`` are the sequences whose
-    cache this fills (several when they share the blocks); when ``end`` is the sequence's
-    length the last token's logits give each of them its next token (``sample``).
-    """
-
-    seq_group: SequenceGroup
-    seq: Sequence
-    start: int
-    end: int
-    seq_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def sample(self) -> bool:
-        return self.end == self.seq.get_len()
-
-
-@dataclass
-class SchedulerOutputs:
-    scheduled_seq_groups: list[SequenceGroup]
-    prompt_run: list[bool]  # per scheduled group: is this a prefill run (it has chunks)?
-    num_batched_tokens: int
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
-    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request_id, mode)
-    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
-    decode_seq_groups: list[SequenceGroup] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        return (not self.scheduled_seq_groups and not self.blocks_to_swap_in
-                and not self.blocks_to_swap_out and not self.blocks_to_copy)
-
-
-def _prefill_progress(seq_group: SequenceGroup) -> list[int] | None:
-    """[tokens computed, prompt length] of the sequence whose prefill is under way."""
-    if not seq_group.pending_chunks:
-        return None
-    chunk = seq_group.pending_chunks[0]
-    return [chunk.start, chunk.seq.get_len()]
-
-
-def queue_badge(g: SequenceGroup) -> dict:
-    """One group as ``Scheduler.snapshot()`` lists it in a queue (what the visualizer draws)."""
-    return {"request_id": g.request_id, "num_seqs": g.num_seqs(),
-            "num_unfinished": sum(not s.is_finished() for s in g.get_seqs()),
-            "num_tokens": max(s.get_len() for s in g.get_seqs()),
-            "seq_ids": [s.seq_id for s in g.get_seqs()],
-            # (tokens in the cache, tokens to prefill) while a prompt is half done
-            "prefill_progress": _prefill_progress(g)}
-
-
-def prefix_leader(seqs: list[Sequence]) -> Sequence:
-    """The sequence of a recomputed group that computes the shared prefix: the shortest, so
-    that the group's first chunk is the cheapest to admit."""
-    return min(seqs, key=lambda s: s.get_len())
-
-
-def plan_prefill(seq_group: SequenceGroup, shared_len: int, identical: bool,
-                 cached: dict[int, int] | None = None) -> list[PrefillChunk]:
-    """The chunks that compute a group just given its blocks (see ``prompt_layout``).
-
-    ``cached`` (from ``BlockSpaceManager.allocate``) says how many first tokens of each sequence
-    came from the prefix cache (lesson 11): they are not computed, a chunk starts after them.
-
-    A fresh group is one chunk: its prompt, computed once for all its sequences, sampled. A group
-    recomputed after preemption holds sequences that differ: the first computes the shared
-    prefix and its own tokens, the others only their own tokens after the prefix. Each stops one
-    token short, so that all of them compute their newest token, and sample, in the same decode
-    step (beam search needs its beams in step; seeds then draw in the same order).
-    """
-    seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-    cached = cached or {}
-    if identical:
-        start = cached.get(seqs[0].seq_id, 0)
-        for seq in seqs:
-            seq.num_computed_tokens = start
-        return [PrefillChunk(seq_group, seqs[0], start, seqs[0].get_len(),
-                             [s.seq_id for s in seqs])]
-    leader = prefix_leader(seqs)
-    chunks = []
-    for seq in [leader] + [s for s in seqs if s is not leader]:
-        # The leader's chunk fills the shared blocks the cache did not have.
-        start = cached.get(seq.seq_id, 0) if seq is leader else max(
-            shared_len, cached.get(seq.seq_id, 0))
-        seq.num_computed_tokens = start
-        if seq.get_len() - 1 > start:
-            chunks.append(PrefillChunk(seq_group, seq, start, seq.get_len() - 1, [seq.seq_id]))
-    return chunks
-
-
 class Scheduler:
+    """The three queues and the ``BlockSpaceManager``, which only the scheduler holds.
+
+    Args:
+        config: the limits of a step.
+        block_manager: the block manager of the KV pools (``with_pools`` builds one).
+    """
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockSpaceManager) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -155,6 +66,15 @@ class Scheduler:
         self._aborted: list[SequenceGroup] = []  # given up on, not yet taken by the engine
         self.forced_mode = (PreemptionMode(config.preemption_mode)
                             if config.preemption_mode else None)
+
+    @classmethod
+    def with_pools(cls, config: SchedulerConfig, block_size: int, num_gpu_blocks: int,
+                   num_cpu_blocks: int, watermark: float = 0.01,
+                   enable_prefix_caching: bool = False) -> Scheduler:
+        """A scheduler with a new block manager of these pools (the arguments are
+        ``BlockSpaceManager``'s)."""
+        return cls(config, BlockSpaceManager(block_size, num_gpu_blocks, num_cpu_blocks,
+                                             watermark, enable_prefix_caching))
 
     # -- queues ----------------------------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -184,6 +104,24 @@ class Scheduler:
         self.abort_seq_group(seq_group.request_id)
         self._aborted.append(seq_group)
 
+    def break_stall(self) -> str | None:
+        """Nothing runs and the head of a queue can never be admitted: give up on it (as
+        ``give_up``), keep the rest. Returns why, or None when the queues are empty.
+
+        NOTE: a last resort that should never fire: ``validate_request`` refuses every request
+        that cannot run alone, and a request that can always comes back. If it ever fires, the
+        engine logs why, and the other requests still finish."""
+        queue = self.swapped if self.swapped else self.waiting
+        if not queue:
+            return None
+        where = "swapped" if queue is self.swapped else "waiting"
+        pool = self.pool_counts()
+        reason = (f"request {queue[0].request_id} can never be scheduled: it is {where} and "
+                  f"needs more KV blocks than the pool of {pool.num_gpu_blocks} has free "
+                  f"({pool.num_free_gpu_blocks}) while nothing else runs")
+        self.give_up(queue[0], reason)
+        return reason
+
     def take_aborted(self) -> list[SequenceGroup]:
         """Groups the scheduler gave up on since the last call."""
         aborted, self._aborted = self._aborted, []
@@ -201,16 +139,65 @@ class Scheduler:
         return finished
 
     def snapshot(self) -> dict:
-        bm = self.block_manager
+        pool = self.pool_counts()
         return {
             "waiting": [queue_badge(g) for g in self.waiting],
             "running": [queue_badge(g) for g in self.running],
             "swapped": [queue_badge(g) for g in self.swapped],
-            "num_gpu_blocks": bm.num_total_gpu_blocks,
-            "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
-            "num_cpu_blocks": bm.num_total_cpu_blocks,
-            "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
+            "num_gpu_blocks": pool.num_gpu_blocks,
+            "num_free_gpu_blocks": pool.num_free_gpu_blocks,
+            "num_cpu_blocks": pool.num_cpu_blocks,
+            "num_free_cpu_blocks": pool.num_free_cpu_blocks,
         }
+
+    # -- the block manager's operations that others need -----------------------------------------
+    # NOTE: only the scheduler holds the BlockSpaceManager (as in vLLM v0.1): the engine, the
+    # output processor and the speculator go through these, the worker gets block tables as ints.
+    def free_seq(self, seq: Sequence) -> None:
+        """The sequence's blocks go back to the pool (it finished, or its beam was dropped)."""
+        self.block_manager.free(seq)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares ``parent``'s blocks (beam search; copy-on-write protects them)."""
+        self.block_manager.fork(parent, child)
+
+    def rollback_slots(self, seq: Sequence) -> None:
+        """Free the lookahead blocks speculative decoding did not fill (lesson 12)."""
+        self.block_manager.rollback_slots(seq)
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        """The sequence's physical block numbers, in logical order."""
+        return self.block_manager.get_block_table(seq)
+
+    def pool_counts(self) -> PoolCounts:
+        """The pools' sizes and what is free in them now."""
+        bm = self.block_manager
+        return PoolCounts(bm.num_total_gpu_blocks, bm.get_num_free_gpu_blocks(),
+                          bm.num_total_cpu_blocks, bm.get_num_free_cpu_blocks(),
+                          bm.watermark_blocks, bm.num_cached_tokens, bm.num_evicted_blocks)
+
+    def block_snapshot(self) -> dict:
+        """Every block table and block as plain data (``core/block_snapshot.py``)."""
+        return self.block_manager.snapshot()
+
+    def replace_block_manager(self, block_manager: BlockSpaceManager) -> None:
+        """Schedule the next requests with another, empty block manager of the same pools.
+
+        Args:
+            block_manager: e.g. ``lab.no_sharing.NoSharingBlockManager.like(old)``.
+
+        Raises:
+            ValueError: while a request is queued or running, or if the pools differ.
+        """
+        if self.has_unfinished_seqs():
+            raise ValueError("replace_block_manager: requests are still queued or running")
+        old = self.block_manager
+        if (block_manager.block_size, block_manager.num_total_gpu_blocks,
+                block_manager.num_total_cpu_blocks) != (
+                old.block_size, old.num_total_gpu_blocks, old.num_total_cpu_blocks):
+            raise ValueError("replace_block_manager: the new manager's block size and pools "
+                             "must match the cache engine's")
+        self.block_manager = block_manager
 
     # -- the decision ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutputs:
@@ -324,7 +311,21 @@ class Scheduler:
             preempted=preempted_log,
             prefill_chunks=chunks,
             decode_seq_groups=decode_groups,
+            seq_runs=self._seq_runs(chunks, decode_groups),
         )
+
+    def _seq_runs(self, chunks: list[PrefillChunk],
+                  decode_groups: list[SequenceGroup]) -> list[SequenceRun]:
+        """The step as the worker reads it: tokens, positions and block tables as ints."""
+        runs = [SequenceRun(c.seq_group, list(c.seq_ids), c.seq.get_token_ids()[c.start:c.end],
+                            c.start, self.get_block_table(c.seq), c.sample, True)
+                for c in chunks]
+        for group in decode_groups:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                runs.append(SequenceRun(group, [seq.seq_id], [seq.get_last_token_id()],
+                                        seq.get_len() - 1, self.get_block_table(seq), True,
+                                        False))
+        return runs
 
     def _take_chunks(self, seq_group: SequenceGroup, budget: int,
                      chunks: list[PrefillChunk]) -> int:

@@ -18,23 +18,24 @@ import torch
 
 from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
+from minipaged.core.scheduler_outputs import SchedulerOutputs
 from minipaged.engine.output_processor import OutputProcessor, eos_token_ids
 from minipaged.engine.stats import EngineStats, StepSnapshot
-from minipaged.engine.validation import (RequestLimits, as_arrival_time, check_request_id,
-                                         max_blocks_needed, validate_request)
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
-from minipaged.spec_decode.speculator import Speculator
-from minipaged.validation import as_token_ids
+from minipaged.spec_decode.speculator import make_speculator
+from minipaged.validation import (RequestLimits, as_arrival_time, as_token_ids, check_request_id,
+                                  max_blocks_needed, validate_request)
 from minipaged.worker import checkpoint
 from minipaged.worker.cache_engine import cache_block_bytes
+from minipaged.worker.create_worker import create_worker
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
-from minipaged.worker.model_runner import prepare_inputs
-from minipaged.worker.mp_workers import DEFAULT_TIMEOUT_S, TensorParallelWorkers
+from minipaged.worker.model_runner import PreparedInputs, prepare_inputs
 from minipaged.worker.sampler import Sampler, sequence_generators
-from minipaged.worker.worker import LocalWorker, Worker
+from minipaged.worker.tensor_parallel import DEFAULT_TIMEOUT_S
+from minipaged.worker.worker import Worker
 
 logger = logging.getLogger("minipaged")
 
@@ -78,18 +79,9 @@ class LLMEngine:
         source = checkpoint.resolve(cfg.model) if cfg.hf_config is None else cfg.model
         self.hf_config = cfg.hf_config or checkpoint.load_config(source)
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, resolved_device)
-        self.worker: Worker
-        backend = cfg.distributed_executor_backend or "mp"
-        if cfg.tensor_parallel_size == 1 and backend == "mp":
-            self.worker = LocalWorker(self.hf_config, source, cfg.load_format, self.dtype,
-                                      resolved_device)
-        else:  # the driver holds no model: N ranks hold a shard each (lesson 14)
-            workers_class = TensorParallelWorkers
-            if backend == "ray":  # (imported only when asked for: it imports Ray)
-                from minipaged.worker.ray_workers import RayTensorParallelWorkers as workers_class
-            self.worker = workers_class(cfg.tensor_parallel_size, self.hf_config, source,
-                                        cfg.load_format, self.dtype, resolved_device,
-                                        cfg.worker_timeout)
+        self.worker: Worker = create_worker(
+            self.hf_config, source, cfg.load_format, self.dtype, resolved_device,
+            cfg.tensor_parallel_size, cfg.distributed_executor_backend, cfg.worker_timeout)
         self.tokenizer = (checkpoint.load_tokenizer(source, cfg.tokenizer)
                           if source is not None else None)
         hf = self.hf_config
@@ -101,15 +93,18 @@ class LLMEngine:
 
         # -- the KV cache, the scheduler, the limits requests are checked against ---------------
         reason = self._init_kv_cache()
-        self.limits = RequestLimits(self.vocab_size, cfg.block_size, self.tokenizer is not None,
-                                    reason, self.scheduler_config)
+        sc, pool = self.scheduler_config, self.scheduler.pool_counts()
+        self.limits = RequestLimits(
+            self.vocab_size, cfg.block_size, self.tokenizer is not None, sc.max_model_len, reason,
+            sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
+            pool.num_gpu_blocks, pool.watermark_blocks, cfg.speculative_config is not None)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(hf, self.tokenizer),
                                                 self.max_model_len)
         self.sampler = Sampler()
-        spec = cfg.speculative_config  # speculative decoding (lesson 12), or None
-        self.speculator = None if spec is None else Speculator(
-            spec, self.vocab_size, cfg.block_size, self.block_manager.num_total_gpu_blocks,
-            self.dtype, resolved_device)
+        # speculative decoding (lesson 12); without it, an object whose every call does nothing
+        self.speculator = make_speculator(cfg.speculative_config, self.vocab_size,
+                                          cfg.block_size, pool.num_gpu_blocks, self.dtype,
+                                          resolved_device)
 
         self.stats = EngineStats()
         self._observers: list[Callable[[StepSnapshot], None]] = []
@@ -135,13 +130,11 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
         self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
-                               num_gpu_blocks, num_cpu_blocks)
-        if (not cfg.enforce_eager and isinstance(self.worker, LocalWorker)
-                and self.worker.device.type == "cuda"):  # decode steps from CUDA graphs (lesson 15)
-            self.worker.enable_cuda_graphs(cfg.max_num_seqs, max_len, cfg.block_size)
-        self.block_manager = BlockSpaceManager(cfg.block_size, num_gpu_blocks, num_cpu_blocks,
-                                               cfg.watermark, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+                               num_gpu_blocks, num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
+                               max_num_seqs=cfg.max_num_seqs, max_model_len=max_len)
+        self.scheduler = Scheduler.with_pools(self.scheduler_config, cfg.block_size,
+                                              num_gpu_blocks, num_cpu_blocks, cfg.watermark,
+                                              cfg.enable_prefix_caching)
         return reason
 
     # -- facts kept in one place -----------------------------------------------------------------
@@ -167,6 +160,12 @@ class LLMEngine:
     def eos_token_ids(self) -> frozenset[int]:
         return self.output_processor.eos_token_ids
 
+    @property
+    def block_manager(self) -> BlockSpaceManager:
+        """The scheduler's block manager, to look at (lessons); the engine goes through the
+        scheduler."""
+        return self.scheduler.block_manager
+
     # -- requests --------------------------------------------------------------------------------
     def max_blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
         """The most GPU blocks one request can ever hold at once.
@@ -184,10 +183,9 @@ class LLMEngine:
             prompt_token_ids: the prompt, a list of Python ints.
             params: the request's sampling parameters.
         """
-        validate_request(prompt_token_ids, params, self.limits, self.block_manager)
-        if self.speculator is not None and params.use_beam_search:
-            raise ValueError("use_beam_search: beam search does not run with speculative "
-                             "decoding (speculative_config is set)")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, request_id: str | None, prompt: str | None,
                     sampling_params: SamplingParams,
@@ -278,8 +276,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the groups touched by it."""
         t = [time.perf_counter()]
-        if self.speculator is not None:
-            self.speculator.plan(self.scheduler.running, self.max_model_len)
+        self.speculator.plan(self.scheduler.running, self.max_model_len)
         outs = self.scheduler.schedule()
         ended = self._collect_aborted()
         if outs.is_empty() and not outs.preempted and not self.scheduler.running:
@@ -287,45 +284,20 @@ class LLMEngine:
         t.append(time.perf_counter())
 
         # Data moves only here, before the model reads the cache.
-        if outs.blocks_to_swap_out:
-            self.worker.swap_out(outs.blocks_to_swap_out)
-        if outs.blocks_to_swap_in:
-            self.worker.swap_in(outs.blocks_to_swap_in)
-        if outs.blocks_to_copy:
-            self.worker.copy(outs.blocks_to_copy)
-        self.stats.count_schedule(outs, self.block_manager)
-
-        drafts = None
-        if self.speculator is not None:
-            for request_id, _ in outs.preempted:  # their blocks (and the draft's KV) are gone
-                self.speculator.forget(self._requests[request_id].get_seqs())
-            drafts = self.speculator.propose(outs, self.block_manager, self._generators)
-        inputs = prepare_inputs(outs, self.block_manager, self.block_size, self.device, drafts)
+        self.worker.cache_swap(outs.blocks_to_swap_in, outs.blocks_to_swap_out,
+                               outs.blocks_to_copy)
+        self.stats.count_schedule(outs, self.scheduler.pool_counts())
+        # Preempted: their blocks (and a draft model's KV in them) are gone.
+        self.speculator.forget([s for request_id, _ in outs.preempted
+                                for s in self._requests[request_id].get_seqs()])
+        drafts = self.speculator.propose(outs, self._generators)
+        inputs = prepare_inputs(outs.seq_runs, self.block_size, self.device, drafts)
         t.append(time.perf_counter())
         if inputs.computed or inputs.spec_rows:
-            logits = self.worker.execute_model(inputs)
-            t.append(time.perf_counter())
-            num_rows = len(inputs.rows)
-            results = (self.sampler(logits[:num_rows], inputs.rows, self._generators)
-                       if inputs.rows else {})
-            t.append(time.perf_counter())
-            num_verified = sum(1 + len(r.draft_token_ids) for r in inputs.spec_rows)
-            self.stats.num_prompt_tokens += inputs.meta.num_prompt_tokens - num_verified
-            self.stats.num_generation_tokens += inputs.meta.num_generation_tokens + num_verified
-            for seq, num_computed in inputs.computed:  # now in the cache
-                seq.num_computed_tokens = num_computed
-            for group in outs.scheduled_seq_groups:
-                if group.request_id in results:
-                    self.stats.num_sampled_tokens += len(results[group.request_id])
-                    self.output_processor.process(group, results[group.request_id],
-                                                  self.block_manager)
-            if inputs.spec_rows:  # verify the drafts, append what is kept, roll back the rest
-                self.speculator.apply(logits[num_rows:], inputs.spec_rows, self._generators,
-                                      self.output_processor, self.block_manager, self.stats)
+            self._run_model(inputs, outs, t)
         else:
             t += [time.perf_counter()] * 2
-        if self.speculator is not None:
-            self.speculator.end_step()
+        self.speculator.end_step()
         finished = self.scheduler.free_finished_seq_groups()
         for group in finished:
             self._forget(group)
@@ -337,13 +309,33 @@ class LLMEngine:
         touched = {g.request_id: g for g in outs.scheduled_seq_groups + ended}
         return [RequestOutput.from_seq_group(g) for g in touched.values()]
 
+    def _run_model(self, inputs: PreparedInputs, outs: SchedulerOutputs, t: list[float]) -> None:
+        """Run the model, sample, and apply the new tokens (appending a clock reading to ``t``
+        after the model and after the sampler)."""
+        logits = self.worker.execute_model(inputs)  # (rows + verification rows, vocab)
+        t.append(time.perf_counter())
+        num_rows = len(inputs.rows)
+        results = (self.sampler(logits[:num_rows], inputs.rows, self._generators)
+                   if inputs.rows else {})
+        t.append(time.perf_counter())
+        self.stats.count_tokens(inputs.meta.num_prompt_tokens, inputs.meta.num_generation_tokens,
+                                sum(1 + len(r.draft_token_ids) for r in inputs.spec_rows))
+        for seq, num_computed in inputs.computed:  # now in the cache
+            seq.num_computed_tokens = num_computed
+        for group in outs.scheduled_seq_groups:
+            if group.request_id in results:
+                self.stats.num_sampled_tokens += len(results[group.request_id])
+                self.output_processor.process(group, results[group.request_id], self.scheduler)
+        # verify the drafts, append what is kept, roll back the rest (lesson 12)
+        self.speculator.apply(logits[num_rows:], inputs.spec_rows, self._generators,
+                              self.output_processor, self.scheduler, self.stats)
+
     def _detokenize_all(self, group: SequenceGroup) -> None:
         self.output_processor.detokenize_all(group)
 
     def _forget(self, group: SequenceGroup) -> None:
         self._requests.pop(group.request_id, None)
-        if self.speculator is not None:
-            self.speculator.forget(group.get_seqs())
+        self.speculator.forget(group.get_seqs())
         for seq in group.get_seqs():
             self._generators.pop(seq.seq_id, None)
 
@@ -356,30 +348,18 @@ class LLMEngine:
         return aborted
 
     def _break_stall(self) -> list[SequenceGroup]:
-        """Nothing runs and the head of a queue can never be admitted: abort it, keep the rest.
-
-        NOTE: a last resort that should never fire: ``validate_request`` refuses every request
-        that cannot run alone, and a request that can always comes back. If it ever fires, the
-        log says why, and the other requests still finish."""
-        sched = self.scheduler
-        queue = sched.swapped if sched.swapped else sched.waiting
-        if not queue:
+        """Nothing runs and the head of a queue can never be admitted: abort it, keep the rest
+        (``Scheduler.break_stall``, a last resort that should never fire)."""
+        reason = self.scheduler.break_stall()
+        if reason is None:
             return []
-        group = queue[0]
-        where = "swapped" if queue is sched.swapped else "waiting"
-        reason = (f"request {group.request_id} can never be scheduled: it is {where} and "
-                  f"needs more KV blocks than the pool of "
-                  f"{self.block_manager.num_total_gpu_blocks} has free "
-                  f"({self.block_manager.get_num_free_gpu_blocks()}) while nothing else runs")
         logger.warning("aborting a request the scheduler can never run (an engine bug): %s",
                        reason)
-        sched.give_up(group, reason)
         return self._collect_aborted()
 
     def _notify(self, outs: SchedulerOutputs, finished: list[SequenceGroup]) -> None:
-        snap = StepSnapshot.of_step(
-            outs, finished, self.block_manager, self.scheduler, self.stats,
-            self.speculator.last_step if self.speculator is not None else None)
+        snap = StepSnapshot.of_step(outs, finished, self.scheduler, self.stats,
+                                    self.speculator.last_step)
         for fn in list(self._observers):
             fn(snap)
 
@@ -395,12 +375,4 @@ class LLMEngine:
         Raises:
             ValueError: while a request is queued or running, or if the pools differ.
         """
-        if self.scheduler.has_unfinished_seqs():
-            raise ValueError("replace_block_manager: requests are still queued or running")
-        old = self.block_manager
-        if (block_manager.block_size, block_manager.num_total_gpu_blocks,
-                block_manager.num_total_cpu_blocks) != (
-                old.block_size, old.num_total_gpu_blocks, old.num_total_cpu_blocks):
-            raise ValueError("replace_block_manager: the new manager's block size and pools "
-                             "must match the cache engine's")
-        self.block_manager = self.scheduler.block_manager = block_manager
+        self.scheduler.replace_block_manager(block_manager)

@@ -10,7 +10,7 @@ For each group the step sampled, in this order:
 """
 from __future__ import annotations
 
-from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.scheduler import Scheduler
 from minipaged.engine.detokenizer import detokenize_incrementally
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -44,21 +44,21 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def process(self, group: SequenceGroup, outputs: dict[int, SequenceOutput],
-                block_manager: BlockSpaceManager) -> None:
+                scheduler: Scheduler) -> None:
         """Append one step's tokens to ``group``'s sequences and end those that are done.
 
         Args:
             group: a group the step sampled.
             outputs: its sampled tokens, by sequence id.
-            block_manager: frees and forks the sequences' blocks.
+            scheduler: frees and forks the sequences' blocks.
         """
         # 1. Beam search: a sequence whose beam was dropped becomes a copy of its new parent.
         for seq_id, out in outputs.items():
             if out.parent_seq_id != seq_id:
                 seq, parent = group.find(seq_id), group.find(out.parent_seq_id)
-                block_manager.free(seq)
+                scheduler.free_seq(seq)
                 seq.copy_state_from(parent)
-                block_manager.fork(parent, seq)
+                scheduler.fork_seq(parent, seq)
         # 2. Append the new tokens, then check whether each sequence is done.
         params = group.sampling_params
         for seq_id, out in outputs.items():
@@ -66,7 +66,7 @@ class OutputProcessor:
             seq.append_token_id(out.token_id, out.logprobs)
             self.check_stop(seq, params)
             if seq.is_finished():
-                block_manager.free(seq)
+                scheduler.free_seq(seq)
         if group.is_finished():
             self.detokenize_all(group)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.core.scheduler import Scheduler, SchedulerOutputs
+from minipaged.core.scheduler import Scheduler
+from minipaged.core.scheduler_outputs import PoolCounts, SchedulerOutputs
 from minipaged.sequence import SequenceGroup
 
 
@@ -72,12 +72,12 @@ class EngineStats:
         for f in fields(self):
             setattr(self, f.name, f.default)
 
-    def count_schedule(self, outs: SchedulerOutputs, block_manager: BlockSpaceManager) -> None:
+    def count_schedule(self, outs: SchedulerOutputs, pool: PoolCounts) -> None:
         """Count a step's preemptions and cache operations, and the pool's state after them.
 
         Args:
             outs: what the scheduler decided for the step.
-            block_manager: the pool, after the step's allocations.
+            pool: the pools after the step's allocations (``Scheduler.pool_counts()``).
         """
         for _, mode in outs.preempted:
             if mode == "recompute":
@@ -87,12 +87,17 @@ class EngineStats:
         self.num_blocks_swapped_out += len(outs.blocks_to_swap_out)
         self.num_blocks_swapped_in += len(outs.blocks_to_swap_in)
         self.num_blocks_copied += sum(len(d) for d in outs.blocks_to_copy.values())
-        bm = block_manager
-        used = bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks()
+        used = pool.num_gpu_blocks - pool.num_free_gpu_blocks
         self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used, used)
         # NOTE: the block manager counts these; the stats show its counts as of this step.
-        self.num_cached_prompt_tokens = bm.num_cached_tokens
-        self.num_evicted_blocks = bm.num_evicted_blocks
+        self.num_cached_prompt_tokens = pool.num_cached_tokens
+        self.num_evicted_blocks = pool.num_evicted_blocks
+
+    def count_tokens(self, num_prompt: int, num_generation: int, num_verified: int) -> None:
+        """Count a step's computed tokens; the ``num_verified`` tokens of speculative
+        verifications (lesson 12) ran as chunks but are generation, not prompt."""
+        self.num_prompt_tokens += num_prompt - num_verified
+        self.num_generation_tokens += num_generation + num_verified
 
     def count_times(self, t: list[float]) -> None:
         """Add one step's times; ``t`` holds six clock readings, one between each phase."""
@@ -127,15 +132,14 @@ class StepSnapshot:
 
     @classmethod
     def of_step(cls, outs: SchedulerOutputs, finished: list[SequenceGroup],
-                block_manager: BlockSpaceManager, scheduler: Scheduler,
-                stats: EngineStats, spec: dict | None = None) -> StepSnapshot:
+                scheduler: Scheduler, stats: EngineStats,
+                spec: dict | None = None) -> StepSnapshot:
         """The snapshot after a step: copies, so that later steps do not change it.
 
         Args:
             outs: the step's scheduler outputs.
             finished: the groups that ended in the step (finished or aborted).
-            block_manager: gives the pool.
-            scheduler: gives the queues.
+            scheduler: gives the queues and the pool.
             stats: the engine's counters after the step.
             spec: the step's verifications (``Speculator.last_step``), if any.
         """
@@ -148,7 +152,7 @@ class StepSnapshot:
             blocks_to_copy={k: list(v) for k, v in outs.blocks_to_copy.items()},
             preempted=list(outs.preempted),
             finished=[g.request_id for g in finished],
-            block_manager=block_manager.snapshot(),
+            block_manager=scheduler.block_snapshot(),
             scheduler=scheduler.snapshot(),
             stats=stats.as_dict(),
             num_batched_tokens=outs.num_batched_tokens,

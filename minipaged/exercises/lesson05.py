@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minipaged.kernels import emulator as emu
+from minipaged.lab import emulator as emu
 from minipaged.worker.cache_engine import CacheEngine
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 

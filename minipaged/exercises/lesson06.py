@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minipaged.kernels import emulator as emu
+from minipaged.lab import emulator as emu
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 
 

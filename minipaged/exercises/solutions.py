@@ -117,7 +117,7 @@ def sample_indices(seqs):
 def warp_reduce(values, op):
     import numpy as np
 
-    from minipaged.kernels.emulator import shfl_xor
+    from minipaged.lab.emulator import shfl_xor
 
     combine = np.add if op == "sum" else np.maximum
     for mask in (16, 8, 4, 2, 1):

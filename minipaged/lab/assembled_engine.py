@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from minipaged.block import Device
-from minipaged.core.scheduler import queue_badge
+from minipaged.core.scheduler_outputs import queue_badge
 from minipaged.engine.output_processor import OutputProcessor
 from minipaged.engine.stats import StepSnapshot
 from minipaged.models.input_metadata import InputMetadata

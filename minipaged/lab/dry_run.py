@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from minipaged.sampling_params import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutputs
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
+from minipaged.core.scheduler_outputs import SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

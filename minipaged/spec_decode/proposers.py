@@ -6,7 +6,7 @@
 - ``DraftModelProposer``: a smaller model of the same vocabulary proposes ``k`` tokens one by
   one. It runs through the same ``ModelRunner`` and kernels as the target, with its own KV
   tensors (its own ``CacheEngine``, with the draft's layers and heads) addressed by the *same*
-  block tables and slots: the target's block manager owns the pages of both models.
+  block tables and slots: the target's scheduler owns the pages of both models.
 
 NOTE on the draft's KV: the draft remembers, per sequence, how many positions of its own cache
 are valid and under which blocks. Before proposing it catches up with one chunk over whatever it
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.sequence import Sequence
 from minipaged.worker import checkpoint
@@ -109,16 +108,20 @@ class DraftModelProposer:
         return min(n, same * self.block_size)
 
     def propose(self, requests: list[tuple[Sequence, int, object, torch.Generator]],
-                block_manager: BlockSpaceManager
+                block_tables: dict[int, list[int]]
                 ) -> dict[int, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens for each ``(sequence, k, sampling params, generator)``, all sequences
         batched in each of the ``k`` forward passes.
+
+        Args:
+            requests: what to propose for, one tuple a sequence.
+            block_tables: each sequence's block table (the scheduler's record of the step).
 
         Returns per sequence id ``(tokens, q)``: ``q`` (k, V) the draft's distributions the
         tokens were drawn from, None for a greedy request (the draft's argmax).
         """
         requests = [r for r in requests if r[1] > 0]
-        tables = {seq.seq_id: block_manager.get_block_table(seq) for seq, *_ in requests}
+        tables = {seq.seq_id: block_tables[seq.seq_id] for seq, *_ in requests}
         # The first pass catches up: every token the draft has not seen, up to the newest.
         pieces = []
         for seq, _, _, _ in requests:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from minipaged.config import SpeculativeConfig
-from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.core.scheduler import SchedulerOutputs
+from minipaged.core.scheduler import Scheduler
+from minipaged.core.scheduler_outputs import SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.spec_decode.proposers import DraftModelProposer, NgramProposer
 from minipaged.spec_decode.verifier import verify
@@ -45,6 +45,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, vocab_size: int, block_size: int,
                  num_gpu_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k = config.num_speculative_tokens
+        self.block_size = block_size
         self.ngram = (NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
                       if config.method == "ngram" else None)
         self.draft = (DraftModelProposer(config.model, vocab_size, block_size, num_gpu_blocks,
@@ -83,7 +84,7 @@ class Speculator:
                 seq.num_lookahead_slots = k
                 self._planned.append(seq)
 
-    def propose(self, outs: SchedulerOutputs, block_manager: BlockSpaceManager,
+    def propose(self, outs: SchedulerOutputs,
                 generators: dict[int, torch.Generator]) -> dict[int, list[int]]:
         """The drafts of the scheduled decoding sequences, by sequence id (as many as the
         scheduler left lookahead slots for)."""
@@ -94,15 +95,16 @@ class Speculator:
         self._draft_probs = {}
         if self.ngram is not None:
             return {seq.seq_id: self._ngram_drafts[seq.seq_id][:k] for seq, k, *_ in wanted}
+        tables = {r.seq_ids[0]: r.block_table for r in outs.seq_runs if not r.is_prompt}
         drafts = {}
-        for seq_id, (tokens, q) in self.draft.propose(wanted, block_manager).items():
+        for seq_id, (tokens, q) in self.draft.propose(wanted, tables).items():
             drafts[seq_id] = tokens
             self._draft_probs[seq_id] = q
         return drafts
 
     def apply(self, logits: torch.Tensor, spec_rows: list[SpecRow],
               generators: dict[int, torch.Generator], output_processor,
-              block_manager: BlockSpaceManager, stats) -> None:
+              scheduler: Scheduler, stats) -> None:
         """Verify, append the emitted tokens one by one, roll back the rejected slots.
 
         Args:
@@ -110,16 +112,18 @@ class Speculator:
             spec_rows: the verifications, in the order of their rows.
             generators: the sequences' random generators.
             output_processor: appends one token and checks the stops (the engine's).
-            block_manager: the pool: frees what the rejected drafts held.
+            scheduler: gives the block tables and frees what the rejected drafts held.
             stats: the engine's ``EngineStats`` (speculation counters).
         """
+        if not spec_rows:
+            return
         results = verify(logits, spec_rows, generators, self._draft_probs)
-        bs = block_manager.block_size
+        bs = self.block_size
         for row in spec_rows:
             group, seq = row.seq_group, row.seq_group.find(row.seq_id)
             emitted = results[row.seq_id]
             start = seq.get_len()  # position of the first draft
-            table = block_manager.get_block_table(seq)
+            table = scheduler.get_block_table(seq)
             stats.count_verification(len(row.draft_token_ids), len(emitted))
             self._record_acceptance(row.seq_id, len(row.draft_token_ids), len(emitted) - 1)
             self.last_step[row.seq_id] = {
@@ -131,15 +135,15 @@ class Speculator:
             for out in emitted:  # one at a time: a stop ends the sequence where it is
                 if seq.is_finished():
                     break
-                output_processor.process(group, {seq.seq_id: out}, block_manager)
+                output_processor.process(group, {seq.seq_id: out}, scheduler)
                 stats.num_sampled_tokens += 1
             if not seq.is_finished():
                 seq.num_computed_tokens = seq.get_len() - 1  # all but the newest are cached
-                block_manager.rollback_slots(seq)
+                scheduler.rollback_slots(seq)
                 if self.draft is not None:
                     self.draft.accepted(seq)
             self.last_step[row.seq_id]["blocks_after"] = (
-                block_manager.get_block_table(seq) if not seq.is_finished() else [])
+                scheduler.get_block_table(seq) if not seq.is_finished() else [])
 
     def _record_acceptance(self, seq_id: int, proposed: int, accepted: int) -> None:
         """Update the sequence's moving acceptance rate; back off when it is too low."""
@@ -164,3 +168,41 @@ class Speculator:
                 self._acceptance.pop(seq.seq_id, None)
             if self.draft is not None:
                 self.draft.forget(seq.seq_id)
+
+
+class NoSpeculator:
+    """What the engine holds when ``speculative_config`` is None: every call does nothing, so
+    that the step reads the same with speculation or without (lesson 08's picture of it)."""
+
+    def __init__(self) -> None:
+        self.last_step: dict[int, dict] = {}
+
+    def plan(self, running: list[SequenceGroup], max_model_len: int) -> None:
+        pass
+
+    def propose(self, outs: SchedulerOutputs,
+                generators: dict[int, torch.Generator]) -> dict[int, list[int]]:
+        return {}
+
+    def apply(self, logits, spec_rows, generators, output_processor, scheduler, stats) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        pass
+
+
+def make_speculator(config: SpeculativeConfig | None, vocab_size: int, block_size: int,
+                    num_gpu_blocks: int, dtype: torch.dtype,
+                    device: torch.device) -> Speculator | NoSpeculator:
+    """A ``Speculator`` for ``config``, or a ``NoSpeculator`` when it is None.
+
+    Args:
+        config: the checked ``speculative_config``, or None (no speculative decoding).
+        vocab_size, block_size, num_gpu_blocks, dtype, device: as for ``Speculator``.
+    """
+    if config is None:
+        return NoSpeculator()
+    return Speculator(config, vocab_size, block_size, num_gpu_blocks, dtype, device)

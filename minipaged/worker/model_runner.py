@@ -1,8 +1,10 @@
 """Turning a scheduled step into one flat batch and running the model on it (lesson 08).
 
-All the step's tokens go into one sequence of tokens: first the prompts computed from scratch
-(packed one after another), then chunks that continue a context already in the cache (the
-recompute of a group after preemption), then one token per decoding sequence. Alongside them:
+It reads the scheduler's record of the step (``step_record.SequenceRun``: tokens, positions and
+block tables as plain ints), never the block manager. All the step's tokens go into one sequence
+of tokens: first the prompts computed from scratch (packed one after another), then chunks that
+continue a context already in the cache (a long prompt's later chunks, the recompute of a group
+after preemption), then one token per decoding sequence. Alongside them:
 ``positions``, ``slot_mapping`` (where each token's K/V go), and for the chunks and decode tokens
 their ``block_tables`` and context lengths.
 """
@@ -12,10 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.models.input_metadata import InputMetadata
-from minipaged.core.scheduler import PrefillChunk, SchedulerOutputs
-from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.step_record import SequenceRun
 
 
 @dataclass
@@ -49,7 +50,7 @@ class PreparedInputs:
     rows: list[Row]
     sample_indices: torch.Tensor  # (R,) which of the T tokens produce a next-token distribution
     computed: list[tuple[Sequence, int]]  # after the step: (sequence, its num_computed_tokens)
-    chunks: list[PrefillChunk] = field(default_factory=list)  # the prefill part, in batch order
+    chunks: list[SequenceRun] = field(default_factory=list)  # the prefill part, in batch order
     spec_rows: list[SpecRow] = field(default_factory=list)  # their logits follow ``rows``'
 
 
@@ -67,14 +68,13 @@ def _add_positions(positions: list[torch.Tensor], slots: list[torch.Tensor],
     slots.append(torch.tensor(table)[pos // block_size] * block_size + pos % block_size)
 
 
-def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager,
-                   block_size: int, device: torch.device,
+def prepare_inputs(seq_runs: list[SequenceRun], block_size: int, device: torch.device,
                    drafts: dict[int, list[int]] | None = None) -> PreparedInputs:
-    """The flat batch of one step, from the scheduler's outputs.
+    """The flat batch of one step, from the scheduler's record of it (plain data).
 
     Args:
-        scheduled: the step's prefill chunks and decoding groups.
-        block_manager: gives each sequence's block table.
+        seq_runs: the step's prefill runs and decode runs (``SchedulerOutputs.seq_runs``), each
+            with its tokens, first position and block table.
         block_size: tokens per block.
         device: where the tensors go (the worker's ``device``).
         drafts: speculative decoding (lesson 12): the proposed tokens of decoding sequences,
@@ -82,7 +82,8 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
             in the slots the scheduler reserved) and gets a ``SpecRow``.
     """
     drafts = {seq_id: d for seq_id, d in (drafts or {}).items() if d}
-    chunks, decode_groups = scheduled.prefill_chunks, scheduled.decode_seq_groups
+    chunks = [r for r in seq_runs if r.is_prompt]
+    decodes = [r for r in seq_runs if not r.is_prompt]
     # Prompts from scratch first, then chunks that read a cached context.
     chunks = [c for c in chunks if c.start == 0] + [c for c in chunks if c.start > 0]
 
@@ -97,17 +98,16 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
     sample_indices: list[int] = []
     computed: list[tuple[Sequence, int]] = []
 
-    # 1. Prefill chunks: tokens [start, end) of a sequence.
+    # 1. Prefill runs: tokens [start, end) of a sequence.
     for chunk in chunks:
-        seq, group = chunk.seq, chunk.seq_group
-        table_list = block_manager.get_block_table(seq)
-        input_ids += seq.get_token_ids()[chunk.start:chunk.end]
-        _add_positions(positions, slots, table_list, chunk.start, chunk.end, block_size)
+        group = chunk.seq_group
+        input_ids += chunk.token_ids
+        _add_positions(positions, slots, chunk.block_table, chunk.start, chunk.end, block_size)
         if chunk.start == 0:
             prompt_lens.append(chunk.num_tokens)
         else:
             chunk_lens.append(chunk.num_tokens)
-            chunk_tables.append(table_list)
+            chunk_tables.append(chunk.block_table)
             chunk_ends.append(chunk.end)
         if chunk.sample:
             sample_indices.append(len(input_ids) - 1)
@@ -118,40 +118,37 @@ def prepare_inputs(scheduled: SchedulerOutputs, block_manager: BlockSpaceManager
     # over the cached prefix whose every token gives a row of logits (they go last).
     spec_rows: list[SpecRow] = []
     spec_indices: list[int] = []
-    for group in decode_groups:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            if seq.seq_id not in drafts:
-                continue
-            table_list = block_manager.get_block_table(seq)
-            start, draft = seq.get_len() - 1, drafts[seq.seq_id]
-            spec_indices += range(len(input_ids), len(input_ids) + 1 + len(draft))
-            input_ids += [seq.get_last_token_id()] + draft
-            _add_positions(positions, slots, table_list, start, start + 1 + len(draft),
-                           block_size)
-            chunk_lens.append(1 + len(draft))
-            chunk_tables.append(table_list)
-            chunk_ends.append(start + 1 + len(draft))
-            spec_rows.append(SpecRow(group, seq.seq_id, list(draft)))
+    for run in decodes:
+        seq_id = run.seq_ids[0]
+        if seq_id not in drafts:
+            continue
+        draft = drafts[seq_id]
+        spec_indices += range(len(input_ids), len(input_ids) + 1 + len(draft))
+        input_ids += run.token_ids + draft
+        _add_positions(positions, slots, run.block_table, run.start, run.end + len(draft),
+                       block_size)
+        chunk_lens.append(1 + len(draft))
+        chunk_tables.append(run.block_table)
+        chunk_ends.append(run.end + len(draft))
+        spec_rows.append(SpecRow(run.seq_group, seq_id, list(draft)))
 
     # 2. Decodes: one new token per running sequence whose earlier tokens are cached.
     block_tables: list[list[int]] = []
     context_lens: list[int] = []
     decode_positions: list[int] = []
     decode_slots: list[int] = []
-    for group in decode_groups:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            if seq.seq_id in drafts:
-                continue  # verified as a chunk above
-            pos = seq.get_len() - 1
-            table = block_manager.get_block_table(seq)
-            input_ids.append(seq.get_last_token_id())
-            decode_positions.append(pos)
-            decode_slots.append(table[pos // block_size] * block_size + pos % block_size)
-            block_tables.append(table)
-            context_lens.append(seq.get_len())
-            sample_indices.append(len(input_ids) - 1)
-            rows.append(Row(group, [seq.seq_id], False))
-            computed.append((seq, seq.get_len()))
+    for run in decodes:
+        seq_id, pos, table = run.seq_ids[0], run.start, run.block_table
+        if seq_id in drafts:
+            continue  # verified as a chunk above
+        input_ids += run.token_ids
+        decode_positions.append(pos)
+        decode_slots.append(table[pos // block_size] * block_size + pos % block_size)
+        block_tables.append(table)
+        context_lens.append(run.end)
+        sample_indices.append(len(input_ids) - 1)
+        rows.append(Row(run.seq_group, [seq_id], False))
+        computed.append((run.seq_group.find(seq_id), run.end))
 
     positions.append(torch.tensor(decode_positions, dtype=torch.long))
     slots.append(torch.tensor(decode_slots, dtype=torch.long))

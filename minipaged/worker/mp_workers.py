@@ -43,12 +43,8 @@ import weakref
 import torch
 
 from minipaged.worker.tensor_parallel import (DEFAULT_TIMEOUT_S, STARTUP_FACTOR, RankWorker,
-                                              TensorParallelDriver, WorkerError, WorkerSpec,
-                                              check_tensor_parallel, shard_weight_bytes)
-
-# (WorkerError, shard_weight_bytes, check_tensor_parallel: importable from here as before)
-__all__ = ["TensorParallelWorkers", "WorkerError", "DEFAULT_TIMEOUT_S", "check_tensor_parallel",
-           "shard_weight_bytes", "worker_main"]
+                                              TensorParallelDriver, WorkerSpec,
+                                              check_tensor_parallel)
 
 
 # -- the worker process ----------------------------------------------------------------------------

@@ -231,8 +231,12 @@ class TensorParallelDriver(Worker):
                                gpu_memory_utilization, block_bytes), "profiling"))
 
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Allocate each rank's cache: the same blocks, ``num_kv_heads / N`` heads each."""
+                   num_gpu_blocks: int, num_cpu_blocks: int, use_cuda_graphs: bool = False,
+                   max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
+        """Allocate each rank's cache: the same blocks, ``num_kv_heads / N`` heads each.
+
+        NOTE: ``use_cuda_graphs`` is ignored: each step's inputs come from another process, so
+        the ranks run their decode steps eagerly."""
         per_rank = num_kv_heads // self.world_size
         self.kv_cache_bytes = self._call(("init_cache", num_layers, per_rank, head_size,
                                           block_size, num_gpu_blocks, num_cpu_blocks), "init")

@@ -1,6 +1,7 @@
 """What runs the model for the engine: one ``Worker`` interface, three implementations (lesson 08).
 
-The engine (``engine/llm_engine.py``) keeps the bookkeeping: scheduler, block manager, sampler.
+The engine (``engine/llm_engine.py``) keeps the bookkeeping: the scheduler (which owns the block
+manager) and the sampler.
 Everything that holds tensors of the model or of the KV cache sits behind a ``Worker``:
 
 - ``LocalWorker``: the model, its ``CacheEngine`` and a ``ModelRunner`` in this process;
@@ -10,8 +11,10 @@ Everything that holds tensors of the model or of the KV cache sits behind a ``Wo
   actors, placed on the nodes of a Ray cluster.
 
 The engine calls only the methods below, in this order: ``profile_num_gpu_blocks`` (may be
-skipped), ``init_cache`` once, then per step the cache operations and ``execute_model``, and
-``shutdown`` at the end. A new back-end implements these and nothing else.
+skipped), ``init_cache`` once, then per step ``cache_swap`` (the cache moves) and
+``execute_model``, and ``shutdown`` at the end. A new back-end implements these and nothing else.
+The engine hands the worker plain data only: block numbers in the cache moves, and the batch
+that ``prepare_inputs`` built from the scheduler's record (``step_record.py``).
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ class Worker(ABC):
 
     @abstractmethod
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+                   num_gpu_blocks: int, num_cpu_blocks: int, use_cuda_graphs: bool = False,
+                   max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
         """Allocate the KV pools (once, before the first step).
 
         Args:
@@ -61,6 +65,9 @@ class Worker(ABC):
                 tensor-parallel worker keeps its share).
             block_size: tokens per block.
             num_gpu_blocks, num_cpu_blocks: the pools' sizes, the same on every rank.
+            use_cuda_graphs: serve decode steps from CUDA graphs where the worker can (lesson
+                15); a worker that cannot (not on CUDA, several processes) runs them eagerly.
+            max_num_seqs, max_model_len: size the graphs' static buffers.
         """
 
     @abstractmethod
@@ -74,6 +81,21 @@ class Worker(ABC):
     @abstractmethod
     def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
         """Copy-on-write of GPU blocks, before the next ``execute_model`` reads the cache."""
+
+    def cache_swap(self, blocks_to_swap_in: dict[int, int], blocks_to_swap_out: dict[int, int],
+                   blocks_to_copy: dict[int, list[int]]) -> None:
+        """The step's cache moves, before ``execute_model`` reads the cache (swap-outs first:
+        a block swapped out may be the destination of a swap-in of the same step).
+
+        Args:
+            blocks_to_swap_in, blocks_to_swap_out, blocks_to_copy: ``SchedulerOutputs``'.
+        """
+        if blocks_to_swap_out:
+            self.swap_out(blocks_to_swap_out)
+        if blocks_to_swap_in:
+            self.swap_in(blocks_to_swap_in)
+        if blocks_to_copy:
+            self.copy(blocks_to_copy)
 
     @abstractmethod
     def execute_model(self, inputs: PreparedInputs) -> torch.Tensor:
@@ -119,9 +141,12 @@ class LocalWorker(Worker):
                                       max_model_len, gpu_memory_utilization, block_bytes)
 
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+                   num_gpu_blocks: int, num_cpu_blocks: int, use_cuda_graphs: bool = False,
+                   max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
         self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+        if use_cuda_graphs and self.device.type == "cuda":  # (lesson 15)
+            self.enable_cuda_graphs(max_num_seqs, max_model_len, block_size)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int,
                            capture: bool | None = None) -> None:
@@ -163,3 +188,4 @@ class LocalWorker(Worker):
                     sum(t.numel() * t.element_size() for kv in self.cache_engine.gpu_cache
                         for t in kv))
         return [{"weights": weights, "kv_cache": kv_cache}]
+
