@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import time
 from dataclasses import dataclass
 
 
@@ -110,14 +111,24 @@ def check_request_id(request_id, in_use) -> None:
         raise ValueError(f"request id {request_id!r} is already in use")
 
 
-def as_arrival_time(arrival_time) -> float | None:
-    """``arrival_time`` as float seconds (None stays None: the engine takes the time of day)."""
+def as_arrival_time(arrival_time) -> float:
+    """``arrival_time`` as float seconds (``time.monotonic()``); None: now."""
     if arrival_time is None:
-        return None
+        return time.monotonic()
     if as_number(arrival_time) is None:
         raise ValueError(f"arrival_time must be a finite number (seconds), got "
                          f"{shown(arrival_time)}")
     return float(as_number(arrival_time))
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """The prompt's token ids (ValueError without a tokenizer, or for a prompt not a string)."""
+    if tokenizer is None:
+        raise ValueError("this model directory has no tokenizer files: pass "
+                         "prompt_token_ids, or a tokenizer=")
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    return tokenizer.encode(prompt)
 
 
 def max_blocks_needed(prompt_len: int, params, limits: RequestLimits) -> int:

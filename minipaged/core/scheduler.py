@@ -24,6 +24,7 @@ decodes against the budget too; README lists this among the deliberate differenc
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 
 from minipaged.core.block_manager import BlockSpaceManager
@@ -32,6 +33,8 @@ from minipaged.core.prefill_plan import PrefillChunk, plan_prefill, prefix_leade
 from minipaged.core.scheduler_outputs import PoolCounts, SchedulerOutputs, queue_badge
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.step_record import SequenceRun
+
+logger = logging.getLogger("minipaged")
 
 
 class PreemptionMode(enum.Enum):
@@ -110,7 +113,7 @@ class Scheduler:
 
         NOTE: a last resort that should never fire: ``validate_request`` refuses every request
         that cannot run alone, and a request that can always comes back. If it ever fires, the
-        engine logs why, and the other requests still finish."""
+        log says why, and the other requests still finish."""
         queue = self.swapped if self.swapped else self.waiting
         if not queue:
             return None
@@ -119,6 +122,8 @@ class Scheduler:
         reason = (f"request {queue[0].request_id} can never be scheduled: it is {where} and "
                   f"needs more KV blocks than the pool of {pool.num_gpu_blocks} has free "
                   f"({pool.num_free_gpu_blocks}) while nothing else runs")
+        logger.warning("aborting a request the scheduler can never run (an engine bug): %s",
+                       reason)
         self.give_up(queue[0], reason)
         return reason
 
@@ -320,9 +325,9 @@ class Scheduler:
         runs = [SequenceRun(c.seq_group, list(c.seq_ids), c.seq.get_token_ids()[c.start:c.end],
                             c.start, self.get_block_table(c.seq), c.sample, True)
                 for c in chunks]
-        for group in decode_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                runs.append(SequenceRun(group, [seq.seq_id], [seq.get_last_token_id()],
+        for seq_group in decode_groups:
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                runs.append(SequenceRun(seq_group, [seq.seq_id], [seq.get_last_token_id()],
                                         seq.get_len() - 1, self.get_block_table(seq), True,
                                         False))
         return runs

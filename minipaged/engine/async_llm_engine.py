@@ -7,9 +7,16 @@ through a command queue:
     client coroutine --add/abort--> command queue --> engine thread: apply commands, step()
     client coroutine <--RequestOutput-- asyncio.Queue <-- engine thread (call_soon_threadsafe)
 
-Only the engine thread touches the ``LLMEngine``, so the engine needs no locks. A request added
-while a step runs joins the batch at the next step (continuous batching); each step's outputs are
-pushed to the clients' queues as soon as the step ends, which is what makes streaming possible.
+The rule: only the engine thread changes the ``LLMEngine`` (``add_request``, ``abort_request``,
+``step``). Other threads (the server's prompt workers, ``entrypoints/prompts.py``) may call only
+what reads settings fixed when the engine was built: ``encode``, ``validate_request``,
+``max_blocks_needed``, ``max_model_len`` and the tokenizer. NOTE: so no lock is needed: nothing
+those calls read is ever written after start-up. A new method called from another thread must
+keep to this, or go through the command queue.
+
+A request added while a step runs joins the batch at the next step (continuous batching); each
+step's outputs are pushed to the clients' queues as soon as the step ends, which is what makes
+streaming possible.
 """
 from __future__ import annotations
 
@@ -288,17 +295,16 @@ class AsyncLLMEngine:
 
     def _publish_metrics(self) -> None:
         """Plain numbers for /metrics, copied here so other threads never read engine state."""
-        engine, scheduler = self.engine, self.engine.scheduler
-        bm = engine.block_manager
-        stats = engine.stats
+        scheduler, stats = self.engine.scheduler, self.engine.stats
+        pool = scheduler.pool_counts()
         self.metrics = {
             "num_requests_running": len(scheduler.running),
             "num_requests_waiting": len(scheduler.waiting),
             "num_requests_swapped": len(scheduler.swapped),
-            "gpu_blocks_total": bm.num_total_gpu_blocks,
-            "gpu_blocks_used": bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks(),
-            "cpu_blocks_total": bm.num_total_cpu_blocks,
-            "cpu_blocks_used": bm.num_total_cpu_blocks - bm.get_num_free_cpu_blocks(),
+            "gpu_blocks_total": pool.num_gpu_blocks,
+            "gpu_blocks_used": pool.num_gpu_blocks - pool.num_free_gpu_blocks,
+            "cpu_blocks_total": pool.num_cpu_blocks,
+            "cpu_blocks_used": pool.num_cpu_blocks - pool.num_free_cpu_blocks,
             "num_steps": stats.num_steps,
             "prompt_tokens": stats.num_prompt_tokens,
             "generation_tokens": stats.num_sampled_tokens,

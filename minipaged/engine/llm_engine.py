@@ -10,16 +10,16 @@ cache (``worker/worker.py``), request checks (``validation.py``), the output pro
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from typing import Callable
 
 import torch
 
-from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
+from minipaged.config import EngineConfig
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.core.scheduler import Scheduler, SchedulerConfig
+from minipaged.core.scheduler import Scheduler
 from minipaged.core.scheduler_outputs import SchedulerOutputs
+from minipaged.engine.cache_setup import init_kv_cache
 from minipaged.engine.output_processor import OutputProcessor, eos_token_ids
 from minipaged.engine.stats import EngineStats, StepSnapshot
 from minipaged.outputs import RequestOutput
@@ -27,17 +27,14 @@ from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.spec_decode.speculator import make_speculator
 from minipaged.validation import (RequestLimits, as_arrival_time, as_token_ids, check_request_id,
-                                  max_blocks_needed, validate_request)
+                                  encode_prompt, max_blocks_needed, validate_request)
 from minipaged.worker import checkpoint
-from minipaged.worker.cache_engine import cache_block_bytes
 from minipaged.worker.create_worker import create_worker
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
 from minipaged.worker.model_runner import PreparedInputs, prepare_inputs
 from minipaged.worker.sampler import Sampler, sequence_generators
 from minipaged.worker.tensor_parallel import DEFAULT_TIMEOUT_S
 from minipaged.worker.worker import Worker
-
-logger = logging.getLogger("minipaged")
 
 
 class LLMEngine:
@@ -91,19 +88,26 @@ class LLMEngine:
         self.head_size = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads
         self.vocab_size = hf.vocab_size
 
-        # -- the KV cache, the scheduler, the limits requests are checked against ---------------
-        reason = self._init_kv_cache()
-        sc, pool = self.scheduler_config, self.scheduler.pool_counts()
+        # -- the KV pools, the scheduler, the limits requests are checked against ---------------
+        cache = init_kv_cache(cfg, self.worker, hf.max_position_embeddings, self.num_layers,
+                              self.num_kv_heads, self.head_size, self.dtype)
+        self.block_bytes, sc = cache.block_bytes, cache.scheduler_config
+        self.scheduler_config = sc
+        self.scheduler = Scheduler.with_pools(sc, cfg.block_size, cache.num_gpu_blocks,
+                                              cache.num_cpu_blocks, cfg.watermark,
+                                              cfg.enable_prefix_caching)
         self.limits = RequestLimits(
-            self.vocab_size, cfg.block_size, self.tokenizer is not None, sc.max_model_len, reason,
-            sc.max_num_seqs, sc.max_num_batched_tokens, sc.enable_chunked_prefill,
-            pool.num_gpu_blocks, pool.watermark_blocks, cfg.speculative_config is not None)
+            self.vocab_size, cfg.block_size, self.tokenizer is not None, sc.max_model_len,
+            cache.max_model_len_reason, sc.max_num_seqs, sc.max_num_batched_tokens,
+            sc.enable_chunked_prefill, cache.num_gpu_blocks,
+            self.scheduler.pool_counts().watermark_blocks,
+            cfg.speculative_config is not None)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(hf, self.tokenizer),
                                                 self.max_model_len)
         self.sampler = Sampler()
         # speculative decoding (lesson 12); without it, an object whose every call does nothing
         self.speculator = make_speculator(cfg.speculative_config, self.vocab_size,
-                                          cfg.block_size, pool.num_gpu_blocks, self.dtype,
+                                          cfg.block_size, cache.num_gpu_blocks, self.dtype,
                                           resolved_device)
 
         self.stats = EngineStats()
@@ -112,30 +116,6 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator] = {}  # one per sequence id
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
-
-    def _init_kv_cache(self) -> str:
-        """Size the pools, fit max_model_len to them, allocate them; returns why the length
-        is what it is (for error messages)."""
-        cfg = self.config
-        model_max_len = self.hf_config.max_position_embeddings
-        max_len = min(cfg.max_model_len or model_max_len, model_max_len)  # before fitting
-        budget = cfg.batch_budget(max_len)
-        self.block_bytes = cache_block_bytes(  # per rank: each holds its own kv heads
-            cfg.block_size, self.num_layers, self.num_kv_heads // cfg.tensor_parallel_size,
-            self.head_size, self.dtype)
-        profiled = (None if cfg.num_gpu_blocks is not None else self.worker.profile_num_gpu_blocks(
-            budget, max_len, cfg.gpu_memory_utilization, self.block_bytes))
-        num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len, profiled)
-        max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
-        self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
-                                                cfg.preemption_mode, cfg.enable_chunked_prefill)
-        self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
-                               num_gpu_blocks, num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
-                               max_num_seqs=cfg.max_num_seqs, max_model_len=max_len)
-        self.scheduler = Scheduler.with_pools(self.scheduler_config, cfg.block_size,
-                                              num_gpu_blocks, num_cpu_blocks, cfg.watermark,
-                                              cfg.enable_prefix_caching)
-        return reason
 
     # -- facts kept in one place -----------------------------------------------------------------
     @property
@@ -168,12 +148,8 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def max_blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
-        """The most GPU blocks one request can ever hold at once.
-
-        Args:
-            prompt_len: the prompt's length in tokens.
-            params: the request's sampling parameters.
-        """
+        """The most GPU blocks a request of ``prompt_len`` tokens sampled with ``params`` can
+        ever hold at once."""
         return max_blocks_needed(prompt_len, params, self.limits)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -216,14 +192,12 @@ class LLMEngine:
 
         seqs = [Sequence(next(self._seq_counter), prompt, prompt_token_ids, self.block_size)
                 for _ in range(sampling_params.best_of)]
-        group = SequenceGroup(request_id, seqs, sampling_params,
-                              arrival_time if arrival_time is not None else time.monotonic())
-        request_seed = sampling_params.seed
-        if request_seed is None:
-            request_seed = f"engine {self.seed}, request {request_id}"
-        self._generators.update(sequence_generators(request_seed, [s.seq_id for s in seqs]))
-        self._requests[request_id] = group
-        self.scheduler.add_seq_group(group)
+        seq_group = SequenceGroup(request_id, seqs, sampling_params, arrival_time)
+        seed = (sampling_params.seed if sampling_params.seed is not None
+                else f"engine {self.seed}, request {request_id}")
+        self._generators.update(sequence_generators(seed, [s.seq_id for s in seqs]))
+        self._requests[request_id] = seq_group
+        self.scheduler.add_seq_group(seq_group)
         return request_id
 
     def new_request_id(self) -> str:
@@ -235,12 +209,7 @@ class LLMEngine:
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids (ValueError without a tokenizer)."""
-        if self.tokenizer is None:
-            raise ValueError("this model directory has no tokenizer files: pass "
-                             "prompt_token_ids, or a tokenizer=")
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        return self.tokenizer.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks return to the pool.
@@ -248,12 +217,11 @@ class LLMEngine:
         Args:
             request_id: the request; an unknown or finished one is ignored (returns None).
         """
-        group = self.scheduler.abort_seq_group(request_id)
-        if group is None:
+        seq_group = self.scheduler.abort_seq_group(request_id)
+        if seq_group is None:
             return None
-        self._forget(group)
-        self._detokenize_all(group)
-        return RequestOutput.from_seq_group(group)
+        self._forget(seq_group, aborted=True)
+        return RequestOutput.from_seq_group(seq_group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -280,7 +248,8 @@ class LLMEngine:
         outs = self.scheduler.schedule()
         ended = self._collect_aborted()
         if outs.is_empty() and not outs.preempted and not self.scheduler.running:
-            ended += self._break_stall()
+            self.scheduler.break_stall()  # a last resort that should never fire
+            ended += self._collect_aborted()
         t.append(time.perf_counter())
 
         # Data moves only here, before the model reads the cache.
@@ -299,13 +268,16 @@ class LLMEngine:
             t += [time.perf_counter()] * 2
         self.speculator.end_step()
         finished = self.scheduler.free_finished_seq_groups()
-        for group in finished:
-            self._forget(group)
+        for seq_group in finished:
+            self._forget(seq_group)
         t.append(time.perf_counter())
 
         self.stats.count_times(t)
         if self._observers:
-            self._notify(outs, finished + ended)
+            snap = StepSnapshot.of_step(outs, finished + ended, self.scheduler, self.stats,
+                                        self.speculator.last_step)
+            for fn in list(self._observers):
+                fn(snap)
         touched = {g.request_id: g for g in outs.scheduled_seq_groups + ended}
         return [RequestOutput.from_seq_group(g) for g in touched.values()]
 
@@ -322,57 +294,36 @@ class LLMEngine:
                                 sum(1 + len(r.draft_token_ids) for r in inputs.spec_rows))
         for seq, num_computed in inputs.computed:  # now in the cache
             seq.num_computed_tokens = num_computed
-        for group in outs.scheduled_seq_groups:
-            if group.request_id in results:
-                self.stats.num_sampled_tokens += len(results[group.request_id])
-                self.output_processor.process(group, results[group.request_id], self.scheduler)
+        for seq_group in outs.scheduled_seq_groups:
+            sampled = results.get(seq_group.request_id)
+            if sampled is not None:
+                self.stats.num_sampled_tokens += len(sampled)
+                self.output_processor.process(seq_group, sampled, self.scheduler)
         # verify the drafts, append what is kept, roll back the rest (lesson 12)
         self.speculator.apply(logits[num_rows:], inputs.spec_rows, self._generators,
                               self.output_processor, self.scheduler, self.stats)
 
-    def _detokenize_all(self, group: SequenceGroup) -> None:
-        self.output_processor.detokenize_all(group)
-
-    def _forget(self, group: SequenceGroup) -> None:
-        self._requests.pop(group.request_id, None)
-        self.speculator.forget(group.get_seqs())
-        for seq in group.get_seqs():
+    def _forget(self, seq_group: SequenceGroup, aborted: bool = False) -> None:
+        self._requests.pop(seq_group.request_id, None)
+        self.speculator.forget(seq_group.get_seqs())
+        for seq in seq_group.get_seqs():
             self._generators.pop(seq.seq_id, None)
+        if aborted:
+            self.output_processor.detokenize_all(seq_group)
 
     def _collect_aborted(self) -> list[SequenceGroup]:
         aborted = self.scheduler.take_aborted()
-        for group in aborted:
+        for seq_group in aborted:
             self.stats.num_aborted_by_engine += 1
-            self._forget(group)
-            self._detokenize_all(group)
+            self._forget(seq_group, aborted=True)
         return aborted
 
-    def _break_stall(self) -> list[SequenceGroup]:
-        """Nothing runs and the head of a queue can never be admitted: abort it, keep the rest
-        (``Scheduler.break_stall``, a last resort that should never fire)."""
-        reason = self.scheduler.break_stall()
-        if reason is None:
-            return []
-        logger.warning("aborting a request the scheduler can never run (an engine bug): %s",
-                       reason)
-        return self._collect_aborted()
-
-    def _notify(self, outs: SchedulerOutputs, finished: list[SequenceGroup]) -> None:
-        snap = StepSnapshot.of_step(outs, finished, self.scheduler, self.stats,
-                                    self.speculator.last_step)
-        for fn in list(self._observers):
-            fn(snap)
-
     def replace_block_manager(self, block_manager: BlockSpaceManager) -> None:
-        """Run the next requests with another block manager (lesson 03 and the memory benchmark
-        measure ``lab.no_sharing.NoSharingBlockManager`` this way).
+        """Run the next requests with another, empty block manager of the same pools (lesson 03
+        and the memory benchmark measure ``lab.no_sharing.NoSharingBlockManager`` this way).
 
         Args:
-            block_manager: a new, empty manager with this engine's block size and pools
-                (``type(m).like(engine.block_manager)``). NOTE: what the old manager's prefix
-                cache knew is not carried over; the KV in the cache tensors is simply unnamed.
-
-        Raises:
-            ValueError: while a request is queued or running, or if the pools differ.
+            block_manager: e.g. ``type(m).like(engine.block_manager)``; see
+                ``Scheduler.replace_block_manager``. NOTE: the old prefix cache is forgotten.
         """
         self.scheduler.replace_block_manager(block_manager)

@@ -43,7 +43,7 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def process(self, group: SequenceGroup, outputs: dict[int, SequenceOutput],
+    def process(self, seq_group: SequenceGroup, outputs: dict[int, SequenceOutput],
                 scheduler: Scheduler) -> None:
         """Append one step's tokens to ``group``'s sequences and end those that are done.
 
@@ -55,20 +55,20 @@ class OutputProcessor:
         # 1. Beam search: a sequence whose beam was dropped becomes a copy of its new parent.
         for seq_id, out in outputs.items():
             if out.parent_seq_id != seq_id:
-                seq, parent = group.find(seq_id), group.find(out.parent_seq_id)
+                seq, parent = seq_group.find(seq_id), seq_group.find(out.parent_seq_id)
                 scheduler.free_seq(seq)
                 seq.copy_state_from(parent)
                 scheduler.fork_seq(parent, seq)
         # 2. Append the new tokens, then check whether each sequence is done.
-        params = group.sampling_params
+        params = seq_group.sampling_params
         for seq_id, out in outputs.items():
-            seq = group.find(seq_id)
+            seq = seq_group.find(seq_id)
             seq.append_token_id(out.token_id, out.logprobs)
             self.check_stop(seq, params)
             if seq.is_finished():
                 scheduler.free_seq(seq)
-        if group.is_finished():
-            self.detokenize_all(group)
+        if seq_group.is_finished():
+            self.detokenize_all(seq_group)
 
     def check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         """Mark ``seq`` finished if its newest token ends it (and grow its text)."""
@@ -89,11 +89,11 @@ class OutputProcessor:
         elif seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
-    def detokenize_all(self, group: SequenceGroup) -> None:
+    def detokenize_all(self, seq_group: SequenceGroup) -> None:
         """The final text of each of ``group``'s sequences, decoded whole."""
-        for seq in group.get_seqs():
+        for seq in seq_group.get_seqs():
             if not (seq.status is SequenceStatus.FINISHED_STOPPED
-                    and group.sampling_params.stop_strings):
+                    and seq_group.sampling_params.stop_strings):
                 seq.output_text = self._decode(seq.output_token_ids)
             if seq.status is not SequenceStatus.FINISHED_STOPPED:
                 # Cut off by max_tokens (or an abort) inside a multi-byte character: drop the

@@ -29,16 +29,16 @@ def main() -> int:
         print(f"\n### {question}\n{completion.text.strip()}\n"
               f"[{len(completion.token_ids)} tokens, finish: {completion.finish_reason}]")
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    bm, stats = engine.block_manager, engine.stats
+    pool, stats = engine.scheduler.pool_counts(), engine.stats
     print("\n--- minipaged ---")
     print(f"model: SmolLM2-135M-Instruct ({engine.num_layers} layers, {engine.num_heads} heads, "
           f"{engine.num_kv_heads} kv heads) on {engine.device}, {engine.dtype}; "
           f"loaded in {load_s:.1f} s")
     print(f"generated {num_tokens} tokens for {len(outputs)} requests in {gen_s:.2f} s: "
           f"{num_tokens / gen_s:.1f} tokens/s, {stats.num_steps} engine steps")
-    print(f"KV cache: {bm.num_total_gpu_blocks} blocks of {engine.block_size} tokens "
+    print(f"KV cache: {pool.num_gpu_blocks} blocks of {engine.block_size} tokens "
           f"({engine.block_bytes / 1024:.0f} KiB each); peak in use {stats.peak_gpu_blocks_used}, "
-          f"free now {bm.get_num_free_gpu_blocks()}; "
+          f"free now {pool.num_free_gpu_blocks}; "
           f"preemptions: {stats.num_preemptions_recompute} recompute, "
           f"{stats.num_preemptions_swap} swap")
     return 0

@@ -119,12 +119,12 @@ class AssembledEngine:
         seqs = [Sequence(self._next_seq_id + i, None, list(prompt_token_ids), self.block_size)
                 for i in range(params.best_of)]
         self._next_seq_id += len(seqs)
-        group = SequenceGroup(request_id, seqs, params, arrival_time)
+        seq_group = SequenceGroup(request_id, seqs, params, arrival_time)
         seed = (params.seed if params.seed is not None
                 else f"engine {self.seed}, request {request_id}")  # as LLMEngine seeds it
         self.generators.update(sequence_generators(seed, [s.seq_id for s in seqs]))
-        self.waiting.append(group)
-        return group
+        self.waiting.append(seq_group)
+        return seq_group
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -198,29 +198,29 @@ class AssembledEngine:
         # before the group that needed them appends, so the free list changes in that order.
         queue, victims, running, done = list(self.running), list(preempted), [], []
         while queue:
-            group = queue.pop(0)
-            while self._blocks_needed(group) > len(self.free) and victims:
+            seq_group = queue.pop(0)
+            while self._blocks_needed(seq_group) > len(self.free) and victims:
                 victim = by_id[victims.pop(0)]
                 self._preempt(victim, queue, running, done)
-                if victim is group:
+                if victim is seq_group:
                     break
             else:
-                if group.request_id in victims:  # it fits, but the plug-in preempts it
-                    victims.remove(group.request_id)
-                    self._preempt(group, queue, running, done)
+                if seq_group.request_id in victims:  # it fits, but the plug-in preempts it
+                    victims.remove(seq_group.request_id)
+                    self._preempt(seq_group, queue, running, done)
                     continue
-                if self._blocks_needed(group) > len(self.free):
+                if self._blocks_needed(seq_group) > len(self.free):
                     raise PluginError(self.num_steps, "pick_victims", f"kept "
                                       f"{group.request_id}, but its blocks do not fit")
-                self._append_slots(group, copies)
-                running.append(group)
+                self._append_slots(seq_group, copies)
+                running.append(seq_group)
         self.running = running
         return done
 
-    def _blocks_needed(self, group: SequenceGroup) -> int:
+    def _blocks_needed(self, seq_group: SequenceGroup) -> int:
         """Blocks the group's next tokens take: ``append_action`` on a copy of the ref counts."""
         refs, needed = list(self.ref_counts), 0
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
             table = self.tables[seq.seq_id]
             action = self._call("append_action", table, refs,
                                 len(table) < len(seq.logical_token_blocks))
@@ -230,8 +230,8 @@ class AssembledEngine:
                 refs[table[-1]] -= 1  # the next writer may find itself alone
         return needed
 
-    def _append_slots(self, group: SequenceGroup, copies: dict[int, list[int]]) -> None:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+    def _append_slots(self, seq_group: SequenceGroup, copies: dict[int, list[int]]) -> None:
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
             table = self.tables[seq.seq_id]
             action = self._call("append_action", table, self.ref_counts,
                                 len(table) < len(seq.logical_token_blocks))
@@ -247,24 +247,24 @@ class AssembledEngine:
             elif action != "in place":
                 raise PluginError(self.num_steps, "append_action", f"returned {action!r}")
 
-    def _preempt(self, group: SequenceGroup, queue: list, running: list, done: list) -> None:
+    def _preempt(self, seq_group: SequenceGroup, queue: list, running: list, done: list) -> None:
         for where in (queue, running):
-            if group in where:
-                where.remove(group)
-        done.append(group.request_id)
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            if seq_group in where:
+                where.remove(seq_group)
+        done.append(seq_group.request_id)
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
             self._free_seq(seq)
             seq.reset_for_recompute()
             self._touch(seq.seq_id, "pick_victims")
-        self.waiting.append(group)
+        self.waiting.append(seq_group)
 
     def _admit(self, budget: int) -> list[SequenceGroup]:
         """Step 4 of ``Scheduler.schedule``: waiting groups, oldest first, while they fit."""
         admitted = []
         self.waiting.sort(key=lambda g: g.arrival_time)
         while self.waiting:
-            group = self.waiting[0]
-            seqs = group.get_seqs(SequenceStatus.WAITING)
+            seq_group = self.waiting[0]
+            seqs = seq_group.get_seqs(SequenceStatus.WAITING)
             tokens = seqs[0].get_token_ids()
             if any(s.get_token_ids() != tokens for s in seqs):
                 raise RuntimeError(f"request {group.request_id}: its sequences differ; the "
@@ -286,8 +286,8 @@ class AssembledEngine:
                 self._touch(seq.seq_id, "fork")
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            self.running.append(group)
-            admitted.append(group)
+            self.running.append(seq_group)
+            admitted.append(seq_group)
             budget -= len(tokens)
         return admitted
 

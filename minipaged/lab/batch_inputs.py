@@ -25,17 +25,17 @@ def prepare_inputs_for_groups(seq_groups: list[SequenceGroup], block_manager: Bl
         device: where the tensors go.
     """
     prompts, decodes = [], []
-    for group in seq_groups:
-        running = group.get_seqs(SequenceStatus.RUNNING)
+    for seq_group in seq_groups:
+        running = seq_group.get_seqs(SequenceStatus.RUNNING)
         todo = [s for s in running if s.num_computed_tokens == 0]
         by_table: dict[tuple, list[Sequence]] = {}  # sequences sharing one table: computed once
         for seq in todo:
             by_table.setdefault(tuple(block_manager.get_block_table(seq)), []).append(seq)
         for table, seqs in by_table.items():
-            prompts.append(SequenceRun(group, [s.seq_id for s in seqs], seqs[0].get_token_ids(),
+            prompts.append(SequenceRun(seq_group, [s.seq_id for s in seqs], seqs[0].get_token_ids(),
                                        0, list(table), True, True))
         if not todo:
-            decodes += [SequenceRun(group, [s.seq_id], [s.get_last_token_id()], s.get_len() - 1,
+            decodes += [SequenceRun(seq_group, [s.seq_id], [s.get_last_token_id()], s.get_len() - 1,
                                     block_manager.get_block_table(s), True, False)
                         for s in running]
     return prepare_inputs(prompts + decodes, block_size, device)

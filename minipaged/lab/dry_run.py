@@ -28,8 +28,8 @@ def apply_step(outs: SchedulerOutputs,
             seq.num_computed_tokens = chunk.end
             if chunk.sample:
                 sampled.append(seq)
-    for group in outs.decode_seq_groups:
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+    for seq_group in outs.decode_seq_groups:
+        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
             seq.num_computed_tokens = seq.get_len()
             sampled.append(seq)
     for seq in sampled:
@@ -63,11 +63,11 @@ class DryRun:
         for _ in range(n):
             seqs.append(Sequence(self._next_seq_id, None, prompt_token_ids, self.block_size))
             self._next_seq_id += 1
-        group = SequenceGroup(request_id, seqs, SamplingParams(n=n),
-                              arrival_time=float(len(self.groups)))
-        self.groups[request_id] = group
-        self.scheduler.add_seq_group(group)
-        return group
+        seq_group = SequenceGroup(request_id, seqs, SamplingParams(n=n),
+                                  arrival_time=float(len(self.groups)))
+        self.groups[request_id] = seq_group
+        self.scheduler.add_seq_group(seq_group)
+        return seq_group
 
     def seq(self, seq_id: int) -> Sequence:
         return next(s for g in self.groups.values() for s in g.get_seqs() if s.seq_id == seq_id)
@@ -86,12 +86,12 @@ class DryRun:
     def fork(self, parent: Sequence) -> Sequence:
         """A new sequence continuing from ``parent`` (what beam search does when a beam is
         copied): it shares all of the parent's blocks."""
-        group = next(g for g in self.groups.values() if parent in g.get_seqs())
+        seq_group = next(g for g in self.groups.values() if parent in g.get_seqs())
         child = Sequence(self._next_seq_id, None, parent.prompt_token_ids, self.block_size)
         self._next_seq_id += 1
         child.copy_state_from(parent)
         child.status = parent.status
-        group.seqs.append(child)
+        seq_group.seqs.append(child)
         self.block_manager.fork(parent, child)
         return child
 
@@ -120,8 +120,8 @@ class RandomTraffic(DryRun):
 
     def after_model(self, outs: SchedulerOutputs) -> None:
         self.sampled(outs, lambda seq: self.rng.randrange(1000))
-        for group in outs.scheduled_seq_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
+        for seq_group in outs.scheduled_seq_groups:
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 if self.rng.random() < 0.12:
                     self.finish(seq)
 
@@ -162,8 +162,8 @@ def replay_trace_paged(trace, capacity: int, block_size: int = 16,
         report.max_running = max(report.max_running, len(running))
         report.num_steps += 1
         run.sampled(outs)
-        for group in outs.scheduled_seq_groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                if seq.get_len() > final_len[group.request_id]:
+        for seq_group in outs.scheduled_seq_groups:
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
+                if seq.get_len() > final_len[seq_group.request_id]:
                     run.finish(seq)
     return report

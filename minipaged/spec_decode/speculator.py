@@ -64,11 +64,11 @@ class Speculator:
         self._ngram_drafts = {}
         self.last_step = {}
         self.step += 1
-        for group in running:
-            params = group.sampling_params
-            if group.pending_chunks:
+        for seq_group in running:
+            params = seq_group.sampling_params
+            if seq_group.pending_chunks:
                 continue
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
+            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 if seq.num_computed_tokens != seq.get_len() - 1:
                     continue  # not a plain decode (a prefill run)
                 if self.step < self._acceptance.get(seq.seq_id, self._fresh)[2]:
@@ -88,9 +88,9 @@ class Speculator:
                 generators: dict[int, torch.Generator]) -> dict[int, list[int]]:
         """The drafts of the scheduled decoding sequences, by sequence id (as many as the
         scheduler left lookahead slots for)."""
-        wanted = [(seq, seq.num_lookahead_slots, group.sampling_params, generators[seq.seq_id])
-                  for group in outs.decode_seq_groups
-                  for seq in group.get_seqs(SequenceStatus.RUNNING)
+        wanted = [(seq, seq.num_lookahead_slots, seq_group.sampling_params, generators[seq.seq_id])
+                  for seq_group in outs.decode_seq_groups
+                  for seq in seq_group.get_seqs(SequenceStatus.RUNNING)
                   if seq.num_lookahead_slots > 0]
         self._draft_probs = {}
         if self.ngram is not None:
@@ -120,14 +120,14 @@ class Speculator:
         results = verify(logits, spec_rows, generators, self._draft_probs)
         bs = self.block_size
         for row in spec_rows:
-            group, seq = row.seq_group, row.seq_group.find(row.seq_id)
+            seq_group, seq = row.seq_group, row.seq_group.find(row.seq_id)
             emitted = results[row.seq_id]
             start = seq.get_len()  # position of the first draft
             table = scheduler.get_block_table(seq)
             stats.count_verification(len(row.draft_token_ids), len(emitted))
             self._record_acceptance(row.seq_id, len(row.draft_token_ids), len(emitted) - 1)
             self.last_step[row.seq_id] = {
-                "request_id": group.request_id, "proposed": list(row.draft_token_ids),
+                "request_id": seq_group.request_id, "proposed": list(row.draft_token_ids),
                 "accepted": len(emitted) - 1, "emitted": [o.token_id for o in emitted],
                 "lookahead_slots": [table[p // bs] * bs + p % bs
                                     for p in range(start, start + len(row.draft_token_ids))],
@@ -135,7 +135,7 @@ class Speculator:
             for out in emitted:  # one at a time: a stop ends the sequence where it is
                 if seq.is_finished():
                     break
-                output_processor.process(group, {seq.seq_id: out}, scheduler)
+                output_processor.process(seq_group, {seq.seq_id: out}, scheduler)
                 stats.num_sampled_tokens += 1
             if not seq.is_finished():
                 seq.num_computed_tokens = seq.get_len() - 1  # all but the newest are cached

@@ -100,7 +100,7 @@ def prepare_inputs(seq_runs: list[SequenceRun], block_size: int, device: torch.d
 
     # 1. Prefill runs: tokens [start, end) of a sequence.
     for chunk in chunks:
-        group = chunk.seq_group
+        seq_group = chunk.seq_group
         input_ids += chunk.token_ids
         _add_positions(positions, slots, chunk.block_table, chunk.start, chunk.end, block_size)
         if chunk.start == 0:
@@ -111,8 +111,8 @@ def prepare_inputs(seq_runs: list[SequenceRun], block_size: int, device: torch.d
             chunk_ends.append(chunk.end)
         if chunk.sample:
             sample_indices.append(len(input_ids) - 1)
-            rows.append(Row(group, list(chunk.seq_ids), True))
-        computed += [(group.find(seq_id), chunk.end) for seq_id in chunk.seq_ids]
+            rows.append(Row(seq_group, list(chunk.seq_ids), True))
+        computed += [(seq_group.find(seq_id), chunk.end) for seq_id in chunk.seq_ids]
 
     # 1b. Verifications (lesson 12): [newest token, d1..dk] at positions L-1 .. L+k-1, a chunk
     # over the cached prefix whose every token gives a row of logits (they go last).

@@ -132,11 +132,11 @@ class Sampler:
         # (request id, seq id, global row, parent seq id, token) for every sequence
         chosen: list[tuple[str, int, int, int, int]] = []
         for request_id, idx in by_group.items():
-            group = rows[idx[0]].seq_group
-            params = group.sampling_params
+            seq_group = rows[idx[0]].seq_group
+            params = seq_group.sampling_params
             group_rows = [rows[i] for i in idx]
             if params.use_beam_search:
-                choices = self._beam_search(group, group_rows, logprobs[idx])
+                choices = self._beam_search(seq_group, group_rows, logprobs[idx])
             elif params.greedy:
                 choices = {seq_id: (k, seq_id, greedy_tokens[i])
                            for k, i in enumerate(idx) for seq_id in rows[i].seq_ids}
@@ -181,7 +181,7 @@ class Sampler:
         return choices
 
     @staticmethod
-    def _beam_search(group: SequenceGroup, rows: list[Row], logprobs: torch.Tensor) -> dict:
+    def _beam_search(seq_group: SequenceGroup, rows: list[Row], logprobs: torch.Tensor) -> dict:
         """Keep the best continuations of all beams together, by cumulative logprob."""
         seq_ids = [seq_id for row in rows for seq_id in row.seq_ids]
         width = len(seq_ids)  # live beams of this group
@@ -190,7 +190,7 @@ class Sampler:
             top = torch.topk(logprobs[0], width)
             candidates = [(0, t) for t in top.indices.tolist()]
         else:
-            cum = torch.tensor([group.find(r.seq_ids[0]).cumulative_logprob for r in rows],
+            cum = torch.tensor([seq_group.find(r.seq_ids[0]).cumulative_logprob for r in rows],
                                device=logprobs.device, dtype=logprobs.dtype)
             scores = (cum[:, None] + logprobs).flatten()  # (beams * V,)
             top = torch.topk(scores, width).indices.tolist()

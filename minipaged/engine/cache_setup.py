@@ -1,0 +1,55 @@
+"""The KV pools, sized and allocated once when the engine starts (lessons 01 and 08).
+
+Three steps, in this order: the bytes of one block (all layers, K and V, per rank); how many
+blocks the GPU and CPU pools get (``config.kv_pool_blocks``: profiled on CUDA, a budget in bytes
+on the CPU, or given); the longest request those pools and the step's budget can run
+(``config.fit_max_model_len``). Then the worker allocates the pools.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
+from minipaged.core.scheduler import SchedulerConfig
+from minipaged.worker.cache_engine import cache_block_bytes
+from minipaged.worker.worker import Worker
+
+
+@dataclass(frozen=True)
+class CacheSetup:
+    """What sizing the pools decided."""
+
+    scheduler_config: SchedulerConfig  # max_model_len as fitted, the step's token budget
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_bytes: int  # one block, all layers, K and V (per rank under tensor parallel)
+    max_model_len_reason: str  # why max_model_len is what it is, for error messages
+
+
+def init_kv_cache(cfg: EngineConfig, worker: Worker, model_max_len: int, num_layers: int,
+                  num_kv_heads: int, head_size: int, dtype: torch.dtype) -> CacheSetup:
+    """Size the pools, fit ``max_model_len`` to them, and have ``worker`` allocate them.
+
+    Args:
+        cfg: the engine's settings.
+        worker: the worker that holds the model (it profiles the GPU and holds the pools).
+        model_max_len: the model's longest context (``max_position_embeddings``).
+        num_layers, num_kv_heads, head_size: the model's shape (all kv heads).
+        dtype: the cache's dtype.
+    """
+    max_len = min(cfg.max_model_len or model_max_len, model_max_len)  # before fitting
+    budget = cfg.batch_budget(max_len)
+    block_bytes = cache_block_bytes(  # per rank: each holds its own kv heads
+        cfg.block_size, num_layers, num_kv_heads // cfg.tensor_parallel_size, head_size, dtype)
+    profiled = (None if cfg.num_gpu_blocks is not None else worker.profile_num_gpu_blocks(
+        budget, max_len, cfg.gpu_memory_utilization, block_bytes))
+    num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, block_bytes, max_len, profiled)
+    max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
+    worker.init_cache(num_layers, num_kv_heads, head_size, cfg.block_size, num_gpu_blocks,
+                      num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
+                      max_num_seqs=cfg.max_num_seqs, max_model_len=max_len)
+    return CacheSetup(SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
+                                      cfg.enable_chunked_prefill),
+                      num_gpu_blocks, num_cpu_blocks, block_bytes, reason)
