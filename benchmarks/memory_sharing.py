@@ -69,7 +69,7 @@ def run(llm: LLM, prompts, params: SamplingParams, share: bool):
     engine = llm.llm_engine
     # A fresh manager each run: what one run's prefix cache named, the next run overwrites.
     manager_class = BlockSpaceManager if share else NoSharingBlockManager
-    engine.replace_block_manager(manager_class.like(engine.block_manager))
+    engine.scheduler.replace_block_manager(manager_class.like(engine.block_manager))
     engine.stats.reset()
     t0 = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

@@ -216,7 +216,7 @@ def test_beam_search_forks_keep_every_beams_cache_exact(tiny_model, width):
 def _run(llm: LLM, prompts, params, share: bool):
     engine = llm.llm_engine
     manager_class = BlockSpaceManager if share else NoSharingBlockManager
-    engine.replace_block_manager(manager_class.like(engine.block_manager))
+    engine.scheduler.replace_block_manager(manager_class.like(engine.block_manager))
     assert type(engine.block_manager) is manager_class
     llm.llm_engine.stats.peak_gpu_blocks_used = 0
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -248,13 +248,13 @@ def test_the_block_manager_is_replaced_only_while_no_request_is_queued(tiny_llam
     old = engine.block_manager
     engine.add_request("r", None, SamplingParams(max_tokens=2), prompt_token_ids=[1, 2, 3])
     with pytest.raises(ValueError, match="queued"):
-        engine.replace_block_manager(NoSharingBlockManager.like(old))
+        engine.scheduler.replace_block_manager(NoSharingBlockManager.like(old))
     assert engine.block_manager is old and engine.scheduler.block_manager is old
     while engine.has_unfinished_requests():
         engine.step()
     with pytest.raises(ValueError, match="pools"):
-        engine.replace_block_manager(NoSharingBlockManager(BLOCK_SIZE, 16, 0))
+        engine.scheduler.replace_block_manager(NoSharingBlockManager(BLOCK_SIZE, 16, 0))
     assert engine.block_manager is old and engine.scheduler.block_manager is old
     new = NoSharingBlockManager.like(old)
-    engine.replace_block_manager(new)
+    engine.scheduler.replace_block_manager(new)
     assert engine.block_manager is new and engine.scheduler.block_manager is new

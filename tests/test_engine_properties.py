@@ -42,6 +42,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minipaged import LLMEngine, SamplingParams
+from minipaged.validation import max_blocks_needed
 from minipaged.worker import sampler as sampler_module
 from prefix_cache_invariants import check_prefix_cache
 from tiny_models import VOCAB
@@ -507,7 +508,7 @@ def test_every_accepted_request_finishes_with_the_tokens_it_gets_alone(models, t
                     assert req["params"].best_of > limit
                 else:
                     assert "can never fit" in str(err), err
-                    need = engine.max_blocks_needed(len(req["prompt"]), req["params"])
+                    need = max_blocks_needed(len(req["prompt"]), req["params"], engine.limits)
                     assert need > bm.num_total_gpu_blocks - bm.watermark_blocks
                 EXERCISED["#requests refused: best_of above what runs at once"
                           if str(err).startswith("best_of")

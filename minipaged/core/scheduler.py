@@ -186,10 +186,14 @@ class Scheduler:
         return self.block_manager.snapshot()
 
     def replace_block_manager(self, block_manager: BlockSpaceManager) -> None:
-        """Schedule the next requests with another, empty block manager of the same pools.
+        """Schedule the next requests with another, empty block manager of the same pools
+        (lesson 03 and the memory benchmark measure ``lab.no_sharing.NoSharingBlockManager``
+        this way, ``engine.scheduler.replace_block_manager(...)``).
 
         Args:
-            block_manager: e.g. ``lab.no_sharing.NoSharingBlockManager.like(old)``.
+            block_manager: e.g. ``type(old).like(old)``, ``NoSharingBlockManager.like(old)``.
+                NOTE: what the old manager's prefix cache knew is not carried over; the KV in
+                the cache tensors is simply unnamed.
 
         Raises:
             ValueError: while a request is queued or running, or if the pools differ.

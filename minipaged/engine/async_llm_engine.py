@@ -10,7 +10,7 @@ through a command queue:
 The rule: only the engine thread changes the ``LLMEngine`` (``add_request``, ``abort_request``,
 ``step``). Other threads (the server's prompt workers, ``entrypoints/prompts.py``) may call only
 what reads settings fixed when the engine was built: ``encode``, ``validate_request``,
-``max_blocks_needed``, ``max_model_len`` and the tokenizer. NOTE: so no lock is needed: nothing
+``max_model_len``, ``limits`` and the tokenizer. NOTE: so no lock is needed: nothing
 those calls read is ever written after start-up. A new method called from another thread must
 keep to this, or go through the command queue.
 

@@ -27,7 +27,7 @@ from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.spec_decode.speculator import make_speculator
 from minipaged.validation import (RequestLimits, as_arrival_time, as_token_ids, check_request_id,
-                                  encode_prompt, max_blocks_needed, validate_request)
+                                  encode_prompt, validate_request)
 from minipaged.worker import checkpoint
 from minipaged.worker.create_worker import create_worker
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
@@ -147,11 +147,6 @@ class LLMEngine:
         return self.scheduler.block_manager
 
     # -- requests --------------------------------------------------------------------------------
-    def max_blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
-        """The most GPU blocks a request of ``prompt_len`` tokens sampled with ``params`` can
-        ever hold at once."""
-        return max_blocks_needed(prompt_len, params, self.limits)
-
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this request could never run; do nothing else.
 
@@ -317,13 +312,3 @@ class LLMEngine:
             self.stats.num_aborted_by_engine += 1
             self._forget(seq_group, aborted=True)
         return aborted
-
-    def replace_block_manager(self, block_manager: BlockSpaceManager) -> None:
-        """Run the next requests with another, empty block manager of the same pools (lesson 03
-        and the memory benchmark measure ``lab.no_sharing.NoSharingBlockManager`` this way).
-
-        Args:
-            block_manager: e.g. ``type(m).like(engine.block_manager)``; see
-                ``Scheduler.replace_block_manager``. NOTE: the old prefix cache is forgotten.
-        """
-        self.scheduler.replace_block_manager(block_manager)

@@ -7,7 +7,7 @@ still computed once into shared blocks (and a beam is still forked by sharing), 
 sample from the same rows, but the next ``reserve_slot`` gives every sequence a private copy of
 every block it shares (real copies through ``blocks_to_copy``). Only the memory differs.
 
-    engine.replace_block_manager(NoSharingBlockManager.like(engine.block_manager))
+    engine.scheduler.replace_block_manager(NoSharingBlockManager.like(engine.block_manager))
 """
 from __future__ import annotations
 
