@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.lookahead import drop_lookahead, fit_lookahead
