@@ -3,7 +3,8 @@
 Three steps, in this order: the bytes of one block (all layers, K and V, per rank); how many
 blocks the GPU and CPU pools get (``config.kv_pool_blocks``: profiled on CUDA, a budget in bytes
 on the CPU, or given); the longest request those pools and the step's budget can run
-(``config.fit_max_model_len``). Then the worker allocates the pools.
+(``config.fit_max_model_len``). Then the worker allocates the pools' tensors, and the
+scheduler's block manager their bookkeeping.
 """
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
-from minipaged.core.scheduler import SchedulerConfig
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.worker.cache_engine import cache_block_bytes
 from minipaged.worker.worker import Worker
 
 
 @dataclass(frozen=True)
 class CacheSetup:
-    """What sizing the pools decided."""
+    """What sizing the pools decided, and the scheduler that hands out their blocks."""
 
-    scheduler_config: SchedulerConfig  # max_model_len as fitted, the step's token budget
+    scheduler: Scheduler  # its config: max_model_len as fitted, the step's token budget
     num_gpu_blocks: int
     num_cpu_blocks: int
     block_bytes: int  # one block, all layers, K and V (per rank under tensor parallel)
@@ -30,7 +31,8 @@ class CacheSetup:
 
 def init_kv_cache(cfg: EngineConfig, worker: Worker, model_max_len: int, num_layers: int,
                   num_kv_heads: int, head_size: int, dtype: torch.dtype) -> CacheSetup:
-    """Size the pools, fit ``max_model_len`` to them, and have ``worker`` allocate them.
+    """Size the pools, fit ``max_model_len`` to them, have ``worker`` allocate them, and make
+    the scheduler (and its block manager) for them.
 
     Args:
         cfg: the engine's settings.
@@ -50,6 +52,8 @@ def init_kv_cache(cfg: EngineConfig, worker: Worker, model_max_len: int, num_lay
     worker.init_cache(num_layers, num_kv_heads, head_size, cfg.block_size, num_gpu_blocks,
                       num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
                       max_num_seqs=cfg.max_num_seqs, max_model_len=max_len)
-    return CacheSetup(SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
-                                      cfg.enable_chunked_prefill),
-                      num_gpu_blocks, num_cpu_blocks, block_bytes, reason)
+    scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
+                                       cfg.enable_chunked_prefill)
+    scheduler = Scheduler.with_pools(scheduler_config, cfg.block_size, num_gpu_blocks,
+                                     num_cpu_blocks, cfg.watermark, cfg.enable_prefix_caching)
+    return CacheSetup(scheduler, num_gpu_blocks, num_cpu_blocks, block_bytes, reason)

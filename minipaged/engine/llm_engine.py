@@ -17,7 +17,6 @@ import torch
 
 from minipaged.config import EngineConfig
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.core.scheduler import Scheduler
 from minipaged.core.scheduler_outputs import SchedulerOutputs
 from minipaged.engine.cache_setup import init_kv_cache
 from minipaged.engine.output_processor import OutputProcessor, eos_token_ids
@@ -91,11 +90,8 @@ class LLMEngine:
         # -- the KV pools, the scheduler, the limits requests are checked against ---------------
         cache = init_kv_cache(cfg, self.worker, hf.max_position_embeddings, self.num_layers,
                               self.num_kv_heads, self.head_size, self.dtype)
-        self.block_bytes, sc = cache.block_bytes, cache.scheduler_config
-        self.scheduler_config = sc
-        self.scheduler = Scheduler.with_pools(sc, cfg.block_size, cache.num_gpu_blocks,
-                                              cache.num_cpu_blocks, cfg.watermark,
-                                              cfg.enable_prefix_caching)
+        self.block_bytes, self.scheduler = cache.block_bytes, cache.scheduler
+        self.scheduler_config = sc = self.scheduler.config
         self.limits = RequestLimits(
             self.vocab_size, cfg.block_size, self.tokenizer is not None, sc.max_model_len,
             cache.max_model_len_reason, sc.max_num_seqs, sc.max_num_batched_tokens,
