@@ -248,8 +248,8 @@ class LLMEngine:
                                outs.blocks_to_copy)
         self.stats.count_schedule(outs, self.scheduler.pool_counts())
         # Preempted: their blocks (and a draft model's KV in them) are gone.
-        self.speculator.forget([s for request_id, _ in outs.preempted
-                                for s in self._requests[request_id].get_seqs()])
+        preempted = [self._requests[r] for r, _ in outs.preempted if r in self._requests]
+        self.speculator.forget([s for seq_group in preempted for s in seq_group.get_seqs()])
         drafts = self.speculator.propose(outs, self._generators)
         inputs = prepare_inputs(outs.seq_runs, self.block_size, self.device, drafts)
         t.append(time.perf_counter())

@@ -45,10 +45,10 @@ class OutputProcessor:
 
     def process(self, seq_group: SequenceGroup, outputs: dict[int, SequenceOutput],
                 scheduler: Scheduler) -> None:
-        """Append one step's tokens to ``group``'s sequences and end those that are done.
+        """Append one step's tokens to ``seq_group``'s sequences and end those that are done.
 
         Args:
-            group: a group the step sampled.
+            seq_group: a group the step sampled.
             outputs: its sampled tokens, by sequence id.
             scheduler: frees and forks the sequences' blocks.
         """
@@ -90,7 +90,7 @@ class OutputProcessor:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     def detokenize_all(self, seq_group: SequenceGroup) -> None:
-        """The final text of each of ``group``'s sequences, decoded whole."""
+        """The final text of each of ``seq_group``'s sequences, decoded whole."""
         for seq in seq_group.get_seqs():
             if not (seq.status is SequenceStatus.FINISHED_STOPPED
                     and seq_group.sampling_params.stop_strings):
