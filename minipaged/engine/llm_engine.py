@@ -3,9 +3,11 @@
     step() = schedule -> move cache blocks -> run the model on the flattened batch -> sample
              -> append tokens, fork/free beams, check stops -> free finished groups -> observers
 
-Around it: the settings (``minipaged/config.py``), the worker that holds the model and the KV
-cache (``worker/worker.py``), request checks (``validation.py``), the output processing
-(``output_processor.py``) and the counters and snapshots (``stats.py``) of this folder.
+Around it: the settings (``minipaged/config.py``) and request checks (``minipaged/validation.py``),
+the scheduler that alone holds the block manager (``core/scheduler.py``), the worker that holds
+the model and the KV cache (``worker/worker.py``), and in this folder the pools' set-up
+(``cache_setup.py``), the output processing (``output_processor.py``) and the counters and
+snapshots (``stats.py``).
 """
 from __future__ import annotations
 
