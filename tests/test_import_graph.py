@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("minipaged", "visualizer")
 
 # Who may import whom, by layer. A layer not named on the right of another's arrow is out of
-# bounds for it. Data types (block, sequence, sampling_params, outputs, validation, config) sit below
+# bounds for it. Data types (block, sequence, sampling_params, outputs, validation, config,
+# cache_paths) sit below
 # everything; exercises, lab and the visualizer sit above everything.
 LAYER_DEPS = {
     "types": set(),
@@ -33,7 +34,7 @@ LAYER_DEPS = {
                    "entrypoints", "lab"},
     "api": {"types", "engine", "entrypoints"},  # minipaged/__init__.py, __main__.py
 }
-TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config"}
+TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config", "cache_paths"}
 
 
 def modules() -> dict[str, pathlib.Path]:
