@@ -61,11 +61,17 @@ class CudaKernels:
                                  "holds at least its query's own token (>= 1)")
 
         if not self.supports_paged_attention(query, key_cache):
+            unsupported = [f"query dtype {query.dtype}"] if query.dtype not in (
+                torch.float32, torch.float16, torch.bfloat16) else []
+            if query.shape[-1] not in SUPPORTED_HEAD_SIZES:
+                unsupported.append(f"head size {query.shape[-1]}")
+            if key_cache.shape[3] not in SUPPORTED_BLOCK_SIZES:
+                unsupported.append(f"key_cache block size {key_cache.shape[3]}")
             raise ValueError(
-                f"the paged-attention kernel is built for head sizes {SUPPORTED_HEAD_SIZES}, "
-                f"block sizes {SUPPORTED_BLOCK_SIZES} and fp32/fp16/bf16, not head size "
-                f"{query.shape[-1]}, block size {key_cache.shape[3]}, query dtype {query.dtype} "
-                "(minipaged.kernels.ops runs the torch reference for those)")
+                f"{', '.join(unsupported)}: the paged-attention kernel is built for head sizes "
+                f"{SUPPORTED_HEAD_SIZES}, block sizes {SUPPORTED_BLOCK_SIZES} and fp32/fp16/bf16, "
+                f"not head size {query.shape[-1]}, block size {key_cache.shape[3]}, "
+                f"{query.dtype} (minipaged.kernels.ops runs the torch reference for those)")
         if block_tables.device.type == "cpu" and context_lens.device.type == "cpu":
             _check_block_numbers(block_tables, context_lens, key_cache.shape[0],
                                  key_cache.shape[3])
