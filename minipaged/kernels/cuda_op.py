@@ -128,7 +128,7 @@ class CudaKernels:
 
 
 # NOTE: block numbers and slots that are still on the host are checked here, for free, before
-# they are copied to the GPU: there the kernels cannot check them without a synchronisation, and
+# they are copied to the GPU (a RuntimeError, as the binding's own checks raise): there the kernels cannot check them without a synchronisation, and
 # one past the pool would read or write another tensor's memory. (The CPU build's binding checks
 # them again: harmless.)
 def _check_block_numbers(block_tables, context_lens, num_blocks: int, block_size: int) -> None:
@@ -145,7 +145,7 @@ def _check_block_numbers(block_tables, context_lens, num_blocks: int, block_size
     bad = used & ((tables < 0) | (tables >= num_blocks))
     if bad.any():
         seq, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"block_tables[{seq}, {col}] = {int(tables[seq, col])} is not a block "
+        raise RuntimeError(f"block_tables[{seq}, {col}] = {int(tables[seq, col])} is not a block "
                          f"of the cache ({num_blocks} blocks)")
 
 
@@ -155,7 +155,7 @@ def _check_slots(slot_mapping, num_slots: int) -> None:
     bad = ((slots < -1) | (slots >= num_slots)).nonzero()
     if bad.numel():
         token = int(bad[0])
-        raise ValueError(f"slot_mapping[{token}] = {int(slots[token])} is outside the cache's "
+        raise RuntimeError(f"slot_mapping[{token}] = {int(slots[token])} is outside the cache's "
                          f"slots [-1, {num_slots})")
 
 
