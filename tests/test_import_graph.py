@@ -16,9 +16,10 @@ PACKAGES = ("minipaged", "visualizer")
 
 # Who may import whom, by layer. A layer not named on the right of another's arrow is out of
 # bounds for it. Data types (block, sequence, sampling_params, outputs, validation, config,
-# step_record) sit below everything; exercises, lab and the visualizer sit above everything.
-# ``core`` (bookkeeping) and ``worker`` (tensors) sit side by side: neither imports the other,
-# the scheduler's record of a step (``step_record.py``, plain data) goes between them.
+# cache_paths, model_shape, step_record) sit below everything; exercises, lab and the
+# visualizer sit above everything. ``core`` (bookkeeping) and ``worker`` (tensors) sit side
+# by side: neither imports the other, the scheduler's record of a step (``step_record.py``,
+# plain data) goes between them.
 LAYER_DEPS = {
     "types": set(),
     "core": {"types"},
@@ -35,8 +36,8 @@ LAYER_DEPS = {
                    "entrypoints", "lab"},
     "api": {"types", "engine", "entrypoints"},  # minipaged/__init__.py, __main__.py
 }
-TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config",
-         "step_record"}
+TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config", "cache_paths",
+         "model_shape", "step_record"}
 
 
 def modules() -> dict[str, pathlib.Path]:

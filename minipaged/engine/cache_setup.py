@@ -14,7 +14,7 @@ import torch
 
 from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
-from minipaged.worker.cache_engine import cache_block_bytes
+from minipaged.model_shape import ModelShape
 from minipaged.worker.worker import Worker
 
 
@@ -29,28 +29,28 @@ class CacheSetup:
     max_model_len_reason: str  # why max_model_len is what it is, for error messages
 
 
-def init_kv_cache(cfg: EngineConfig, worker: Worker, model_max_len: int, num_layers: int,
-                  num_kv_heads: int, head_size: int, dtype: torch.dtype) -> CacheSetup:
+def init_kv_cache(cfg: EngineConfig, worker: Worker, shape: ModelShape,
+                  dtype: torch.dtype) -> CacheSetup:
     """Size the pools, fit ``max_model_len`` to them, have ``worker`` allocate them, and make
     the scheduler (and its block manager) for them.
 
     Args:
         cfg: the engine's settings.
         worker: the worker that holds the model (it profiles the GPU and holds the pools).
-        model_max_len: the model's longest context (``max_position_embeddings``).
-        num_layers, num_kv_heads, head_size: the model's shape (all kv heads).
+        shape: the model's shape (``ModelShape.from_hf``).
         dtype: the cache's dtype.
     """
+    model_max_len = shape.max_positions
     max_len = min(cfg.max_model_len or model_max_len, model_max_len)  # before fitting
     budget = cfg.batch_budget(max_len)
-    block_bytes = cache_block_bytes(  # per rank: each holds its own kv heads
-        cfg.block_size, num_layers, num_kv_heads // cfg.tensor_parallel_size, head_size, dtype)
+    block_bytes = cfg.block_size * shape.kv_bytes_per_token(  # per rank: each rank holds
+        dtype.itemsize, cfg.tensor_parallel_size)  # its share of the kv heads
     profiled = (None if cfg.num_gpu_blocks is not None else worker.profile_num_gpu_blocks(
         budget, max_len, cfg.gpu_memory_utilization, block_bytes))
     num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, block_bytes, max_len, profiled)
     max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
-    worker.init_cache(num_layers, num_kv_heads, head_size, cfg.block_size, num_gpu_blocks,
-                      num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
+    worker.init_cache(shape.num_layers, shape.num_kv_heads, shape.head_size, cfg.block_size,
+                      num_gpu_blocks, num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
                       max_num_seqs=cfg.max_num_seqs, max_model_len=max_len)
     scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
                                        cfg.enable_chunked_prefill)

@@ -23,6 +23,7 @@ from minipaged.core.scheduler_outputs import SchedulerOutputs
 from minipaged.engine.cache_setup import init_kv_cache
 from minipaged.engine.output_processor import OutputProcessor, eos_token_ids
 from minipaged.engine.stats import EngineStats, StepSnapshot
+from minipaged.model_shape import ModelShape
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
@@ -34,43 +35,21 @@ from minipaged.worker.create_worker import create_worker
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
 from minipaged.worker.model_runner import PreparedInputs, prepare_inputs
 from minipaged.worker.sampler import Sampler, sequence_generators
-from minipaged.worker.tensor_parallel import DEFAULT_TIMEOUT_S
 from minipaged.worker.worker import Worker
 
 
 class LLMEngine:
     """Owns the scheduler, the sampler and a ``Worker`` that holds the model and the KV cache.
 
-    Args: every keyword is a setting of ``EngineConfig`` (``minipaged/config.py``), which says
-    what it means and checks it; the defaults are the ones below.
+    Args:
+        model: a Hugging Face id, a local ``save_pretrained`` directory, or None for the
+            embedded SmolLM2-135M-Instruct.
+        settings: any field of ``EngineConfig`` (``minipaged/config.py``), which declares its
+            default and meaning and checks it; an unknown name raises TypeError.
     """
 
-    def __init__(self, model: str | None = None, tokenizer: str | None = None,
-                 dtype="auto", device: str = "auto", block_size: int = 16, seed: int = 0,
-                 gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
-                 swap_space: float = 1.0, num_gpu_blocks: int | None = None,
-                 num_cpu_blocks: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 preemption_mode: str | None = None, watermark: float = 0.01,
-                 enable_chunked_prefill: bool = True,
-                 load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
-                 worker_timeout: float = DEFAULT_TIMEOUT_S,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False,
-                 distributed_executor_backend: str | None = None,
-                 speculative_config=None) -> None:
-        self.config = cfg = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
-            seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_bytes=kv_cache_bytes, swap_space=swap_space, num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            preemption_mode=preemption_mode, watermark=watermark,
-            enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
-            hf_config=hf_config, tensor_parallel_size=tensor_parallel_size,
-            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            distributed_executor_backend=distributed_executor_backend,
-            speculative_config=speculative_config)
+    def __init__(self, model: str | None = None, **settings) -> None:
+        self.config = cfg = EngineConfig.from_settings(model, **settings)
         resolved_device = resolve_device(cfg.device)
 
         # -- the model ---------------------------------------------------------------------------
@@ -82,29 +61,23 @@ class LLMEngine:
             cfg.tensor_parallel_size, cfg.distributed_executor_backend, cfg.worker_timeout)
         self.tokenizer = (checkpoint.load_tokenizer(source, cfg.tokenizer)
                           if source is not None else None)
-        hf = self.hf_config
-        self.num_layers = hf.num_hidden_layers
-        self.num_heads = hf.num_attention_heads
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads
-        self.vocab_size = hf.vocab_size
+        self.model_shape = shape = ModelShape.from_hf(self.hf_config)
 
         # -- the KV pools, the scheduler, the limits requests are checked against ---------------
-        cache = init_kv_cache(cfg, self.worker, hf.max_position_embeddings, self.num_layers,
-                              self.num_kv_heads, self.head_size, self.dtype)
+        cache = init_kv_cache(cfg, self.worker, shape, self.dtype)
         self.block_bytes, self.scheduler = cache.block_bytes, cache.scheduler
         self.scheduler_config = sc = self.scheduler.config
         self.limits = RequestLimits(
-            self.vocab_size, cfg.block_size, self.tokenizer is not None, sc.max_model_len,
+            shape.vocab_size, cfg.block_size, self.tokenizer is not None, sc.max_model_len,
             cache.max_model_len_reason, sc.max_num_seqs, sc.max_num_batched_tokens,
             sc.enable_chunked_prefill, cache.num_gpu_blocks,
             self.scheduler.pool_counts().watermark_blocks,
             cfg.speculative_config is not None)
-        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(hf, self.tokenizer),
-                                                self.max_model_len)
+        eos = eos_token_ids(self.hf_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.sampler = Sampler()
         # speculative decoding (lesson 12); without it, an object whose every call does nothing
-        self.speculator = make_speculator(cfg.speculative_config, self.vocab_size,
+        self.speculator = make_speculator(cfg.speculative_config, shape.vocab_size,
                                           cfg.block_size, cache.num_gpu_blocks, self.dtype,
                                           resolved_device)
 
