@@ -187,15 +187,16 @@ def kv_pool_blocks(config: EngineConfig, block_bytes: int, max_model_len: int,
     Args:
         config: the settings; explicit ``num_gpu_blocks``/``num_cpu_blocks`` win.
         block_bytes: bytes of one block (all layers, K and V; per rank under tensor parallel).
-        max_model_len: the length before fitting; caps a pool at what ``max_num_seqs``
-            sequences of that length could ever use.
+        max_model_len: the length before fitting; caps a pool the engine sizes (on the CPU or
+            on a GPU) at what ``max_num_seqs`` sequences of that length could ever use, so a
+            small engine on a big GPU takes a small pool.
         profiled_gpu_blocks: what profiling found free on a GPU, or None on the CPU (the pool
             then gets ``kv_cache_bytes``).
     """
     blocks_cap = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
     num_gpu_blocks = config.num_gpu_blocks
-    if num_gpu_blocks is None:
-        num_gpu_blocks = profiled_gpu_blocks
+    if num_gpu_blocks is None and profiled_gpu_blocks is not None:
+        num_gpu_blocks = min(profiled_gpu_blocks, blocks_cap)
     if num_gpu_blocks is None:
         budget = (config.kv_cache_bytes if config.kv_cache_bytes is not None
                   else DEFAULT_KV_CACHE_BYTES)

@@ -130,8 +130,15 @@ class LLMEngine:
             self.head_size, self.dtype)
         profiled = (None if cfg.num_gpu_blocks is not None else self.worker.profile_num_gpu_blocks(
             budget, max_len, cfg.gpu_memory_utilization, self.block_bytes))
-        num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len, profiled)
-        max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
+        try:
+            num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len,
+                                                            profiled)
+            max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
+        except ValueError as e:
+            note = self.worker.memory_report()  # on a GPU: who holds what the pool did not get
+            if not note:
+                raise
+            raise ValueError(f"{e}. {note}") from None
         self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
         self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
@@ -205,6 +212,7 @@ class LLMEngine:
             prompt_token_ids: the prompt's tokens, if already encoded.
             arrival_time: when the request arrived (``time.monotonic()`` seconds; default now).
         """
+        self._check_running()
         if request_id is None:
             request_id = self.new_request_id()
         check_request_id(request_id, self._requests)
@@ -270,13 +278,26 @@ class LLMEngine:
     def remove_observer(self, fn: Callable[[StepSnapshot], None]) -> None:
         self._observers.remove(fn)
 
+    is_shut_down = False  # (shutdown sets it on the instance)
+
     def shutdown(self) -> None:
-        """Release the worker (tensor-parallel processes stop; also done at ``del`` and exit)."""
+        """Give back what the engine holds: the worker's model, its KV and swap pools and CUDA
+        graphs (tensor-parallel processes stop), a draft model, and on CUDA torch's cached
+        blocks. Also done when the engine is collected (``del`` and ``gc.collect()``).
+        Shutting down twice does nothing; ``step`` and ``add_request`` then raise."""
+        self.is_shut_down = True
+        self.speculator = None  # (a draft model's weights and cache, if any)
         self.worker.shutdown()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("this engine was shut down (shutdown()); build a new one to "
+                               "generate again")
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the groups touched by it."""
+        self._check_running()
         t = [time.perf_counter()]
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running, self.max_model_len)

@@ -25,6 +25,18 @@ class LLM:
         self.llm_engine = LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device,
                                     block_size=block_size, seed=seed, **engine_kwargs)
 
+    def shutdown(self) -> None:
+        """Give the engine's memory back now (model, KV pools, CUDA graphs, worker processes;
+        on CUDA torch's cached blocks too). ``generate`` then raises; a second call does nothing.
+        ``with LLM(...) as llm:`` calls it at the end of the block, ``del llm`` at collection."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
