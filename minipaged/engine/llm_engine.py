@@ -30,6 +30,7 @@ from minipaged.spec_decode.speculator import Speculator
 from minipaged.validation import as_token_ids
 from minipaged.worker import checkpoint
 from minipaged.worker.cache_engine import cache_block_bytes
+from minipaged.worker.gpu_memory import naming_memory_holders
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
 from minipaged.worker.model_runner import prepare_inputs
 from minipaged.worker.mp_workers import DEFAULT_TIMEOUT_S, TensorParallelWorkers
@@ -130,15 +131,9 @@ class LLMEngine:
             self.head_size, self.dtype)
         profiled = (None if cfg.num_gpu_blocks is not None else self.worker.profile_num_gpu_blocks(
             budget, max_len, cfg.gpu_memory_utilization, self.block_bytes))
-        try:
-            num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len,
-                                                            profiled)
+        with naming_memory_holders(self.worker):  # on a GPU, a refusal says who holds memory
+            num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len, profiled)
             max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
-        except ValueError as e:
-            note = self.worker.memory_report()  # on a GPU: who holds what the pool did not get
-            if not note:
-                raise
-            raise ValueError(f"{e}. {note}") from None
         self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
         self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
@@ -281,18 +276,15 @@ class LLMEngine:
     is_shut_down = False  # (shutdown sets it on the instance)
 
     def shutdown(self) -> None:
-        """Give back what the engine holds: the worker's model, its KV and swap pools and CUDA
-        graphs (tensor-parallel processes stop), a draft model, and on CUDA torch's cached
-        blocks. Also done when the engine is collected (``del`` and ``gc.collect()``).
-        Shutting down twice does nothing; ``step`` and ``add_request`` then raise."""
+        """Give back the model, KV and swap pools, CUDA graphs, worker processes, a draft model
+        and on CUDA torch's cached blocks (also at collection). Twice is fine; steps then raise."""
         self.is_shut_down = True
         self.speculator = None  # (a draft model's weights and cache, if any)
         self.worker.shutdown()
 
     def _check_running(self) -> None:
         if self.is_shut_down:
-            raise RuntimeError("this engine was shut down (shutdown()); build a new one to "
-                               "generate again")
+            raise RuntimeError("this engine was shut down; build a new one to generate again")
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -19,6 +19,7 @@ so the next engine finds them free.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -112,6 +113,19 @@ def holders_report(worker, needed: int | None = None) -> str:
     lines.append("This engine needs less with a smaller num_gpu_blocks=, max_model_len= or "
                  "max_num_batched_tokens=.")
     return " ".join(lines)
+
+
+@contextlib.contextmanager
+def naming_memory_holders(worker):
+    """A ValueError raised inside (the pool did not fit) also says who holds the GPU memory:
+    ``worker.memory_report()``, when it has one (on CUDA)."""
+    try:
+        yield
+    except ValueError as e:
+        note = worker.memory_report()
+        if not note:
+            raise
+        raise ValueError(f"{e}. {note}") from None
 
 
 def release(attrs: dict, names: tuple[str, ...], on_gpu: bool) -> None:
