@@ -132,7 +132,8 @@ class LLMEngine:
         profiled = (None if cfg.num_gpu_blocks is not None else self.worker.profile_num_gpu_blocks(
             budget, max_len, cfg.gpu_memory_utilization, self.block_bytes))
         with naming_memory_holders(self.worker):  # on a GPU, a refusal says who holds memory
-            num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len, profiled)
+            num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len,
+                                                            profiled)
             max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
         self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)

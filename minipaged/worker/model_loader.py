@@ -2,8 +2,9 @@
 
 The checkpoint's files are found and read by ``checkpoint.py``; here they become our model on a
 device (``build_model``), and a profiled forward pass says how much GPU memory is left for KV
-blocks (``profile_num_gpu_blocks``, with ``gpu_memory.py``'s accounting). Used by ``LocalWorker`` (``worker.py``), in the engine's
-process or in each tensor-parallel worker process (``mp_workers.py``, which builds its shard).
+blocks (``profile_num_gpu_blocks``, with ``gpu_memory.py``'s accounting). Used by
+``LocalWorker`` (``worker.py``), in the engine's process or in each tensor-parallel worker
+process (``mp_workers.py``, which builds its shard).
 """
 from __future__ import annotations
 

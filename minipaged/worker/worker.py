@@ -11,7 +11,8 @@ Everything that holds tensors of the model or of the KV cache sits behind a ``Wo
 
 The engine calls only the methods below, in this order: ``profile_num_gpu_blocks`` (may be
 skipped), ``init_cache`` once, then per step the cache operations and ``execute_model``, and
-``shutdown`` at the end (``memory_report`` only to explain a pool that does not fit). A new back-end implements these and nothing else.
+``shutdown`` at the end (``memory_report`` only to explain a pool that does not fit). A new
+back-end implements these and nothing else.
 """
 from __future__ import annotations
 
