@@ -214,3 +214,12 @@ def test_shutdown_and_with_give_everything_back_and_the_engine_refuses_work(gpu,
                      use_tqdm=False)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.llm_engine.step()
+
+
+def test_a_small_engine_on_a_big_gpu_takes_only_what_its_sequences_can_use(gpu, tiny_llama):
+    """tests/gpu/test_cuda_graphs_gpu.py's shape: an engine kept alive (in ``_``) while a second
+    one is built; neither takes more than max_num_seqs sequences of max_model_len can use."""
+    gpu.total = 1 << 30
+    _ = build(tiny_llama[0], max_num_seqs=12, max_model_len=160)
+    second = build(tiny_llama[0], max_num_seqs=12, max_model_len=160)
+    assert pool_blocks(_) == pool_blocks(second) == 12 * 10  # 160 tokens: 10 blocks of 16
