@@ -10,6 +10,7 @@ a late divergence can be legitimate. The check passes when every prompt's first 
 tokens are identical in both dtypes; the report gives each prompt's agreeing prefix.
 
     python3 scripts/embedded_vs_hf.py [--max-tokens 32] [--must-agree 8]
+    python3 scripts/embedded_vs_hf.py --device cpu --dtypes float32 --max-tokens 4   # the script
 """
 from __future__ import annotations
 
@@ -40,28 +41,32 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--must-agree", type=int, default=8)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("embedded_vs_hf.py: needs a CUDA GPU")
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("embedded_vs_hf.py: needs a CUDA GPU (or --device cpu, to try the script)")
         return 1
     from transformers import AutoModelForCausalLM
 
     path = embedded_model_dir()  # (converted from the GGUF once; then cached)
     ok = True
-    for dtype in ("float16", "bfloat16"):
-        with LLM(path, dtype=dtype, device="cuda", max_model_len=512, num_gpu_blocks=256,
+    for dtype in args.dtypes:
+        with LLM(path, dtype=dtype, device=device, max_model_len=512, num_gpu_blocks=256,
                  max_num_seqs=len(QUESTIONS)) as llm:
             outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
                             SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
                             use_tqdm=False)
             eos = sorted(llm.llm_engine.eos_token_ids)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).cuda().eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        hf = hf.to(device).eval()
         print(f"{dtype}:")
         for question, out in zip(QUESTIONS, outs):
             ids = out.prompt_token_ids
             with torch.inference_mode():
-                full = hf.generate(torch.tensor([ids], device="cuda"),
-                                   attention_mask=torch.ones(1, len(ids), device="cuda",
+                full = hf.generate(torch.tensor([ids], device=device),
+                                   attention_mask=torch.ones(1, len(ids), device=device,
                                                              dtype=torch.long),
                                    max_new_tokens=args.max_tokens, do_sample=False,
                                    eos_token_id=eos, pad_token_id=eos[0])
@@ -73,7 +78,8 @@ def main(argv=None) -> int:
             print(f"  {question!r}: {verdict} ({len(ours)} tokens ours, {len(theirs)} "
                   f"transformers'): {out.outputs[0].text!r}")
         del hf
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     print("PASS" if ok else f"FAIL: some prompt's first {args.must_agree} tokens differ")
     return 0 if ok else 1
 

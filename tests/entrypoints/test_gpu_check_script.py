@@ -71,3 +71,16 @@ def test_only_runs_the_stages_named(tmp_path):
     done = run("--dry-run", "--only", "3,6", env={"GPU_CHECK_LOGS": str(tmp_path)})
     assert [r[1] for r in summary_rows(done.stdout)] == ["kernel-bench", "profile-decode"]
     assert re.search(r"unknown argument", run("--bogus").stderr)
+
+
+def test_the_decode_profile_runs_small_on_the_cpu():
+    """Stage 6's script, on a CPU and a 1-layer model: the step, the floor and the top-20 table."""
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode.py"),
+                           "--device", "cpu", "--hidden", "256", "--layers", "1", "--batch", "2",
+                           "--prompt-len", "16"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"decode step of 2 sequences at ~16 tokens: [\d.]+ ms", done.stdout)
+    assert "x the floor" in done.stdout and "aten::mm" in done.stdout
