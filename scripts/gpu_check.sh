@@ -29,7 +29,7 @@ ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
-    --only) ONLY=",$2,"; shift ;;
+    --only) ONLY=",${2:?--only needs stage numbers, e.g. --only 3,6},"; shift ;;
     *) echo "gpu-check: unknown argument $1 (--dry-run, --only N,M)" >&2; exit 2 ;;
   esac
   shift
