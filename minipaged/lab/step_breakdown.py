@@ -248,9 +248,10 @@ def _decode_flops(engine, prompts: list[list[int]], num_steps: int) -> float:
     """Useful FLOPs per timed step, counted (``roofline.decode_step``) where nothing could be
     instrumented (a graph replay). Timed step ``i`` attends to ``len(prompt) + 2 + i`` tokens:
     the prompt, its first token and the warm-up step's, and the ``i`` steps before."""
-    from minipaged.lab.roofline import ModelDims, decode_step
+    from minipaged.lab.roofline import decode_step
+    from minipaged.model_shape import ModelShape
 
-    dims = ModelDims.from_hf_config(engine.hf_config)
+    dims = ModelShape.from_hf(engine.hf_config)
     total = sum(decode_step(dims, 1, len(p) + 2 + i, 4).flops
                 for p in prompts for i in range(num_steps))
     return total / num_steps

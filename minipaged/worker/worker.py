@@ -25,7 +25,8 @@ import torch
 
 from minipaged.kernels.build import start_background_build
 from minipaged.worker import gpu_memory
-from minipaged.worker.cache_engine import CacheEngine, cache_block_bytes
+from minipaged.model_shape import kv_bytes_per_token
+from minipaged.worker.cache_engine import CacheEngine
 from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
 from minipaged.worker.model_runner import ModelRunner, PreparedInputs
 
@@ -166,8 +167,9 @@ class LocalWorker(Worker):
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         if self._on_gpu():  # a clear refusal rather than an out-of-memory error half-way
-            need = num_gpu_blocks * cache_block_bytes(block_size, num_layers, num_kv_heads,
-                                                      head_size, self.dtype)
+            element_size = torch.tensor([], dtype=self.dtype).element_size()
+            need = num_gpu_blocks * block_size * kv_bytes_per_token(num_layers, num_kv_heads,
+                                                                    head_size, element_size)
             if need > gpu_memory.DeviceMemory.read(self.device).available:
                 raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: the KV pool needs "
                                  f"{gpu_memory.gib(need)} and this process cannot get it. "

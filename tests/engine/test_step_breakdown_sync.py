@@ -106,8 +106,9 @@ def test_under_cuda_graphs_the_replay_is_one_section_never_zeros(asynchronous_ll
     assert parts["other model"] is None
     assert parts["model"] >= DELAY * 0.95 and parts["sample"] < DELAY * 0.5
     from minipaged.lab import roofline as rl
+    from minipaged.model_shape import ModelShape
 
-    dims = rl.ModelDims.from_hf_config(engine.hf_config)  # timed steps attend to 7 and 8 tokens
+    dims = ModelShape.from_hf(engine.hf_config)  # timed steps attend to 7 and 8 tokens
     expected = (rl.decode_step(dims, 3, 7, 4).flops + rl.decode_step(dims, 3, 8, 4).flops) / 2
     assert parts["flops"] == pytest.approx(expected, rel=1e-9)
     text = format_decode_breakdown(parts, peak=1e9)
