@@ -130,8 +130,9 @@ class EngineConfig:
     block_size: int = setting(16, "tokens per KV cache block")
     seed: int = setting(0, "seeds every request that brings no seed of its own")
     gpu_memory_utilization: float = setting(
-        0.9, "on CUDA: fraction of GPU memory for weights, activations and the KV pool (the "
-             "pool gets what a profiled forward pass leaves)")
+        0.9, "on CUDA: fraction of the GPU memory this process could still take when the "
+             "engine started (free memory and torch's unused cache) for weights, activations "
+             "and the KV pool (the pool gets what a profiled forward pass leaves)")
     kv_cache_bytes: int | None = setting(
         None, "without CUDA: bytes for the KV pool (1 GiB when not given)")
     swap_space: float = setting(1.0, "GiB of CPU memory for swapped-out KV blocks")
