@@ -60,8 +60,8 @@ lab: $(STAMP) $(KERNELS_ON_CPU)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
-# On a CUDA machine (no package registry needed): build the kernels, run tests/gpu and the
-# kernel benchmark with the machine's own python3 (torch, transformers, numpy, pytest).
+# On a CUDA machine (no package registry needed), with the machine's own python3: stages with
+# their own time limits and logs, 8 minutes in all, a summary table at the end (README, "On a GPU").
 gpu-check:
 	bash scripts/gpu_check.sh
 

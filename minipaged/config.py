@@ -130,8 +130,9 @@ class EngineConfig:
     block_size: int = setting(16, "tokens per KV cache block")
     seed: int = setting(0, "seeds every request that brings no seed of its own")
     gpu_memory_utilization: float = setting(
-        0.9, "on CUDA: fraction of GPU memory for weights, activations and the KV pool (the "
-             "pool gets what a profiled forward pass leaves)")
+        0.9, "on CUDA: fraction of the GPU memory this process could still take when the "
+             "engine started (free memory and torch's unused cache) for weights, activations "
+             "and the KV pool (the pool gets what a profiled forward pass leaves)")
     kv_cache_bytes: int | None = setting(
         None, "without CUDA: bytes for the KV pool (1 GiB when not given)")
     swap_space: float = setting(1.0, "GiB of CPU memory for swapped-out KV blocks")
@@ -221,15 +222,16 @@ def kv_pool_blocks(config: EngineConfig, block_bytes: int, max_model_len: int,
     Args:
         config: the settings; explicit ``num_gpu_blocks``/``num_cpu_blocks`` win.
         block_bytes: bytes of one block (all layers, K and V; per rank under tensor parallel).
-        max_model_len: the length before fitting; caps a pool at what ``max_num_seqs``
-            sequences of that length could ever use.
+        max_model_len: the length before fitting; caps a pool the engine sizes (on the CPU or
+            on a GPU) at what ``max_num_seqs`` sequences of that length could ever use, so a
+            small engine on a big GPU takes a small pool.
         profiled_gpu_blocks: what profiling found free on a GPU, or None on the CPU (the pool
             then gets ``kv_cache_bytes``).
     """
     blocks_cap = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
     num_gpu_blocks = config.num_gpu_blocks
-    if num_gpu_blocks is None:
-        num_gpu_blocks = profiled_gpu_blocks
+    if num_gpu_blocks is None and profiled_gpu_blocks is not None:
+        num_gpu_blocks = min(profiled_gpu_blocks, blocks_cap)
     if num_gpu_blocks is None:
         budget = (config.kv_cache_bytes if config.kv_cache_bytes is not None
                   else DEFAULT_KV_CACHE_BYTES)

@@ -15,6 +15,7 @@ import torch
 from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.model_shape import ModelShape
+from minipaged.worker.gpu_memory import naming_memory_holders
 from minipaged.worker.worker import Worker
 
 
@@ -47,8 +48,9 @@ def init_kv_cache(cfg: EngineConfig, worker: Worker, shape: ModelShape,
         dtype.itemsize, cfg.tensor_parallel_size)  # its share of the kv heads
     profiled = (None if cfg.num_gpu_blocks is not None else worker.profile_num_gpu_blocks(
         budget, max_len, cfg.gpu_memory_utilization, block_bytes))
-    num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, block_bytes, max_len, profiled)
-    max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
+    with naming_memory_holders(worker):  # on a GPU, a refusal says who holds memory
+        num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, block_bytes, max_len, profiled)
+        max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
     worker.init_cache(shape.num_layers, shape.num_kv_heads, shape.head_size, cfg.block_size,
                       num_gpu_blocks, num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
                       max_num_seqs=cfg.max_num_seqs, max_model_len=max_len)

@@ -27,7 +27,7 @@ from minipaged.model_shape import ModelShape
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
-from minipaged.spec_decode.speculator import make_speculator
+from minipaged.spec_decode.speculator import NoSpeculator, make_speculator
 from minipaged.validation import (RequestLimits, as_arrival_time, as_token_ids, check_request_id,
                                   encode_prompt, validate_request)
 from minipaged.worker import checkpoint
@@ -145,6 +145,7 @@ class LLMEngine:
             prompt_token_ids: the prompt's tokens, if already encoded.
             arrival_time: when the request arrived (``time.monotonic()`` seconds; default now).
         """
+        self._check_running()
         if request_id is None:
             request_id = self.new_request_id()
         check_request_id(request_id, self._requests)
@@ -202,13 +203,23 @@ class LLMEngine:
     def remove_observer(self, fn: Callable[[StepSnapshot], None]) -> None:
         self._observers.remove(fn)
 
+    is_shut_down = False  # (shutdown sets it on the instance)
+
     def shutdown(self) -> None:
-        """Release the worker (tensor-parallel processes stop; also done at ``del`` and exit)."""
+        """Give back the model, KV and swap pools, CUDA graphs, worker processes, a draft model
+        and on CUDA torch's cached blocks (also at collection). Twice is fine; steps then raise."""
+        self.is_shut_down = True
+        self.speculator = NoSpeculator()  # (drops a draft model's weights and cache, if any)
         self.worker.shutdown()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("this engine was shut down; build a new one to generate again")
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the groups touched by it."""
+        self._check_running()
         t = [time.perf_counter()]
         self.speculator.plan(self.scheduler.running, self.max_model_len)
         outs = self.scheduler.schedule()

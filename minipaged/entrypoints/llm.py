@@ -28,6 +28,18 @@ class LLM:
     def __init__(self, model: str | None = None, **settings) -> None:
         self.llm_engine = LLMEngine(model, **settings)
 
+    def shutdown(self) -> None:
+        """Give the engine's memory back now (model, KV pools, CUDA graphs, worker processes;
+        on CUDA torch's cached blocks too). ``generate`` then raises; a second call does nothing.
+        ``with LLM(...) as llm:`` calls it at the end of the block, ``del llm`` at collection."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

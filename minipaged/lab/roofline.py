@@ -177,12 +177,15 @@ def max_batch_size(kv_budget_bytes: int, kv_bytes_per_token: int, block_size: in
     return int(num_blocks // math.ceil(seq_len / block_size))
 
 
-def gpu_kv_budget(total_bytes: float, gpu_memory_utilization: float,
+def gpu_kv_budget(available_bytes: float, gpu_memory_utilization: float,
                   profiled_peak_bytes: float) -> float:
-    """What a GPU leaves for the KV pool: the share of its memory the engine may use, less the
-    peak a profiled forward pass of the largest step reached (weights and activations), as
-    ``worker/model_loader.profile_num_gpu_blocks`` computes it."""
-    return max(total_bytes * gpu_memory_utilization - profiled_peak_bytes, 0.0)
+    """What a GPU leaves for the KV pool: the share the engine may use of the memory this
+    process could take when the engine started (all of an empty card's), less the peak its
+    weights and a profiled forward pass of the largest step reached, as
+    ``worker/model_loader.profile_num_gpu_blocks`` computes it (``gpu_memory.kv_pool_bytes``)."""
+    from minipaged.worker.gpu_memory import kv_pool_bytes
+
+    return float(kv_pool_bytes(available_bytes, gpu_memory_utilization, profiled_peak_bytes))
 
 
 # ----------------------------------------------------------------------------------------------
