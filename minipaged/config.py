@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from minipaged.validation import as_int, as_number, shown
 
 GiB = 1 << 30
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # what the KV cache holds (lesson 18)
 DEFAULT_KV_CACHE_BYTES = GiB  # the CPU pool's budget when no kv_cache_bytes is given
 logger = logging.getLogger("minipaged")
 
@@ -84,6 +85,8 @@ _RULES = {
     "enforce_eager": (_flag, lambda v: True, "True or False"),
     "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
     "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    "kv_cache_dtype": (lambda v: v if v in KV_CACHE_DTYPES else None, lambda v: True,
+                       "one of " + ", ".join(map(repr, KV_CACHE_DTYPES))),
 }
 _MAY_BE_NONE = {"kv_cache_bytes", "num_gpu_blocks", "num_cpu_blocks", "max_num_batched_tokens",
                 "max_model_len", "preemption_mode", "distributed_executor_backend"}
@@ -131,6 +134,9 @@ class EngineConfig:
             on CUDA with one rank they are captured by default; the CPU runs eagerly anyway).
         speculative_config: None, or vLLM's dict turning on speculative decoding (lesson 12;
             ``SpeculativeConfig`` below says what it holds).
+        kv_cache_dtype: what the KV cache holds: "auto" (the model's dtype), "fp8" (float8
+            e4m3) or "int8", each 8-bit number with a float32 scale per token and kv head
+            (lesson 18, ``kernels/kv_quant.py``); the pool then holds more blocks per byte.
     """
 
     model: str | None
@@ -158,6 +164,7 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     speculative_config: object = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)

@@ -58,7 +58,7 @@ class LLMEngine:
                  worker_timeout: float = DEFAULT_TIMEOUT_S,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False,
                  distributed_executor_backend: str | None = None,
-                 speculative_config=None) -> None:
+                 speculative_config=None, kv_cache_dtype: str = "auto") -> None:
         self.config = cfg = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
             seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -71,7 +71,7 @@ class LLMEngine:
             worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
             distributed_executor_backend=distributed_executor_backend,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, kv_cache_dtype=kv_cache_dtype)
         resolved_device = resolve_device(cfg.device)
 
         # -- the model ---------------------------------------------------------------------------
@@ -127,7 +127,7 @@ class LLMEngine:
         budget = cfg.batch_budget(max_len)
         self.block_bytes = cache_block_bytes(  # per rank: each holds its own kv heads
             cfg.block_size, self.num_layers, self.num_kv_heads // cfg.tensor_parallel_size,
-            self.head_size, self.dtype)
+            self.head_size, self.dtype, cfg.kv_cache_dtype)
         profiled = (None if cfg.num_gpu_blocks is not None else self.worker.profile_num_gpu_blocks(
             budget, max_len, cfg.gpu_memory_utilization, self.block_bytes))
         num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len, profiled)
@@ -135,7 +135,7 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
         self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
-                               num_gpu_blocks, num_cpu_blocks)
+                               num_gpu_blocks, num_cpu_blocks, cfg.kv_cache_dtype)
         if (not cfg.enforce_eager and isinstance(self.worker, LocalWorker)
                 and self.worker.device.type == "cuda"):  # decode steps from CUDA graphs (lesson 15)
             self.worker.enable_cuda_graphs(cfg.max_num_seqs, max_len, cfg.block_size)

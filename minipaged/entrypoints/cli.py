@@ -43,6 +43,8 @@ ENGINE_OPTIONS = [
     ("enable_prefix_caching", bool, "reuse the cached KV blocks a prompt starts with "
                                     "(lesson 11)"),
     ("load_format", str, "auto (read the checkpoint) or dummy (random weights)"),
+    ("kv_cache_dtype", str, "what the KV cache holds: auto (the model's dtype), fp8 or int8 "
+                            "(8-bit, a scale per token and kv head; lesson 18)"),
     ("tensor_parallel_size", int, "split the model over N worker processes (lesson 14)"),
     ("worker_timeout", float, "seconds a tensor-parallel step may take before the engine "
                               "gives up"),
@@ -53,6 +55,7 @@ ENGINE_OPTIONS = [
                             "graphs"),
 ]
 _CHOICES = {"preemption_mode": ["recompute", "swap"], "load_format": ["auto", "dummy"],
+            "kv_cache_dtype": ["auto", "fp8", "int8"],
             "distributed_executor_backend": ["mp", "ray"]}
 
 # The server's limits on one request, as flags of `serve` (ServerLimits' fields with dashes):

@@ -53,7 +53,7 @@ class Worker(ABC):
 
     @abstractmethod
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+                   num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto") -> None:
         """Allocate the KV pools (once, before the first step).
 
         Args:
@@ -61,6 +61,7 @@ class Worker(ABC):
                 tensor-parallel worker keeps its share).
             block_size: tokens per block.
             num_gpu_blocks, num_cpu_blocks: the pools' sizes, the same on every rank.
+            kv_cache_dtype: "auto", "fp8" or "int8" (an 8-bit cache, lesson 18).
         """
 
     @abstractmethod
@@ -119,9 +120,10 @@ class LocalWorker(Worker):
                                       max_model_len, gpu_memory_utilization, block_bytes)
 
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+                   num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto") -> None:
         self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
-                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
+                                        kv_cache_dtype)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int,
                            capture: bool | None = None) -> None:
