@@ -382,6 +382,144 @@ void swap_blocks(torch::Tensor src, torch::Tensor dst, torch::Tensor block_pairs
              "swap_blocks");
 }
 
+// ---------------------------------------------------------------------------------------------
+// An 8-bit cache (lesson 18): int8 or float8_e4m3fn codes, and float32 scales
+// [num_blocks, num_kv_heads, block_size] beside each cache.
+int cache_dtype_code(const torch::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kChar: return 3;
+    case at::kFloat8_e4m3fn: return 4;
+    default: TORCH_CHECK(false, "minipaged: an 8-bit cache is int8 or float8_e4m3fn, got ",
+                         cache.scalar_type());
+  }
+  return -1;
+}
+
+void check_scales(const torch::Tensor& key_cache, const torch::Tensor& key_scales,
+                  const torch::Tensor& value_scales) {
+  const auto device = key_cache.device();
+  for (const auto* t : {&key_scales, &value_scales}) {
+    const char* name = t == &key_scales ? "key_scales" : "value_scales";
+    check_device(*t, name, device);
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                t->size(0) == key_cache.size(0) && t->size(1) == key_cache.size(1) &&
+                t->size(2) == key_cache.size(3), name, " must be contiguous float32 [num_blocks, "
+                "num_kv_heads, block_size] = [", key_cache.size(0), ", ", key_cache.size(1),
+                ", ", key_cache.size(3), "], got ", t->scalar_type(), " ", t->sizes());
+  }
+}
+
+int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor key_scales,
+                             torch::Tensor value_scales, torch::Tensor block_tables,
+                             torch::Tensor context_lens, double scale, int64_t max_context_len,
+                             int64_t version) {
+  const auto device = query.device();
+  for (const auto* t : {&out, &key_cache, &value_cache, &block_tables, &context_lens}) {
+    check_device(*t, "out, the caches, block_tables and context_lens", device);
+  }
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
+              "query must be [num_seqs, num_heads, head_size], its last dimension contiguous");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  check_caches(key_cache, value_cache, head_size);
+  const int cache_dtype = cache_dtype_code(key_cache);
+  check_scales(key_cache, key_scales, value_scales);
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
+              out.scalar_type() == query.scalar_type(),
+              "out must be a contiguous tensor shaped and typed like query");
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+              block_tables.is_contiguous() && block_tables.size(0) == num_seqs,
+              "block_tables must be contiguous int32 [num_seqs, max_blocks_per_seq]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
+              context_lens.is_contiguous() && context_lens.size(0) == num_seqs,
+              "context_lens must be contiguous int32 [num_seqs]");
+  if (num_seqs == 0 || num_heads == 0) return 0;
+  TORCH_CHECK(max_context_len >= 1 && max_context_len <= INT32_MAX &&
+              block_tables.size(1) * block_size >= max_context_len,
+              "max_context_len must be in [1, 2^31) and within block_tables' columns, got ",
+              max_context_len);
+  if (check_host_data(context_lens)) {
+    const int* lens = context_lens.data_ptr<int>();
+    const int* tables = block_tables.data_ptr<int>();
+    const int64_t width = block_tables.size(1), num_blocks = key_cache.size(0);
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_context_len, "context_lens[", s, "] = ",
+                  lens[s], " is outside [1, max_context_len = ", max_context_len, "]");
+      for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+        const int block = tables[s * width + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
+                    " is not a block of the cache (", num_blocks, " blocks)");
+      }
+    }
+  }
+  int chosen = 0;
+  int64_t workspace_bytes = 0;
+  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
+                                            (int)max_context_len, (int)version, &chosen,
+                                            &workspace_bytes),
+             "paged_attention_8bit");
+  const auto workspace = torch::empty({(workspace_bytes + 3) / 4},
+                                      query.options().dtype(torch::kFloat));
+  const DeviceGuard guard(device);
+  check_code(minipaged_paged_attention_8bit(
+                 out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                 key_scales.data_ptr<float>(), value_scales.data_ptr<float>(),
+                 block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs,
+                 (int)num_heads, (int)num_kv_heads, (int)head_size, (int)block_size,
+                 (int)block_tables.size(1), query.stride(0), query.stride(1),
+                 key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
+                 value_cache.stride(1), (float)scale, (int)max_context_len, dtype_code(query),
+                 cache_dtype, chosen, workspace.data_ptr(), workspace_bytes, current_stream()),
+             "paged_attention_8bit (8-bit caches: head sizes 64, 128; block sizes 16, 32)");
+  return chosen;
+}
+
+void reshape_and_cache_8bit(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor key_scales,
+                            torch::Tensor value_scales, torch::Tensor slot_mapping) {
+  const auto device = key_cache.device();
+  for (const auto* t : {&key, &value, &value_cache, &slot_mapping}) {
+    check_device(*t, "key, value, value_cache and slot_mapping", device);
+  }
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() &&
+              key.scalar_type() == value.scalar_type(),
+              "key and value must both be [num_tokens, num_kv_heads, head_size], one dtype");
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  for (const auto* t : {&key, &value}) {
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_size,
+                "each token's key and value must be contiguous (a row view is fine)");
+  }
+  check_caches(key_cache, value_cache, head_size);
+  const int cache_dtype = cache_dtype_code(key_cache);
+  check_scales(key_cache, key_scales, value_scales);
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "reshape_and_cache_8bit writes contiguous caches only");
+  TORCH_CHECK(key_cache.size(1) == num_kv_heads, "the caches hold ", key_cache.size(1),
+              " kv heads, the keys ", num_kv_heads);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+              slot_mapping.is_contiguous() && slot_mapping.size(0) == num_tokens,
+              "slot_mapping must be contiguous int64 [num_tokens]");
+  if (check_host_data(slot_mapping)) {
+    const int64_t slots = key_cache.size(0) * key_cache.size(3);
+    const int64_t* s = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      TORCH_CHECK(s[t] >= -1 && s[t] < slots, "slot_mapping[", t, "] = ", s[t], " is outside the "
+                  "cache's slots [0, ", slots, "); -1 marks a token that is not cached");
+    }
+  }
+  const DeviceGuard guard(device);
+  check_code(minipaged_reshape_and_cache_8bit(
+                 key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                 key_scales.data_ptr<float>(), value_scales.data_ptr<float>(),
+                 slot_mapping.data_ptr<int64_t>(), (int)num_tokens, (int)num_kv_heads,
+                 (int)head_size, (int)key_cache.size(3), key.stride(0), value.stride(0),
+                 dtype_code(key), cache_dtype, current_stream()),
+             "reshape_and_cache_8bit");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -398,6 +536,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "longest context V1 takes]");
   m.def("reshape_and_cache", &reshape_and_cache,
         "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)");
+  m.def("paged_attention_8bit", &paged_attention_8bit,
+        "paged_attention_8bit(out, query, key_cache, value_cache, key_scales, value_scales, "
+        "block_tables, context_lens, scale, max_context_len, version): over an 8-bit cache");
+  m.def("reshape_and_cache_8bit", &reshape_and_cache_8bit,
+        "reshape_and_cache_8bit(key, value, key_cache, value_cache, key_scales, value_scales, "
+        "slot_mapping): quantize into an 8-bit cache, one scale per token and kv head");
   m.def("copy_blocks", &copy_blocks, "copy_blocks(key_caches, value_caches, block_pairs)");
   m.def("swap_blocks", &swap_blocks, "swap_blocks(src, dst, block_pairs)");
 #ifdef MINIPAGED_CUDA_ON_CPU

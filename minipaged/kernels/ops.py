@@ -96,9 +96,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
     name, op = _pick_for_cache(key_cache, kv_scales)
     calls["reshape_and_cache", name] += 1
     run = reference.reshape_and_cache if op is None else op.reshape_and_cache
-    if kv_scales is None:
-        return run(key, value, key_cache, value_cache, slot_mapping)
-    return run(key, value, key_cache, value_cache, slot_mapping, kv_scales)
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    return run(key, value, key_cache, value_cache, slot_mapping, **scales)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
@@ -123,13 +122,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
         _warn_unsupported_once(query, key_cache)
         name = "reference"
     calls["paged_attention", name] += 1
-    scales = () if kv_scales is None else (kv_scales,)
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
     if name == "cuda":
         return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                  scale, max_context_len, *scales)
+                                  scale, max_context_len, **scales)
     if name == "cpu":
         return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                  scale, *scales)
+                                  scale, **scales)
     return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                      scale, kv_scales)
 
@@ -179,9 +178,9 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
         name, op = "reference", None
     calls["paged_prefill_attention", name] += 1
     run = reference.paged_prefill_attention if op is None else op.paged_prefill_attention
-    scales = () if kv_scales is None else (kv_scales,)
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
     return run(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-               *scales)
+               **scales)
 
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
