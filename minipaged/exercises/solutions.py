@@ -350,3 +350,18 @@ def step_slot_mapping(seqs, block_size, slot_of):
     slots = [slot_of(s.block_table, pos, block_size)
              for s in prompts for pos in range(len(s.token_ids))]
     return slots + [slot_of(s.block_table, len(s.token_ids) - 1, block_size) for s in decodes]
+
+
+# ---- lesson 18 (KV cache quantization) ---------------------------------------
+
+
+def quantize_vector(x, fmt):
+    import torch
+
+    dtype, largest = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}[fmt]
+    amax = float(x.float().abs().max())
+    scale = torch.tensor(amax, dtype=torch.float32) / largest if amax > 0 else torch.tensor(1.0)
+    y = (x.float() / scale).clamp(-largest, largest)
+    if fmt == "int8":
+        y = torch.round(y)
+    return y.to(dtype), float(scale)
