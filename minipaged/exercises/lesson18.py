@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from minipaged.exercises import checking
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.kernels import kv_quant
 
@@ -82,4 +83,14 @@ def _hint(got, x, fmt, scale) -> str:
             "converting")
 
 
-__all__ = ["check_quantize_vector"]
+def _package_quantize_vector(x, fmt):
+    codes, scale = kv_quant.quantize(x, FORMATS[fmt])
+    return codes, float(scale)
+
+
+def usable_quantize_vector(fn):
+    """``fn`` once its check passed; until then the package's ``kv_quant.quantize``."""
+    return checking.usable("quantize_vector", fn, _package_quantize_vector)
+
+
+__all__ = ["check_quantize_vector", "usable_quantize_vector"]
