@@ -133,13 +133,13 @@ void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cac
               "of every head on one (the kernels read them in 16-byte vectors)");
 }
 
-// ---------------------------------------------------------------------------------------------
-// version: 0 = V1 or V2 chosen by context length, 1 = V1, 2 = V2 (partitioned).
-// Returns the version that ran.
-int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                        torch::Tensor value_cache, torch::Tensor block_tables,
-                        torch::Tensor context_lens, double scale, int64_t max_context_len,
-                        int64_t version) {
+// out, query [num_seqs, num_heads, head_size], the caches, block_tables, context_lens (on the
+// host: every block a context uses), max_context_len and version of a decode call, for both
+// paged_attention's. Returns false when there is nothing to compute.
+bool check_decode_batch(const torch::Tensor& out, const torch::Tensor& query,
+                        const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        int64_t max_context_len, int64_t version) {
   const auto device = query.device();
   check_device(query, "query", device);
   check_device(out, "out", device);
@@ -151,8 +151,6 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
   TORCH_CHECK(query.stride(2) == 1, "query's last dimension must be contiguous");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   check_caches(key_cache, value_cache, head_size);
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(),
-              "query and the caches must have the same dtype");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
               out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
@@ -168,7 +166,7 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
               context_lens.is_contiguous() && context_lens.size(0) == num_seqs,
               "context_lens must be contiguous int32 [num_seqs]");
   TORCH_CHECK(version >= 0 && version <= 2, "version must be 0 (choose), 1 or 2, got ", version);
-  if (num_seqs == 0 || num_heads == 0) return 0;
+  if (num_seqs == 0 || num_heads == 0) return false;
   TORCH_CHECK(max_context_len >= 1 && max_context_len <= INT32_MAX,
               "max_context_len must be in [1, 2^31), got ", max_context_len,
               " (every sequence attends to at least its own token)");
@@ -193,16 +191,40 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
       }
     }
   }
+  return true;
+}
+
+// The kernel version that runs for a decode batch (*chosen) and V2's workspace on the device.
+torch::Tensor plan_decode(const torch::Tensor& query, int64_t max_context_len, int64_t version,
+                          int* chosen, int64_t* workspace_bytes) {
+  check_code(minipaged_paged_attention_plan((int)query.size(0), (int)query.size(1),
+                                            (int)query.size(2), (int)max_context_len,
+                                            (int)version, chosen, workspace_bytes),
+             "paged_attention");
+  return torch::empty({(*workspace_bytes + 3) / 4}, query.options().dtype(torch::kFloat));
+}
+
+// ---------------------------------------------------------------------------------------------
+// version: 0 = V1 or V2 chosen by context length, 1 = V1, 2 = V2 (partitioned).
+// Returns the version that ran.
+int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                        torch::Tensor value_cache, torch::Tensor block_tables,
+                        torch::Tensor context_lens, double scale, int64_t max_context_len,
+                        int64_t version) {
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(),
+              "query and the caches must have the same dtype");
+  if (!check_decode_batch(out, query, key_cache, value_cache, block_tables, context_lens,
+                          max_context_len, version)) {
+    return 0;
+  }
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
+  const auto device = query.device();
   const int dtype = dtype_code(query);
 
   int chosen = 0;
   int64_t workspace_bytes = 0;
-  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
-                                            (int)max_context_len, (int)version, &chosen,
-                                            &workspace_bytes),
-             "paged_attention");
-  const auto workspace = torch::empty({(workspace_bytes + 3) / 4},
-                                      query.options().dtype(torch::kFloat));
+  const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
   const DeviceGuard guard(device);
   const int code = minipaged_paged_attention(
       out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -246,8 +268,11 @@ std::vector<int64_t> paged_attention_v1_limits(int64_t head_size, int64_t block_
 }
 
 // ---------------------------------------------------------------------------------------------
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+// The new tokens' key and value [num_tokens, num_kv_heads, head_size], the caches they go
+// into and their slots (checked on the host when they are there): for both reshape_and_cache's.
+void check_new_tokens(const torch::Tensor& key, const torch::Tensor& value,
+                      const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                      const torch::Tensor& slot_mapping) {
   const auto device = key_cache.device();
   check_device(key, "key", device);
   check_device(value, "value", device);
@@ -264,9 +289,6 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   check_caches(key_cache, value_cache, head_size);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "reshape_and_cache writes contiguous caches only");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-              value.scalar_type() == key_cache.scalar_type(),
-              "key, value and the caches must have the same dtype");
   TORCH_CHECK(key_cache.size(1) == num_kv_heads, "the caches hold ", key_cache.size(1),
               " kv heads, the keys ", num_kv_heads);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
@@ -282,8 +304,16 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
                   "cache's slots [0, ", slots, "); -1 marks a token that is not cached");
     }
   }
+}
 
-  const DeviceGuard guard(device);
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  check_new_tokens(key, value, key_cache, value_cache, slot_mapping);
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+              value.scalar_type() == key_cache.scalar_type(),
+              "key, value and the caches must have the same dtype");
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  const DeviceGuard guard(key_cache.device());
   check_code(minipaged_reshape_and_cache(
                  key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  slot_mapping.data_ptr<int64_t>(), (int)num_tokens, (int)num_kv_heads,
@@ -414,55 +444,18 @@ int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tens
                              torch::Tensor value_scales, torch::Tensor block_tables,
                              torch::Tensor context_lens, double scale, int64_t max_context_len,
                              int64_t version) {
-  const auto device = query.device();
-  for (const auto* t : {&out, &key_cache, &value_cache, &block_tables, &context_lens}) {
-    check_device(*t, "out, the caches, block_tables and context_lens", device);
-  }
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
-              "query must be [num_seqs, num_heads, head_size], its last dimension contiguous");
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  check_caches(key_cache, value_cache, head_size);
   const int cache_dtype = cache_dtype_code(key_cache);
   check_scales(key_cache, key_scales, value_scales);
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
-              out.scalar_type() == query.scalar_type(),
-              "out must be a contiguous tensor shaped and typed like query");
-  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
-              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-              block_tables.is_contiguous() && block_tables.size(0) == num_seqs,
-              "block_tables must be contiguous int32 [num_seqs, max_blocks_per_seq]");
-  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
-              context_lens.is_contiguous() && context_lens.size(0) == num_seqs,
-              "context_lens must be contiguous int32 [num_seqs]");
-  if (num_seqs == 0 || num_heads == 0) return 0;
-  TORCH_CHECK(max_context_len >= 1 && max_context_len <= INT32_MAX &&
-              block_tables.size(1) * block_size >= max_context_len,
-              "max_context_len must be in [1, 2^31) and within block_tables' columns, got ",
-              max_context_len);
-  if (check_host_data(context_lens)) {
-    const int* lens = context_lens.data_ptr<int>();
-    const int* tables = block_tables.data_ptr<int>();
-    const int64_t width = block_tables.size(1), num_blocks = key_cache.size(0);
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_context_len, "context_lens[", s, "] = ",
-                  lens[s], " is outside [1, max_context_len = ", max_context_len, "]");
-      for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
-        const int block = tables[s * width + b];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", s, ", ", b, "] = ", block,
-                    " is not a block of the cache (", num_blocks, " blocks)");
-      }
-    }
+  if (!check_decode_batch(out, query, key_cache, value_cache, block_tables, context_lens,
+                          max_context_len, version)) {
+    return 0;
   }
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
+  const auto device = query.device();
   int chosen = 0;
   int64_t workspace_bytes = 0;
-  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
-                                            (int)max_context_len, (int)version, &chosen,
-                                            &workspace_bytes),
-             "paged_attention_8bit");
-  const auto workspace = torch::empty({(workspace_bytes + 3) / 4},
-                                      query.options().dtype(torch::kFloat));
+  const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
   const DeviceGuard guard(device);
   check_code(minipaged_paged_attention_8bit(
                  out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -480,37 +473,12 @@ int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tens
 void reshape_and_cache_8bit(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor key_scales,
                             torch::Tensor value_scales, torch::Tensor slot_mapping) {
-  const auto device = key_cache.device();
-  for (const auto* t : {&key, &value, &value_cache, &slot_mapping}) {
-    check_device(*t, "key, value, value_cache and slot_mapping", device);
-  }
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() &&
-              key.scalar_type() == value.scalar_type(),
-              "key and value must both be [num_tokens, num_kv_heads, head_size], one dtype");
-  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
-  for (const auto* t : {&key, &value}) {
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_size,
-                "each token's key and value must be contiguous (a row view is fine)");
-  }
-  check_caches(key_cache, value_cache, head_size);
+  check_new_tokens(key, value, key_cache, value_cache, slot_mapping);
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must have one dtype");
   const int cache_dtype = cache_dtype_code(key_cache);
   check_scales(key_cache, key_scales, value_scales);
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "reshape_and_cache_8bit writes contiguous caches only");
-  TORCH_CHECK(key_cache.size(1) == num_kv_heads, "the caches hold ", key_cache.size(1),
-              " kv heads, the keys ", num_kv_heads);
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
-              slot_mapping.is_contiguous() && slot_mapping.size(0) == num_tokens,
-              "slot_mapping must be contiguous int64 [num_tokens]");
-  if (check_host_data(slot_mapping)) {
-    const int64_t slots = key_cache.size(0) * key_cache.size(3);
-    const int64_t* s = slot_mapping.data_ptr<int64_t>();
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      TORCH_CHECK(s[t] >= -1 && s[t] < slots, "slot_mapping[", t, "] = ", s[t], " is outside the "
-                  "cache's slots [0, ", slots, "); -1 marks a token that is not cached");
-    }
-  }
-  const DeviceGuard guard(device);
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  const DeviceGuard guard(key_cache.device());
   check_code(minipaged_reshape_and_cache_8bit(
                  key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  key_scales.data_ptr<float>(), value_scales.data_ptr<float>(),

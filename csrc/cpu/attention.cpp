@@ -437,12 +437,21 @@ void check_batch(const torch::Tensor& query, const torch::Tensor& block_tables,
   }
 }
 
-// out[T, heads, head_size] = causal attention of each sequence's newest rows over its cache.
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
-                                      torch::Tensor value_cache, torch::Tensor block_tables,
-                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                      double scale) {
-  const CacheShape c = check_caches(key_cache, value_cache);
+// Calls body(C{}) with C the 8-bit code type of `dtype` (int8 or float8 e4m3).
+template <typename Body>
+void dispatch_code(at::ScalarType dtype, Body&& body) {
+  if (dtype == at::kChar) {
+    body(int8_t{});
+  } else {
+    body(c10::Float8_e4m3fn{});
+  }
+}
+
+// Both prefill entry points, once the caches are checked: `scales` null for a 16/32-bit cache.
+torch::Tensor attend_all(const torch::Tensor& query, const torch::Tensor& key_cache,
+                         const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                         const torch::Tensor& query_start_loc, const torch::Tensor& context_lens,
+                         double scale, const CacheShape& c, const Scales* scales) {
   check_query(query, key_cache, c);
   check_batch(query, block_tables, query_start_loc, context_lens, c);
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
@@ -450,60 +459,90 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   const Shapes sh{(int)query.size(1), (int)c.num_kv_heads, (int)c.head_size,
                   (int)block_tables.size(1), query.stride(0), query.stride(1),
                   key_cache.stride(0), key_cache.stride(1), (float)scale};
-  MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention", [&] {
-    MINIPAGED_DISPATCH_BLOCK_SIZE(c.block_size, [&] {
-      paged_prefill_attention_impl<scalar_t, BLOCK_SIZE>(out, query, key_cache, value_cache,
-                                                         block_tables, query_start_loc,
-                                                         context_lens, sh);
+  auto run = [&](auto code) {  // code: the cache's element type (the query's, or 8-bit)
+    MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention", [&] {
+      using C = std::conditional_t<std::is_same<decltype(code), bool>::value, scalar_t,
+                                   decltype(code)>;
+      MINIPAGED_DISPATCH_BLOCK_SIZE(c.block_size, [&] {
+        paged_prefill_attention_impl<scalar_t, BLOCK_SIZE, C>(
+            out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, sh,
+            scales ? *scales : Scales{});
+      });
     });
-  });
+  };
+  if (scales) {
+    dispatch_code(key_cache.scalar_type(), run);
+  } else {
+    run(false);  // (bool: "the query's own type")
+  }
   return out;
 }
 
-// Decode: one query row per sequence, i.e. query_start_loc = 0, 1, 2, ...
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
-                              torch::Tensor value_cache, torch::Tensor block_tables,
-                              torch::Tensor context_lens, double scale) {
+// out[T, heads, head_size] = causal attention of each sequence's newest rows over its cache.
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
+                                      torch::Tensor value_cache, torch::Tensor block_tables,
+                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                      double scale) {
+  const CacheShape c = check_caches(key_cache, value_cache);
+  return attend_all(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                    scale, c, nullptr);
+}
+
+// Decode has one query row per sequence: query_start_loc = 0, 1, 2, ...
+torch::Tensor decode_query_start_loc(const torch::Tensor& query,
+                                     const torch::Tensor& context_lens) {
   check_int32(context_lens, "context_lens", 1);
   TORCH_CHECK(query.dim() == 3 && query.size(0) == context_lens.size(0), "decode has one query "
               "row per sequence: query ", query.sizes(), " but context_lens has ",
               context_lens.size(0), " entries");
-  auto query_start_loc = torch::arange(query.size(0) + 1, context_lens.options());
-  return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                                 context_lens, scale);
+  return torch::arange(query.size(0) + 1, context_lens.options());
+}
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
+                              torch::Tensor value_cache, torch::Tensor block_tables,
+                              torch::Tensor context_lens, double scale) {
+  return paged_prefill_attention(query, key_cache, value_cache, block_tables,
+                                 decode_query_start_loc(query, context_lens), context_lens, scale);
 }
 
 // ----------------------------------------------------------------------------------------------
 // reshape_and_cache: each new token's key and value into its slot (slot -1: not cached)
 // ----------------------------------------------------------------------------------------------
+// write(token, kv_head, block, offset) for every cached token (slot -1: skipped) and kv head.
+template <typename Write>
+void for_each_slot(const torch::Tensor& slot_mapping, int64_t num_kv_heads, int64_t block_size,
+                   Write&& write) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, slot_mapping.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slots[token];
+      if (slot < 0) continue;  // -1: a padding token (check_slots refused anything else)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        write(token, h, slot / block_size, slot % block_size);
+    }
+  });
+}
+
 template <typename T>
 void reshape_and_cache_impl(const torch::Tensor& key, const torch::Tensor& value,
                             torch::Tensor& key_cache, torch::Tensor& value_cache,
                             const torch::Tensor& slot_mapping) {
   constexpr int X = 16 / sizeof(T);
-  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
-  const int64_t block_size = key_cache.size(3);
+  const int64_t head_size = key.size(2), block_size = key_cache.size(3);
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
   T* kc = key_cache.data_ptr<T>();
   T* vc = value_cache.data_ptr<T>();
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t token = begin; token < end; ++token) {
-      const int64_t slot = slots[token];
-      if (slot < 0) continue;  // -1: a padding token (check_slots refused anything else)
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const T* k_src = k + token * key.stride(0) + h * key.stride(1);
-        const T* v_src = v + token * value.stride(0) + h * value.stride(1);
-        T* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
-        T* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
-        for (int64_t d = 0; d < head_size; ++d) {
-          k_dst[((d / X) * block_size + offset) * X + d % X] = k_src[d];
-          v_dst[d * block_size + offset] = v_src[d];
-        }
-      }
+  for_each_slot(slot_mapping, key.size(1), block_size,
+                [&](int64_t token, int64_t h, int64_t block, int64_t offset) {
+    const T* k_src = k + token * key.stride(0) + h * key.stride(1);
+    const T* v_src = v + token * value.stride(0) + h * value.stride(1);
+    T* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
+    T* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
+    for (int64_t d = 0; d < head_size; ++d) {
+      k_dst[((d / X) * block_size + offset) * X + d % X] = k_src[d];
+      v_dst[d * block_size + offset] = v_src[d];
     }
   });
 }
@@ -530,9 +569,9 @@ void check_slots(const torch::Tensor& slot_mapping, int64_t num_tokens, const Ca
   }
 }
 
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
-  const CacheShape c = check_caches(key_cache, value_cache);
+// key, value [num_tokens, num_kv_heads, head_size] of the caches' shape, and their slots.
+void check_new_tokens(const torch::Tensor& key, const torch::Tensor& value,
+                      const torch::Tensor& slot_mapping, const CacheShape& c) {
   TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "key and value must be CPU "
               "tensors, got ", key.device(), " and ", value.device());
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key ", key.sizes(), " and value ",
@@ -540,15 +579,21 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value must be contiguous in "
               "their last dimension (head_size), got strides ", key.strides(), " and ",
               value.strides());
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-              value.scalar_type() == key_cache.scalar_type(), "key is ", key.scalar_type(),
-              " and value is ", value.scalar_type(), " but the caches are ",
-              key_cache.scalar_type());
   TORCH_CHECK(key.size(1) == c.num_kv_heads, "key and value have ", key.size(1),
               " kv heads but the caches hold ", c.num_kv_heads);
   TORCH_CHECK(key.size(2) == c.head_size, "key and value have head size ", key.size(2),
               " but the caches hold head size ", c.head_size);
   check_slots(slot_mapping, key.size(0), c);
+}
+
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  const CacheShape c = check_caches(key_cache, value_cache);
+  check_new_tokens(key, value, slot_mapping, c);
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+              value.scalar_type() == key_cache.scalar_type(), "key is ", key.scalar_type(),
+              " and value is ", value.scalar_type(), " but the caches are ",
+              key_cache.scalar_type());
   MINIPAGED_DISPATCH_DTYPE(key.scalar_type(), "reshape_and_cache", [&] {
     reshape_and_cache_impl<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
   });
@@ -579,16 +624,6 @@ Scales check_scales(const torch::Tensor& key_cache, const torch::Tensor& key_sca
   return Scales{key_scales.data_ptr<float>(), value_scales.data_ptr<float>()};
 }
 
-// Calls body.template operator()<C>() with C the 8-bit code type of `dtype`.
-template <typename Body>
-void dispatch_code(at::ScalarType dtype, Body&& body) {
-  if (dtype == at::kChar) {
-    body(int8_t{});
-  } else {
-    body(c10::Float8_e4m3fn{});
-  }
-}
-
 torch::Tensor paged_prefill_attention_8bit(torch::Tensor query, torch::Tensor key_cache,
                                            torch::Tensor value_cache, torch::Tensor key_scales,
                                            torch::Tensor value_scales,
@@ -597,37 +632,17 @@ torch::Tensor paged_prefill_attention_8bit(torch::Tensor query, torch::Tensor ke
                                            torch::Tensor context_lens, double scale) {
   const CacheShape c = check_caches(key_cache, value_cache);
   const Scales scales = check_scales(key_cache, key_scales, value_scales, c);
-  check_query(query, key_cache, c);
-  check_batch(query, block_tables, query_start_loc, context_lens, c);
-  auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  if (context_lens.numel() == 0 || query.size(0) == 0) return out;
-  const Shapes sh{(int)query.size(1), (int)c.num_kv_heads, (int)c.head_size,
-                  (int)block_tables.size(1), query.stride(0), query.stride(1),
-                  key_cache.stride(0), key_cache.stride(1), (float)scale};
-  dispatch_code(key_cache.scalar_type(), [&](auto code) {
-    using C = decltype(code);
-    MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention_8bit", [&] {
-      MINIPAGED_DISPATCH_BLOCK_SIZE(c.block_size, [&] {
-        paged_prefill_attention_impl<scalar_t, BLOCK_SIZE, C>(
-            out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, sh,
-            scales);
-      });
-    });
-  });
-  return out;
+  return attend_all(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                    scale, c, &scales);
 }
 
 torch::Tensor paged_attention_8bit(torch::Tensor query, torch::Tensor key_cache,
                                    torch::Tensor value_cache, torch::Tensor key_scales,
                                    torch::Tensor value_scales, torch::Tensor block_tables,
                                    torch::Tensor context_lens, double scale) {
-  check_int32(context_lens, "context_lens", 1);
-  TORCH_CHECK(query.dim() == 3 && query.size(0) == context_lens.size(0), "decode has one query "
-              "row per sequence: query ", query.sizes(), " but context_lens has ",
-              context_lens.size(0), " entries");
-  auto query_start_loc = torch::arange(query.size(0) + 1, context_lens.options());
   return paged_prefill_attention_8bit(query, key_cache, value_cache, key_scales, value_scales,
-                                      block_tables, query_start_loc, context_lens, scale);
+                                      block_tables, decode_query_start_loc(query, context_lens),
+                                      context_lens, scale);
 }
 
 // One vector (head_size numbers) to codes: scale = max |x| / the largest code (1 if all are 0),
@@ -658,31 +673,24 @@ void reshape_and_cache_8bit_impl(const torch::Tensor& key, const torch::Tensor& 
                                  float* key_scales, float* value_scales,
                                  const torch::Tensor& slot_mapping) {
   constexpr int X = 16 / sizeof(C);
-  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  const int64_t num_kv_heads = key.size(1), head_size = key.size(2);
   const int64_t block_size = key_cache.size(3);
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   C* kc = key_cache.data_ptr<C>();
   C* vc = value_cache.data_ptr<C>();
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t token = begin; token < end; ++token) {
-      const int64_t slot = slots[token];
-      if (slot < 0) continue;  // -1: a padding token (check_slots refused anything else)
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const T* k_src = key.data_ptr<T>() + token * key.stride(0) + h * key.stride(1);
-        const T* v_src = value.data_ptr<T>() + token * value.stride(0) + h * value.stride(1);
-        C* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
-        C* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
-        const int64_t s = (block * num_kv_heads + h) * block_size + offset;
-        key_scales[s] = quantize_vector<T, C>(k_src, head_size, [&](int64_t d, C code) {
-          k_dst[((d / X) * block_size + offset) * X + d % X] = code;
-        });
-        value_scales[s] = quantize_vector<T, C>(v_src, head_size, [&](int64_t d, C code) {
-          v_dst[d * block_size + offset] = code;
-        });
-      }
-    }
+  for_each_slot(slot_mapping, num_kv_heads, block_size,
+                [&](int64_t token, int64_t h, int64_t block, int64_t offset) {
+    const T* k_src = key.data_ptr<T>() + token * key.stride(0) + h * key.stride(1);
+    const T* v_src = value.data_ptr<T>() + token * value.stride(0) + h * value.stride(1);
+    C* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
+    C* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
+    const int64_t s = (block * num_kv_heads + h) * block_size + offset;  // its scale's index
+    key_scales[s] = quantize_vector<T, C>(k_src, head_size, [&](int64_t d, C code) {
+      k_dst[((d / X) * block_size + offset) * X + d % X] = code;
+    });
+    value_scales[s] = quantize_vector<T, C>(v_src, head_size, [&](int64_t d, C code) {
+      v_dst[d * block_size + offset] = code;
+    });
   });
 }
 
@@ -691,19 +699,9 @@ void reshape_and_cache_8bit(torch::Tensor key, torch::Tensor value, torch::Tenso
                             torch::Tensor value_scales, torch::Tensor slot_mapping) {
   const CacheShape c = check_caches(key_cache, value_cache);
   const Scales scales = check_scales(key_cache, key_scales, value_scales, c);
-  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "key and value must be CPU "
-              "tensors, got ", key.device(), " and ", value.device());
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key ", key.sizes(), " and value ",
-              value.sizes(), " must both be [num_tokens, num_kv_heads, head_size]");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value must be contiguous in "
-              "their last dimension (head_size), got strides ", key.strides(), " and ",
-              value.strides());
+  check_new_tokens(key, value, slot_mapping, c);
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key is ", key.scalar_type(),
               " but value is ", value.scalar_type());
-  TORCH_CHECK(key.size(1) == c.num_kv_heads && key.size(2) == c.head_size, "key and value are ",
-              key.sizes(), " but the caches hold ", c.num_kv_heads, " kv heads of size ",
-              c.head_size);
-  check_slots(slot_mapping, key.size(0), c);
   dispatch_code(key_cache.scalar_type(), [&](auto code) {
     using C = decltype(code);
     MINIPAGED_DISPATCH_DTYPE(key.scalar_type(), "reshape_and_cache_8bit", [&] {
