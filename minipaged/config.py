@@ -137,6 +137,7 @@ class EngineConfig:
         kv_cache_dtype: what the KV cache holds: "auto" (the model's dtype), "fp8" (float8
             e4m3) or "int8", each 8-bit number with a float32 scale per token and kv head
             (lesson 18, ``kernels/kv_quant.py``); the pool then holds more blocks per byte.
+            A draft model (``speculative_config``) keeps its own small cache in its dtype.
     """
 
     model: str | None
