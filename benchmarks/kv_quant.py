@@ -80,7 +80,7 @@ def throughput_table(budget: int, num_requests: int, max_tokens: int) -> list[st
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [TEXTS[i % len(TEXTS)] + f" (request {i})" for i in range(num_requests)]
     for kind in KINDS:
-        llm = LLM(kv_cache_bytes=budget, kv_cache_dtype=kind, max_model_len=256,
+        llm = LLM(kv_cache_bytes=budget, kv_cache_dtype=kind, max_model_len=128,
                   num_cpu_blocks=0)
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
         stats = llm.llm_engine.stats
@@ -98,12 +98,18 @@ def throughput_table(budget: int, num_requests: int, max_tokens: int) -> list[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--budget-mib", type=float, default=4.0, help="KV budget of table 4")
-    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--budget-mib", type=float, default=6.0,
+                        help="KV budget of table 4 (6 MiB: 128 tokens of the float32 cache)")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--throughput-only", action="store_true", help="table 4 alone")
     args = parser.parse_args()
     t0 = time.perf_counter()
     print(f"- date: {time.strftime('%Y-%m-%d')}; machine: {machine_description()}; "
           f"torch {torch.__version__}")
+    if args.throughput_only:
+        print("\n" + "\n".join(throughput_table(int(args.budget_mib * (1 << 20)), args.requests,
+                                                args.max_tokens * 2)))
+        return
     engines = {k: LLM(kv_cache_dtype=k, max_model_len=512, kv_cache_bytes=64 << 20,
                       num_cpu_blocks=0) for k in KINDS}
     budget = 256 << 20

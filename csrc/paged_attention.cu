@@ -214,6 +214,14 @@ struct PartitionStats {
   float exp_sum;
 };
 
+// An 8-bit cache's scales for `attend` (lesson 18): already offset to the kv head; the scale of
+// token t of physical block b is at [b * block_stride + t]. Null pointers for a 16/32-bit cache.
+struct CodeScales {
+  const float* key;
+  const float* value;
+  int64_t block_stride;
+};
+
 // ---- phase 2's key load, two ways --------------------------------------------------------
 // Both return this lane's part of q.k for one token: the G lanes of the token's thread group
 // split the key between them (G = 32 / BLOCK_SIZE, at least 1), and their parts add up to q.k.
@@ -294,14 +302,6 @@ __device__ __forceinline__ float key_dot_shared_chunks(const T* k, const float* 
   }
   return partial;
 }
-
-// An 8-bit cache's scales for `attend` (lesson 18): already offset to the kv head; the scale of
-// token t of physical block b is at [b * block_stride + t]. Null pointers for a 16/32-bit cache.
-struct CodeScales {
-  const float* key;
-  const float* value;
-  int64_t block_stride;
-};
 
 // C is the cache's element type: T itself, or an 8-bit code (int8_t, fp8_e4m3) with `scales`.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename C = T>
