@@ -41,6 +41,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,7 +65,16 @@ inline float to_float(c10::BFloat16 v) {
 }
 
 inline float to_float(int8_t v) { return static_cast<float>(v); }
-inline float to_float(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
+// fp8 e4m3 -> float through a 256-entry table: c10's conversion works bit by bit, and on every
+// element of a decode step it costs more than the arithmetic (8x the int8 step, measured).
+inline std::array<float, 256> fp8_table() {
+  std::array<float, 256> table{};
+  for (int i = 0; i < 256; ++i)
+    table[i] = static_cast<float>(c10::Float8_e4m3fn((uint8_t)i, c10::Float8_e4m3fn::from_bits()));
+  return table;
+}
+const std::array<float, 256> kFp8ToFloat = fp8_table();
+inline float to_float(c10::Float8_e4m3fn v) { return kFp8ToFloat[v.x]; }
 
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }  // round to nearest even
