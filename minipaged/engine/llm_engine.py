@@ -30,6 +30,7 @@ from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.spec_decode.speculator import Speculator
 from minipaged.validation import as_token_ids
 from minipaged.worker import checkpoint
+from minipaged.worker.cache_engine import cache_block_bytes
 from minipaged.worker.gpu_memory import naming_memory_holders
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
 from minipaged.worker.model_runner import prepare_inputs
@@ -101,8 +102,9 @@ class LLMEngine:
         model_max_len = shape.max_positions
         max_len = min(cfg.max_model_len or model_max_len, model_max_len)  # before fitting
         budget = cfg.batch_budget(max_len)
-        self.block_bytes = cfg.block_size * shape.kv_bytes_per_token(  # per rank: each rank
-            self.dtype.itemsize, cfg.tensor_parallel_size)  # holds its share of the kv heads
+        self.block_bytes = cache_block_bytes(  # per rank: each holds its share of the kv heads
+            cfg.block_size, shape.num_layers, shape.num_kv_heads // cfg.tensor_parallel_size,
+            shape.head_size, self.dtype, cfg.kv_cache_dtype)
         profiled = (None if cfg.num_gpu_blocks is not None else self.worker.profile_num_gpu_blocks(
             budget, max_len, cfg.gpu_memory_utilization, self.block_bytes))
         with naming_memory_holders(self.worker):  # on a GPU, a refusal says who holds memory
@@ -112,7 +114,8 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
         self.worker.init_cache(shape.num_layers, shape.num_kv_heads, shape.head_size,
-                               cfg.block_size, num_gpu_blocks, num_cpu_blocks)
+                               cfg.block_size, num_gpu_blocks, num_cpu_blocks,
+                               cfg.kv_cache_dtype)
         if (not cfg.enforce_eager and isinstance(self.worker, LocalWorker)
                 and self.worker.device.type == "cuda"):  # decode steps from CUDA graphs (lesson 15)
             self.worker.enable_cuda_graphs(cfg.max_num_seqs, max_len, cfg.block_size)
