@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kernels.h"  // the extern "C" declarations: the compiler checks they match
+#include "kv_quant.cuh"  // 8-bit codes (lesson 18)
 
 namespace minipaged {
 
@@ -86,7 +87,96 @@ constexpr int MAX_GRID_Y = 65535;  // CUDA's limit on gridDim.y (and z)
 inline void clear_stale_error() { (void)cudaGetLastError(); }
 inline int launch_error() { return (int)cudaGetLastError(); }
 
+// ----------------------------------------------------------------------------------------------
+// reshape_and_cache into an 8-bit cache (lesson 18): this one does arithmetic. One CUDA block per
+// token; one thread per (kv head, key or value) finds the vector's largest magnitude, then
+// writes its scale and its codes (the same divisions as minipaged/kernels/kv_quant.py).
+// ----------------------------------------------------------------------------------------------
+template <typename T, typename C>
+__global__ void reshape_and_cache_8bit_kernel(
+    const T* __restrict__ key, const T* __restrict__ value, C* __restrict__ key_cache,
+    C* __restrict__ value_cache, float* __restrict__ key_scales,
+    float* __restrict__ value_scales, const int64_t* __restrict__ slot_mapping,
+    int64_t key_token_stride, int64_t value_token_stride, int num_kv_heads, int head_size,
+    int block_size) {
+  constexpr int X = 16;  // one-byte codes in a 16-byte key chunk
+  const int64_t token = blockIdx.x;
+  const int64_t slot = slot_mapping[token];
+  if (slot < 0) return;  // a padding token: it has no slot
+  const int64_t block = slot / block_size;
+  const int offset = (int)(slot % block_size);
+  for (int i = threadIdx.x; i < 2 * num_kv_heads; i += blockDim.x) {
+    const int head = i / 2;
+    const bool is_value = i % 2 == 1;
+    const T* src = is_value ? value + token * value_token_stride + head * head_size
+                            : key + token * key_token_stride + head * head_size;
+    float amax = 0.f;
+    for (int d = 0; d < head_size; ++d) amax = fmaxf(amax, fabsf(to_float(src[d])));
+    const float s = code_scale<C>(amax);
+    const int64_t head_block = block * num_kv_heads + head;  // [block, head] of the scales
+    const int64_t head_base = head_block * head_size * block_size;
+    for (int d = 0; d < head_size; ++d) {
+      const C code = quantize_one<C>(to_float(src[d]), s);
+      if (is_value) {
+        value_cache[head_base + (int64_t)d * block_size + offset] = code;  // [d, offset]
+      } else {  // [d / X, offset, d % X]
+        key_cache[head_base + ((int64_t)(d / X) * block_size + offset) * X + d % X] = code;
+      }
+    }
+    (is_value ? value_scales : key_scales)[head_block * block_size + offset] = s;
+  }
+}
+
+template <typename T, typename C>
+int launch_reshape_and_cache_8bit(const void* key, const void* value, void* key_cache,
+                                  void* value_cache, float* key_scales, float* value_scales,
+                                  const int64_t* slot_mapping, int num_tokens, int num_kv_heads,
+                                  int head_size, int block_size, int64_t key_token_stride,
+                                  int64_t value_token_stride, cudaStream_t stream) {
+  const int threads = 2 * num_kv_heads < 128 ? 2 * num_kv_heads : 128;
+  clear_stale_error();
+  reshape_and_cache_8bit_kernel<T, C><<<dim3(num_tokens), threads, 0, stream>>>(
+      static_cast<const T*>(key), static_cast<const T*>(value), static_cast<C*>(key_cache),
+      static_cast<C*>(value_cache), key_scales, value_scales, slot_mapping, key_token_stride,
+      value_token_stride, num_kv_heads, head_size, block_size);
+  return launch_error();
+}
+
 }  // namespace minipaged
+
+// key, value: dtype 0 = float32, 1 = float16, 2 = bfloat16 (each head's row contiguous); the
+// caches hold cache_dtype 3 = int8 or 4 = fp8 e4m3 codes, contiguous, with key_scales and
+// value_scales [num_blocks, num_kv_heads, block_size]. Negative slots are skipped.
+extern "C" int minipaged_reshape_and_cache_8bit(const void* key, const void* value,
+                                                void* key_cache, void* value_cache,
+                                                float* key_scales, float* value_scales,
+                                                const int64_t* slot_mapping, int num_tokens,
+                                                int num_kv_heads, int head_size, int block_size,
+                                                int64_t key_token_stride,
+                                                int64_t value_token_stride, int dtype,
+                                                int cache_dtype, cudaStream_t stream) {
+  if (num_tokens == 0 || num_kv_heads == 0) return 0;
+  auto run = [&](auto type, auto code) {
+    using T = decltype(type);
+    using C = decltype(code);
+    return minipaged::launch_reshape_and_cache_8bit<T, C>(
+        key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping, num_tokens,
+        num_kv_heads, head_size, block_size, key_token_stride, value_token_stride, stream);
+  };
+  auto with_code = [&](auto type) {
+    switch (cache_dtype) {
+      case 3: return run(type, int8_t{});
+      case 4: return run(type, minipaged::fp8_e4m3{});
+      default: return -1;
+    }
+  };
+  switch (dtype) {
+    case 0: return with_code(float{});
+    case 1: return with_code(__half{});
+    case 2: return with_code(__nv_bfloat16{});
+    default: return -1;
+  }
+}
 
 // All launchers return 0 on success, a cudaError_t (> 0) on a CUDA error, or -1 for an element
 // size they do not handle.

@@ -21,6 +21,17 @@ int minipaged_paged_attention(void* out, const void* query, const void* key_cach
                               int64_t v_block_stride, int64_t v_head_stride, float scale,
                               int max_context_len, int dtype, int version, void* workspace,
                               int64_t workspace_bytes, cudaStream_t stream);
+int minipaged_paged_attention_8bit(void* out, const void* query, const void* key_cache,
+                                   const void* value_cache, const float* key_scales,
+                                   const float* value_scales, const int* block_tables,
+                                   const int* context_lens, int num_seqs, int num_heads,
+                                   int num_kv_heads, int head_size, int block_size,
+                                   int max_blocks_per_seq, int64_t q_seq_stride,
+                                   int64_t q_head_stride, int64_t k_block_stride,
+                                   int64_t k_head_stride, int64_t v_block_stride,
+                                   int64_t v_head_stride, float scale, int max_context_len,
+                                   int dtype, int cache_dtype, int version, void* workspace,
+                                   int64_t workspace_bytes, cudaStream_t stream);
 int minipaged_paged_attention_v1_limits(int head_size, int block_size, int dtype,
                                         int64_t* static_bytes, int64_t* max_context_len);
 int minipaged_reshape_and_cache(const void* key, const void* value, void* key_cache,
@@ -28,6 +39,12 @@ int minipaged_reshape_and_cache(const void* key, const void* value, void* key_ca
                                 int num_kv_heads, int head_size, int block_size, int x,
                                 int64_t key_token_stride, int64_t value_token_stride,
                                 int element_size, cudaStream_t stream);
+int minipaged_reshape_and_cache_8bit(const void* key, const void* value, void* key_cache,
+                                     void* value_cache, float* key_scales, float* value_scales,
+                                     const int64_t* slot_mapping, int num_tokens,
+                                     int num_kv_heads, int head_size, int block_size,
+                                     int64_t key_token_stride, int64_t value_token_stride,
+                                     int dtype, int cache_dtype, cudaStream_t stream);
 int minipaged_copy_blocks(const int64_t* key_cache_ptrs, const int64_t* value_cache_ptrs,
                           const int64_t* block_pairs, int num_layers, int num_pairs,
                           int64_t key_block_bytes, int64_t value_block_bytes,

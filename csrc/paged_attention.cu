@@ -56,6 +56,7 @@
 #include <type_traits>
 
 #include "kernels.h"  // the extern "C" declarations: the compiler checks they match
+#include "kv_quant.cuh"  // 8-bit codes (lesson 18) and to_float
 
 #ifdef MINIPAGED_TRACE
 #define MP_TRACE(kind, a, b, value) \
@@ -137,9 +138,21 @@ __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& raw, float (&
   }
 }
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+// An 8-bit cache (lesson 18): 16 codes in the 16 bytes.
+template <typename C>
+__device__ __forceinline__ void unpack_codes(const uint4& raw, float (&out)[16]) {
+  const C* codes = reinterpret_cast<const C*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) out[i] = to_float(codes[i]);
+}
+template <>
+__device__ __forceinline__ void unpack<int8_t>(const uint4& raw, float (&out)[16]) {
+  unpack_codes<int8_t>(raw, out);
+}
+template <>
+__device__ __forceinline__ void unpack<fp8_e4m3>(const uint4& raw, float (&out)[16]) {
+  unpack_codes<fp8_e4m3>(raw, out);
+}
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
@@ -199,6 +212,14 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, float ide
 struct PartitionStats {
   float max_logit;
   float exp_sum;
+};
+
+// An 8-bit cache's scales for `attend` (lesson 18): already offset to the kv head; the scale of
+// token t of physical block b is at [b * block_stride + t]. Null pointers for a 16/32-bit cache.
+struct CodeScales {
+  const float* key;
+  const float* value;
+  int64_t block_stride;
 };
 
 // ---- phase 2's key load, two ways --------------------------------------------------------
@@ -282,16 +303,19 @@ __device__ __forceinline__ float key_dot_shared_chunks(const T* k, const float* 
   return partial;
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+// C is the cache's element type: T itself, or an 8-bit code (int8_t, fp8_e4m3) with `scales`.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename C = T>
 __device__ __forceinline__ PartitionStats attend(
     const T* __restrict__ q,              // [HEAD_SIZE], this head's query
-    const T* __restrict__ key_cache,      // already offset to this kv head
-    const T* __restrict__ value_cache,    // already offset to this kv head
+    const C* __restrict__ key_cache,      // already offset to this kv head
+    const C* __restrict__ value_cache,    // already offset to this kv head
     const int* __restrict__ block_table,  // this sequence's row
     int start, int end, int64_t k_block_stride, int64_t v_block_stride, float scale,
-    float* logits, float* q_smem, float* red_smem, float* out_smem) {
+    float* logits, float* q_smem, float* red_smem, float* out_smem,
+    const CodeScales scales = CodeScales{nullptr, nullptr, 0}) {
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
-  constexpr int X = Vec16<T>::N;                         // elements per 16-byte vector
+  constexpr bool CODES = !std::is_same<C, T>::value;     // an 8-bit cache with scales
+  constexpr int X = Vec16<C>::N;                         // elements per 16-byte vector
   // phase 2 (q.k) constants
   constexpr int G = BLOCK_SIZE < WARP_SIZE ? WARP_SIZE / BLOCK_SIZE : 1;  // lanes per token
   // phase 4 (probabilities . V) constants
@@ -325,22 +349,24 @@ __device__ __forceinline__ PartitionStats attend(
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
     const int64_t physical_block = block_table[first_block + b];
     MP_TRACE(TRACE_VISIT, first_block + b, physical_block, 0);
-    const T* k = key_cache + physical_block * k_block_stride +
+    const C* k = key_cache + physical_block * k_block_stride +
                  token_in_block * X;  // chunk c of this token is at k + c * BLOCK_SIZE * X
     // this lane's part of q.k: with our key load, or with vLLM's (MINIPAGED_SHARED_GROUP_LOAD)
     float partial;
     if constexpr (SHARED_GROUP_LOAD) {
-      partial = key_dot_shared_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
+      partial = key_dot_shared_chunks<C, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
     } else {
-      partial = key_dot_own_chunks<T, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
+      partial = key_dot_own_chunks<C, HEAD_SIZE, BLOCK_SIZE>(k, q_smem, lane_in_group);
     }
     // The G lanes of a group are neighbours (lanes G*t .. G*t+G-1): a butterfly over masks
     // G/2 .. 1 adds their partial products, and every lane of the group gets the full q.k.
     // (With G == 1 there is nothing to add and the loop runs zero times.)
-    const float qk = scale * butterfly<G / 2, 1>(partial, SumOp());
+    float qk = scale * butterfly<G / 2, 1>(partial, SumOp());
 
     const int token = b * BLOCK_SIZE + token_in_block;  // from `start`
     if (token < num_tokens) {
+      // an 8-bit cache: q . (codes * s) = (q . codes) * s, one multiply per token
+      if constexpr (CODES) qk *= scales.key[physical_block * scales.block_stride + token_in_block];
       if (lane_in_group == 0) {
         logits[token] = qk;
         MP_TRACE(TRACE_LOGIT, start + token, 0, qk);
@@ -383,7 +409,7 @@ __device__ __forceinline__ PartitionStats attend(
 
   for (int b = warp; b < num_blocks; b += NUM_WARPS) {
     const int64_t physical_block = block_table[first_block + b];
-    const T* v = value_cache + physical_block * v_block_stride +
+    const C* v = value_cache + physical_block * v_block_stride +
                  slice * V_VEC;  // row r of this lane's slice is at v + r * BLOCK_SIZE
     const int first_token = b * BLOCK_SIZE + slice * V_VEC;  // from `start`
     // Tokens past the range (the tail of the last block) get probability 0 *and* value 0:
@@ -392,6 +418,12 @@ __device__ __forceinline__ PartitionStats attend(
 #pragma unroll
     for (int j = 0; j < V_VEC; ++j) {
       probs[j] = first_token + j < num_tokens ? logits[first_token + j] : 0.f;
+      // an 8-bit cache: each probability carries its token's value scale
+      if constexpr (CODES) {
+        if (first_token + j < num_tokens) {
+          probs[j] *= scales.value[physical_block * scales.block_stride + slice * V_VEC + j];
+        }
+      }
     }
     const bool last_block = b == num_blocks - 1;
 
@@ -400,7 +432,7 @@ __device__ __forceinline__ PartitionStats attend(
       const int row = row_in_pass + i * ROWS_PER_PASS;
       if (row < HEAD_SIZE) {
         float vals[V_VEC];
-        unpack<T>(load16(v + row * BLOCK_SIZE), vals);
+        unpack<C>(load16(v + row * BLOCK_SIZE), vals);
         if (last_block) {
 #pragma unroll
           for (int j = 0; j < V_VEC; ++j) {
@@ -472,17 +504,29 @@ struct KernelArgs {
   int64_t q_seq_stride, q_head_stride;
   int64_t k_block_stride, k_head_stride, v_block_stride, v_head_stride;
   float scale;
+  // an 8-bit cache (lesson 18): [num_blocks, num_kv_heads, block_size] each; else null
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 };
+
+// The scales `attend` reads for kv head `kv_head`, a block of BLOCK_SIZE tokens.
+template <int BLOCK_SIZE>
+__device__ __forceinline__ CodeScales code_scales(const KernelArgs& a, int kv_head) {
+  if (a.k_scales == nullptr) return CodeScales{nullptr, nullptr, 0};
+  return CodeScales{a.k_scales + (int64_t)kv_head * BLOCK_SIZE,
+                    a.v_scales + (int64_t)kv_head * BLOCK_SIZE,
+                    (int64_t)a.num_kv_heads * BLOCK_SIZE};
+}
 
 // ----------------------------------------------------------------------------------------------
 // V1: one CUDA block per (head, sequence), the whole context at once
 // ----------------------------------------------------------------------------------------------
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename C = T>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE]
     const T* __restrict__ query,          // [num_seqs, num_heads, HEAD_SIZE]
-    const T* __restrict__ key_cache,      // [num_blocks, num_kv_heads, HEAD_SIZE/X, BLOCK_SIZE, X]
-    const T* __restrict__ value_cache,    // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]
+    const C* __restrict__ key_cache,      // [num_blocks, num_kv_heads, HEAD_SIZE/X, BLOCK_SIZE, X]
+    const C* __restrict__ value_cache,    // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]
     const KernelArgs a, int logits_capacity) {
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   const int head = blockIdx.x;
@@ -503,11 +547,12 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
     fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row, context_len == 0 ? 0.f : quiet_nan());
     return;
   }
-  attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(
+  attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>(
       query + seq * a.q_seq_stride + head * a.q_head_stride,
       key_cache + kv_head * a.k_head_stride, value_cache + kv_head * a.v_head_stride,
       a.block_tables + (int64_t)seq * a.max_blocks_per_seq, 0, context_len, a.k_block_stride,
-      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem);
+      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem,
+      code_scales<BLOCK_SIZE>(a, kv_head));
   write_output<T, HEAD_SIZE, NUM_THREADS>(out_row, out_smem);
 }
 
@@ -519,13 +564,13 @@ constexpr int PARTITION_SIZE = 512;  // tokens per partition: 2 KiB of logits, a
 // Partition p of a sequence covers tokens [p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE) of its
 // context. Writes, for partition p, max_logits[seq, head, p], exp_sums[seq, head, p] and the
 // partition's own softmax-weighted values tmp_out[seq, head, p, :] (fp32).
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename C = T>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
     float* __restrict__ max_logits,       // [num_seqs, num_heads, max_partitions]
     float* __restrict__ exp_sums,         // [num_seqs, num_heads, max_partitions]
     float* __restrict__ tmp_out,          // [num_seqs, num_heads, max_partitions, HEAD_SIZE]
-    const T* __restrict__ query, const T* __restrict__ key_cache,
-    const T* __restrict__ value_cache, const KernelArgs a) {
+    const T* __restrict__ query, const C* __restrict__ key_cache,
+    const C* __restrict__ value_cache, const KernelArgs a) {
   static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "a partition is whole KV blocks");
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   const int head = blockIdx.x;
@@ -546,11 +591,12 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
   __shared__ float red_smem[2 * NUM_WARPS];
   __shared__ float out_smem[NUM_WARPS * HEAD_SIZE];
 
-  const PartitionStats stats = attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>(
+  const PartitionStats stats = attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>(
       query + seq * a.q_seq_stride + head * a.q_head_stride,
       key_cache + kv_head * a.k_head_stride, value_cache + kv_head * a.v_head_stride,
       a.block_tables + (int64_t)seq * a.max_blocks_per_seq, start, end, a.k_block_stride,
-      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem);
+      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem,
+      code_scales<BLOCK_SIZE>(a, kv_head));
   const int64_t slot = ((int64_t)seq * num_heads + head) * max_partitions + partition;
   if (threadIdx.x == 0) {
     max_logits[slot] = stats.max_logit;
@@ -712,9 +758,9 @@ struct AttentionArgs {
 inline void clear_stale_error() { (void)cudaGetLastError(); }
 inline int launch_error() { return (int)cudaGetLastError(); }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename C = T>
 int launch_v1(const AttentionArgs& a) {
-  constexpr auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
+  constexpr auto kernel = paged_attention_v1_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>;
   const KernelSmem& smem = kernel_smem<kernel>();
   if (smem.error) return smem.error;
   // One fp32 logit per token, rounded up to whole blocks (phase 4 reads block by block).
@@ -725,11 +771,11 @@ int launch_v1(const AttentionArgs& a) {
   clear_stale_error();
   kernel<<<grid, NUM_THREADS, dynamic_smem, a.stream>>>(
       static_cast<T*>(a.out), static_cast<const T*>(a.query),
-      static_cast<const T*>(a.key_cache), static_cast<const T*>(a.value_cache), a.k, capacity);
+      static_cast<const C*>(a.key_cache), static_cast<const C*>(a.value_cache), a.k, capacity);
   return launch_error();
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename C = T>
 int launch_v2(const AttentionArgs& a) {
   const int partitions = num_partitions(a.max_context_len);
   if (partitions > MAX_GRID_Y) return TOO_MANY_SEQUENCES;
@@ -742,7 +788,7 @@ int launch_v2(const AttentionArgs& a) {
   float* exp_sums = max_logits + stats;
   float* tmp_out = exp_sums + stats;
 
-  constexpr auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
+  constexpr auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>;
   constexpr auto reduce = paged_attention_v2_reduce_kernel<T, HEAD_SIZE, NUM_THREADS>;
   const KernelSmem& reduce_smem = kernel_smem<reduce>();
   if (reduce_smem.error) return reduce_smem.error;
@@ -752,7 +798,7 @@ int launch_v2(const AttentionArgs& a) {
   clear_stale_error();
   kernel<<<dim3(a.num_heads, a.num_seqs, partitions), NUM_THREADS, 0, a.stream>>>(
       max_logits, exp_sums, tmp_out, static_cast<const T*>(a.query),
-      static_cast<const T*>(a.key_cache), static_cast<const T*>(a.value_cache), a.k);
+      static_cast<const C*>(a.key_cache), static_cast<const C*>(a.value_cache), a.k);
   int err = launch_error();
   if (err) return err;
   reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, weights_smem, a.stream>>>(
@@ -804,6 +850,48 @@ int dispatch(int dtype, int head_size, int block_size, F f) {
     case 0: return dispatch_head_size<float>(head_size, block_size, f);
     case 1: return dispatch_head_size<__half>(head_size, block_size, f);
     case 2: return dispatch_head_size<__nv_bfloat16>(head_size, block_size, f);
+    default: return UNSUPPORTED_DTYPE;
+  }
+}
+
+// An 8-bit cache (lesson 18): f(Type<T>, Type<C>, Int<HEAD_SIZE>, Int<BLOCK_SIZE>) for the query's
+// dtype (as above) and cache_dtype 3 = int8, 4 = fp8 e4m3. Built for head sizes 64 and 128 and
+// block sizes 16 and 32 only: phase 4 reads a value row 16 codes (16 tokens) at a time.
+template <typename T, typename C, typename F>
+int dispatch_8bit_shape(int head_size, int block_size, F& f) {
+  auto blocks = [&](auto head) {
+    switch (block_size) {
+      case 16: return f(Type<T>(), Type<C>(), head, Int<16>());
+#ifndef MINIPAGED_FEW_INSTANCES
+      case 32: return f(Type<T>(), Type<C>(), head, Int<32>());
+#endif
+      default: return (int)UNSUPPORTED_BLOCK_SIZE;
+    }
+  };
+  switch (head_size) {
+    case 64: return blocks(Int<64>());
+#ifndef MINIPAGED_FEW_INSTANCES
+    case 128: return blocks(Int<128>());
+#endif
+    default: return UNSUPPORTED_HEAD_SIZE;
+  }
+}
+
+template <typename T, typename F>
+int dispatch_8bit_code(int cache_dtype, int head_size, int block_size, F& f) {
+  switch (cache_dtype) {
+    case 3: return dispatch_8bit_shape<T, int8_t>(head_size, block_size, f);
+    case 4: return dispatch_8bit_shape<T, fp8_e4m3>(head_size, block_size, f);
+    default: return UNSUPPORTED_DTYPE;
+  }
+}
+
+template <typename F>
+int dispatch_8bit(int dtype, int cache_dtype, int head_size, int block_size, F f) {
+  switch (dtype) {
+    case 0: return dispatch_8bit_code<float>(cache_dtype, head_size, block_size, f);
+    case 1: return dispatch_8bit_code<__half>(cache_dtype, head_size, block_size, f);
+    case 2: return dispatch_8bit_code<__nv_bfloat16>(cache_dtype, head_size, block_size, f);
     default: return UNSUPPORTED_DTYPE;
   }
 }
@@ -875,4 +963,43 @@ extern "C" int minipaged_paged_attention_v1_limits(int head_size, int block_size
     *max_context_len = (int64_t)(smem.max_dynamic / sizeof(float)) / BLOCK_SIZE * BLOCK_SIZE;
     return 0;
   });
+}
+
+// The same kernels on an 8-bit cache (lesson 18): key_cache and value_cache hold int8
+// (cache_dtype 3) or fp8 e4m3 (4) codes, key_scales and value_scales [num_blocks, num_kv_heads,
+// block_size] float32 their scales (contiguous); dtype is the query's and out's. Strides are in
+// cache elements (bytes). Same error codes; the workspace as minipaged_paged_attention_plan says.
+extern "C" int minipaged_paged_attention_8bit(
+    void* out, const void* query, const void* key_cache, const void* value_cache,
+    const float* key_scales, const float* value_scales, const int* block_tables,
+    const int* context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_size,
+    int block_size, int max_blocks_per_seq, int64_t q_seq_stride, int64_t q_head_stride,
+    int64_t k_block_stride, int64_t k_head_stride, int64_t v_block_stride, int64_t v_head_stride,
+    float scale, int max_context_len, int dtype, int cache_dtype, int version, void* workspace,
+    int64_t workspace_bytes, cudaStream_t stream) {
+  if (num_seqs == 0 || num_heads == 0) return 0;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return minipaged::BAD_HEAD_COUNTS;
+  if (num_seqs > minipaged::MAX_GRID_Y) return minipaged::TOO_MANY_SEQUENCES;
+  if (version < 0 || version > 2) return minipaged::BAD_VERSION;
+  if (!minipaged::aligned16(key_cache) || !minipaged::aligned16(value_cache) ||
+      k_block_stride % 16 || k_head_stride % 16 || v_block_stride % 16 || v_head_stride % 16) {
+    return minipaged::MISALIGNED;
+  }
+  minipaged::KernelArgs k{block_tables, context_lens, max_blocks_per_seq, num_kv_heads,
+                          q_seq_stride, q_head_stride, k_block_stride, k_head_stride,
+                          v_block_stride, v_head_stride, scale};
+  k.k_scales = key_scales;
+  k.v_scales = value_scales;
+  const minipaged::AttentionArgs a{
+      out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len,
+      minipaged::choose_version(num_seqs, num_heads, max_context_len, version),
+      static_cast<float*>(workspace), workspace_bytes / (int64_t)sizeof(float), stream, k};
+  return minipaged::dispatch_8bit(
+      dtype, cache_dtype, head_size, block_size, [&](auto type, auto code, auto head, auto block) {
+        using T = typename decltype(type)::type;
+        using C = typename decltype(code)::type;
+        constexpr int H = decltype(head)::value, B = decltype(block)::value;
+        return a.version == 1 ? minipaged::launch_v1<T, H, B, C>(a)
+                              : minipaged::launch_v2<T, H, B, C>(a);
+      });
 }

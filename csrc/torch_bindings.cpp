@@ -136,13 +136,13 @@ void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cac
               "of every head on one (the kernels read them in 16-byte vectors)");
 }
 
-// ---------------------------------------------------------------------------------------------
-// version: 0 = V1 or V2 chosen by context length, 1 = V1, 2 = V2 (partitioned).
-// Returns the version that ran.
-int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                        torch::Tensor value_cache, torch::Tensor block_tables,
-                        torch::Tensor context_lens, double scale, int64_t max_context_len,
-                        int64_t version) {
+// out, query [num_seqs, num_heads, head_size], the caches, block_tables, context_lens (on the
+// host: every block a context uses), max_context_len and version of a decode call, for both
+// paged_attention's. Returns false when there is nothing to compute.
+bool check_decode_batch(const torch::Tensor& out, const torch::Tensor& query,
+                        const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        int64_t max_context_len, int64_t version) {
   const auto device = query.device();
   check_device(query, "query", device);
   check_device(out, "out", device);
@@ -154,8 +154,6 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
   TORCH_CHECK(query.stride(2) == 1, "query's last dimension must be contiguous");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   check_caches(key_cache, value_cache, head_size);
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(),
-              "query and the caches must have the same dtype");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
               out.scalar_type() == query.scalar_type(),
               "out must be a contiguous tensor shaped and typed like query");
@@ -171,7 +169,7 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
               context_lens.is_contiguous() && context_lens.size(0) == num_seqs,
               "context_lens must be contiguous int32 [num_seqs]");
   TORCH_CHECK(version >= 0 && version <= 2, "version must be 0 (choose), 1 or 2, got ", version);
-  if (num_seqs == 0 || num_heads == 0) return 0;
+  if (num_seqs == 0 || num_heads == 0) return false;
   TORCH_CHECK(max_context_len >= 1 && max_context_len <= INT32_MAX,
               "max_context_len must be in [1, 2^31), got ", max_context_len,
               " (every sequence attends to at least its own token)");
@@ -196,16 +194,40 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
       }
     }
   }
+  return true;
+}
+
+// The kernel version that runs for a decode batch (*chosen) and V2's workspace on the device.
+torch::Tensor plan_decode(const torch::Tensor& query, int64_t max_context_len, int64_t version,
+                          int* chosen, int64_t* workspace_bytes) {
+  check_code(minipaged_paged_attention_plan((int)query.size(0), (int)query.size(1),
+                                            (int)query.size(2), (int)max_context_len,
+                                            (int)version, chosen, workspace_bytes),
+             "paged_attention");
+  return torch::empty({(*workspace_bytes + 3) / 4}, query.options().dtype(torch::kFloat));
+}
+
+// ---------------------------------------------------------------------------------------------
+// version: 0 = V1 or V2 chosen by context length, 1 = V1, 2 = V2 (partitioned).
+// Returns the version that ran.
+int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                        torch::Tensor value_cache, torch::Tensor block_tables,
+                        torch::Tensor context_lens, double scale, int64_t max_context_len,
+                        int64_t version) {
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(),
+              "query and the caches must have the same dtype");
+  if (!check_decode_batch(out, query, key_cache, value_cache, block_tables, context_lens,
+                          max_context_len, version)) {
+    return 0;
+  }
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
+  const auto device = query.device();
   const int dtype = dtype_code(query);
 
   int chosen = 0;
   int64_t workspace_bytes = 0;
-  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
-                                            (int)max_context_len, (int)version, &chosen,
-                                            &workspace_bytes),
-             "paged_attention");
-  const auto workspace = torch::empty({(workspace_bytes + 3) / 4},
-                                      query.options().dtype(torch::kFloat));
+  const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
   const DeviceGuard guard(device);
   const int code = minipaged_paged_attention(
       out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -249,8 +271,11 @@ std::vector<int64_t> paged_attention_v1_limits(int64_t head_size, int64_t block_
 }
 
 // ---------------------------------------------------------------------------------------------
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+// The new tokens' key and value [num_tokens, num_kv_heads, head_size], the caches they go
+// into and their slots (checked on the host when they are there): for both reshape_and_cache's.
+void check_new_tokens(const torch::Tensor& key, const torch::Tensor& value,
+                      const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                      const torch::Tensor& slot_mapping) {
   const auto device = key_cache.device();
   check_device(key, "key", device);
   check_device(value, "value", device);
@@ -267,9 +292,6 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   check_caches(key_cache, value_cache, head_size);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "reshape_and_cache writes contiguous caches only");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-              value.scalar_type() == key_cache.scalar_type(),
-              "key, value and the caches must have the same dtype");
   TORCH_CHECK(key_cache.size(1) == num_kv_heads, "the caches hold ", key_cache.size(1),
               " kv heads, the keys ", num_kv_heads);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
@@ -285,8 +307,16 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
                   "cache's slots [0, ", slots, "); -1 marks a token that is not cached");
     }
   }
+}
 
-  const DeviceGuard guard(device);
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  check_new_tokens(key, value, key_cache, value_cache, slot_mapping);
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+              value.scalar_type() == key_cache.scalar_type(),
+              "key, value and the caches must have the same dtype");
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  const DeviceGuard guard(key_cache.device());
   check_code(minipaged_reshape_and_cache(
                  key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  slot_mapping.data_ptr<int64_t>(), (int)num_tokens, (int)num_kv_heads,
@@ -386,6 +416,82 @@ void swap_blocks(torch::Tensor src, torch::Tensor dst, torch::Tensor block_pairs
              "swap_blocks");
 }
 
+// ---------------------------------------------------------------------------------------------
+// An 8-bit cache (lesson 18): int8 or float8_e4m3fn codes, and float32 scales
+// [num_blocks, num_kv_heads, block_size] beside each cache.
+int cache_dtype_code(const torch::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kChar: return 3;
+    case at::kFloat8_e4m3fn: return 4;
+    default: TORCH_CHECK(false, "minipaged: an 8-bit cache is int8 or float8_e4m3fn, got ",
+                         cache.scalar_type());
+  }
+  return -1;
+}
+
+void check_scales(const torch::Tensor& key_cache, const torch::Tensor& key_scales,
+                  const torch::Tensor& value_scales) {
+  const auto device = key_cache.device();
+  for (const auto* t : {&key_scales, &value_scales}) {
+    const char* name = t == &key_scales ? "key_scales" : "value_scales";
+    check_device(*t, name, device);
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                t->size(0) == key_cache.size(0) && t->size(1) == key_cache.size(1) &&
+                t->size(2) == key_cache.size(3), name, " must be contiguous float32 [num_blocks, "
+                "num_kv_heads, block_size] = [", key_cache.size(0), ", ", key_cache.size(1),
+                ", ", key_cache.size(3), "], got ", t->scalar_type(), " ", t->sizes());
+  }
+}
+
+int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor key_scales,
+                             torch::Tensor value_scales, torch::Tensor block_tables,
+                             torch::Tensor context_lens, double scale, int64_t max_context_len,
+                             int64_t version) {
+  const int cache_dtype = cache_dtype_code(key_cache);
+  check_scales(key_cache, key_scales, value_scales);
+  if (!check_decode_batch(out, query, key_cache, value_cache, block_tables, context_lens,
+                          max_context_len, version)) {
+    return 0;
+  }
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(3);
+  const auto device = query.device();
+  int chosen = 0;
+  int64_t workspace_bytes = 0;
+  const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
+  const DeviceGuard guard(device);
+  check_code(minipaged_paged_attention_8bit(
+                 out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                 key_scales.data_ptr<float>(), value_scales.data_ptr<float>(),
+                 block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs,
+                 (int)num_heads, (int)num_kv_heads, (int)head_size, (int)block_size,
+                 (int)block_tables.size(1), query.stride(0), query.stride(1),
+                 key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
+                 value_cache.stride(1), (float)scale, (int)max_context_len, dtype_code(query),
+                 cache_dtype, chosen, workspace.data_ptr(), workspace_bytes, current_stream()),
+             "paged_attention_8bit (8-bit caches: head sizes 64, 128; block sizes 16, 32)");
+  return chosen;
+}
+
+void reshape_and_cache_8bit(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor key_scales,
+                            torch::Tensor value_scales, torch::Tensor slot_mapping) {
+  check_new_tokens(key, value, key_cache, value_cache, slot_mapping);
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value must have one dtype");
+  const int cache_dtype = cache_dtype_code(key_cache);
+  check_scales(key_cache, key_scales, value_scales);
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  const DeviceGuard guard(key_cache.device());
+  check_code(minipaged_reshape_and_cache_8bit(
+                 key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                 key_scales.data_ptr<float>(), value_scales.data_ptr<float>(),
+                 slot_mapping.data_ptr<int64_t>(), (int)num_tokens, (int)num_kv_heads,
+                 (int)head_size, (int)key_cache.size(3), key.stride(0), value.stride(0),
+                 dtype_code(key), cache_dtype, current_stream()),
+             "reshape_and_cache_8bit");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -402,6 +508,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "longest context V1 takes]");
   m.def("reshape_and_cache", &reshape_and_cache,
         "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)");
+  m.def("paged_attention_8bit", &paged_attention_8bit,
+        "paged_attention_8bit(out, query, key_cache, value_cache, key_scales, value_scales, "
+        "block_tables, context_lens, scale, max_context_len, version): over an 8-bit cache");
+  m.def("reshape_and_cache_8bit", &reshape_and_cache_8bit,
+        "reshape_and_cache_8bit(key, value, key_cache, value_cache, key_scales, value_scales, "
+        "slot_mapping): quantize into an 8-bit cache, one scale per token and kv head");
   m.def("copy_blocks", &copy_blocks, "copy_blocks(key_caches, value_caches, block_pairs)");
   m.def("swap_blocks", &swap_blocks, "swap_blocks(src, dst, block_pairs)");
 #ifdef MINIPAGED_CUDA_ON_CPU

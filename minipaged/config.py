@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from minipaged.validation import as_int, as_number, shown
 
 GiB = 1 << 30
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # what the KV cache holds (lesson 18)
 DEFAULT_KV_CACHE_BYTES = GiB  # the CPU pool's budget when no kv_cache_bytes is given
 logger = logging.getLogger("minipaged")
 
@@ -89,6 +90,8 @@ _RULES = {
     "enforce_eager": (_flag, lambda v: True, "True or False"),
     "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
     "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    "kv_cache_dtype": (lambda v: v if v in KV_CACHE_DTYPES else None, lambda v: True,
+                       "one of " + ", ".join(map(repr, KV_CACHE_DTYPES))),
 }
 
 # -- the settings ------------------------------------------------------------------------------
@@ -176,6 +179,11 @@ class EngineConfig:
     speculative_config: object = setting(
         None, "None, or vLLM's dict turning on speculative decoding (lesson 12; "
               "SpeculativeConfig below says what it holds)")
+
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV cache holds: auto (the model's dtype), fp8 (float8 e4m3) or int8, "
+                "each 8-bit number with a float32 scale per token and kv head (lesson 18); the "
+                "pool then holds more blocks per byte", choices=KV_CACHE_DTYPES)
 
     @classmethod
     def from_settings(cls, model: str | None = None, **settings) -> EngineConfig:

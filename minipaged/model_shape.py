@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int,
-                       element_size: int) -> int:
+                       element_size: int, scale_bytes: int = 0) -> int:
     """KV cache bytes one token occupies: a key and a value vector per kv head, per layer.
 
     Args:
@@ -21,9 +21,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int,
         num_kv_heads: the key/value heads (fewer than the query heads under grouped-query
             attention); per rank under tensor parallel.
         head_size: elements of one head's key (and value) vector.
-        element_size: bytes of one element (4 for float32, 2 for float16 and bfloat16).
+        element_size: bytes of one element (4 for float32, 2 for float16 and bfloat16, 1 for
+            an 8-bit cache).
+        scale_bytes: bytes of the scale stored with each vector (4 for an 8-bit cache's
+            float32 scale, lesson 18; 0 otherwise).
     """
-    return 2 * num_layers * num_kv_heads * head_size * element_size
+    return 2 * num_layers * num_kv_heads * (head_size * element_size + scale_bytes)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@
 // entries of a block table. Blocks past the last one are never touched; in the sequence's last,
 // partly filled block only the valid tokens are read (probability 0 times NaN would be NaN).
 //
+// An 8-bit cache (lesson 18): key_cache and value_cache hold fp8 e4m3 or int8 codes, and
+// key_scales / value_scales [num_blocks, num_kv_heads, block_size] one float per token and kv
+// head. The loops read the codes as they are and apply the scales per token, where it is cheap:
+// a logit is (q . codes) * key_scale, a probability is multiplied by value_scale before it meets
+// the value codes. The `_8bit` entry points at the end of the file take the scales.
+//
 // Argument checks: the loops trust what they read (a block number is an address), so every
 // argument is checked before they run (`check_caches`, `check_batch`, `check_slots`) and a bad
 // one raises a RuntimeError naming the argument, its value and the limit. The checks cost one
@@ -35,10 +41,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace minipaged_cpu {
@@ -55,6 +63,18 @@ inline float to_float(c10::BFloat16 v) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+// fp8 e4m3 -> float through a 256-entry table: c10's conversion works bit by bit, and on every
+// element of a decode step it costs more than the arithmetic (8x the int8 step, measured).
+inline std::array<float, 256> fp8_table() {
+  std::array<float, 256> table{};
+  for (int i = 0; i < 256; ++i)
+    table[i] = static_cast<float>(c10::Float8_e4m3fn((uint8_t)i, c10::Float8_e4m3fn::from_bits()));
+  return table;
+}
+const std::array<float, 256> kFp8ToFloat = fp8_table();
+inline float to_float(c10::Float8_e4m3fn v) { return kFp8ToFloat[v.x]; }
 
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }  // round to nearest even
@@ -79,14 +99,23 @@ struct Shapes {
   float scale;
 };
 
+// An 8-bit cache's scales, [num_blocks, num_kv_heads, block_size] each; null for a 16/32-bit one.
+struct Scales {
+  const float* key = nullptr;
+  const float* value = nullptr;
+};
+
 // Query rows of one task: rows [row_begin, row_end) of one sequence, all heads of one group.
-template <typename T, int BLOCK_SIZE>
-void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cache,
+// T is the query's type, C the cache's (T itself, or an 8-bit code with `scales`).
+template <typename T, typename C, int BLOCK_SIZE>
+void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cache,
                  const int* block_table, int context_len, int q_len, int row_begin, int row_end,
-                 int64_t first_token, int kv_head, const Shapes& sh, std::vector<float>& scratch) {
-  constexpr int X = 16 / sizeof(T);               // elements per 16-byte key chunk
+                 int64_t first_token, int kv_head, const Shapes& sh, std::vector<float>& scratch,
+                 const Scales& scales = Scales{}) {
+  constexpr int X = 16 / sizeof(C);               // elements per 16-byte key chunk
   constexpr int K_RUN = BLOCK_SIZE * X;           // one chunk index of a block: BLOCK_SIZE * X
-  constexpr int KW = K_RUN < LANES ? K_RUN : LANES;      // lanes of the q.k accumulators
+  // lanes of the q.k accumulators: a whole number of chunks (16 for 8-bit codes)
+  constexpr int KW = K_RUN < LANES ? K_RUN : (X > LANES ? X : LANES);
   constexpr int VW = BLOCK_SIZE < LANES ? BLOCK_SIZE : LANES;  // lanes of the p.V accumulators
   static_assert(KW % X == 0 && K_RUN % KW == 0 && BLOCK_SIZE % VW == 0, "powers of two");
 
@@ -124,9 +153,14 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
 
   // ---- phase 2: q.k, block by block, keys read in place ---------------------------------------
   const int64_t kv_offset = kv_head * sh.kv_head_stride;  // this kv head's part of a block
-  const int64_t block_bytes = (int64_t)head_size * BLOCK_SIZE * sizeof(T);
+  const int64_t block_bytes = (int64_t)head_size * BLOCK_SIZE * sizeof(C);
+  // scales of kv head `kv_head` in block `block`: BLOCK_SIZE floats
+  auto scale_row = [&](const float* s, int block) {
+    return s + ((int64_t)block * sh.num_kv_heads + kv_head) * BLOCK_SIZE;
+  };
   for (int b = 0; b < num_blocks; ++b) {
-    const T* k_block = key_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    const C* k_block = key_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    const float* k_scale = scales.key ? scale_row(scales.key, block_table[b]) : nullptr;
     if (b + 1 < num_blocks)  // the blocks are scattered: no hardware prefetcher guesses the next
       prefetch(key_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
     const int block_start = b * BLOCK_SIZE;
@@ -142,7 +176,7 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
         // partial[t * X + i] sums q[c * X + i] * k[c][t][i] over the chunks c.
         float partial[K_RUN] = {};
         for (int c = 0; c < num_chunks; ++c) {
-          const T* k_chunk = k_block + (int64_t)c * K_RUN;  // [BLOCK_SIZE][X]
+          const C* k_chunk = k_block + (int64_t)c * K_RUN;  // [BLOCK_SIZE][X]
           const float* qc = qp + c * KW;
           for (int j = 0; j < K_RUN; j += KW)
             for (int w = 0; w < KW; ++w) partial[j + w] += qc[w] * to_float(k_chunk[j + w]);
@@ -150,7 +184,7 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
         for (int t = 0; t < valid; ++t) {
           float dot = 0.f;
           for (int i = 0; i < X; ++i) dot += partial[t * X + i];
-          row_logits[t] = dot;
+          row_logits[t] = k_scale ? dot * k_scale[t] : dot;
         }
       } else {
         // The sequence's last, partly filled block: only the valid tokens are read.
@@ -159,7 +193,7 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
           for (int c = 0; c < num_chunks; ++c)
             for (int i = 0; i < X; ++i)
               dot += qp[c * KW + i] * to_float(k_block[((int64_t)c * BLOCK_SIZE + t) * X + i]);
-          row_logits[t] = dot;
+          row_logits[t] = k_scale ? dot * k_scale[t] : dot;
         }
       }
     }
@@ -182,7 +216,8 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
   // ---- phase 4: probabilities . V, values read in place ---------------------------------------
   std::fill(acc, acc + acc_size, 0.f);
   for (int b = 0; b < num_blocks; ++b) {
-    const T* v_block = value_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    const C* v_block = value_cache + block_table[b] * sh.kv_block_stride + kv_offset;
+    const float* v_scale = scales.value ? scale_row(scales.value, block_table[b]) : nullptr;
     if (b + 1 < num_blocks)
       prefetch(value_cache + block_table[b + 1] * sh.kv_block_stride + kv_offset, block_bytes);
     const int block_start = b * BLOCK_SIZE;
@@ -192,14 +227,16 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
       if (valid <= 0) continue;
       const float* p = logits + (size_t)v * last_len + block_start;  // this block's probabilities
       float* __restrict__ acc_v = acc + (size_t)v * head_size * VW;
+      // an 8-bit cache: each probability carries its token's value scale
+      auto p_of = [&](int t) { return v_scale ? p[t] * v_scale[t] : p[t]; };
       if (whole) {
         // NOTE: the probabilities are copied into a local array first: the compiler then knows
         // the accumulators cannot overwrite them, and keeps them in vector registers. Tokens
         // past a causal cut get probability 0 (their values are real, finite tokens).
         float p_block[BLOCK_SIZE];
-        for (int t = 0; t < BLOCK_SIZE; ++t) p_block[t] = t < valid ? p[t] : 0.f;
+        for (int t = 0; t < BLOCK_SIZE; ++t) p_block[t] = t < valid ? p_of(t) : 0.f;
         for (int d = 0; d < head_size; ++d) {
-          const T* v_row = v_block + (int64_t)d * BLOCK_SIZE;  // head dimension d, all tokens
+          const C* v_row = v_block + (int64_t)d * BLOCK_SIZE;  // head dimension d, all tokens
           float lanes[VW];
           for (int w = 0; w < VW; ++w) lanes[w] = acc_v[d * VW + w];
           for (int j = 0; j < BLOCK_SIZE; j += VW)
@@ -208,8 +245,8 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
         }
       } else {
         for (int d = 0; d < head_size; ++d) {
-          const T* v_row = v_block + (int64_t)d * BLOCK_SIZE;
-          for (int t = 0; t < valid; ++t) acc_v[d * VW + t % VW] += p[t] * to_float(v_row[t]);
+          const C* v_row = v_block + (int64_t)d * BLOCK_SIZE;
+          for (int t = 0; t < valid; ++t) acc_v[d * VW + t % VW] += p_of(t) * to_float(v_row[t]);
         }
       }
     }
@@ -230,13 +267,14 @@ void attend_rows(T* out, const T* query, const T* key_cache, const T* value_cach
 // few enough that a task's accumulators stay small, and many tasks for the threads.
 constexpr int ROWS_PER_TASK = 8;
 
-template <typename T, int BLOCK_SIZE>
+template <typename T, int BLOCK_SIZE, typename C = T>
 void paged_prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query,
                                   const torch::Tensor& key_cache,
                                   const torch::Tensor& value_cache,
                                   const torch::Tensor& block_tables,
                                   const torch::Tensor& query_start_loc,
-                                  const torch::Tensor& context_lens, const Shapes& sh) {
+                                  const torch::Tensor& context_lens, const Shapes& sh,
+                                  const Scales& scales = Scales{}) {
   const int num_seqs = context_lens.size(0);
   const int* loc = query_start_loc.data_ptr<int>();
   const int* ctx = context_lens.data_ptr<int>();
@@ -251,18 +289,18 @@ void paged_prefill_attention_impl(torch::Tensor& out, const torch::Tensor& query
   }
   T* out_ptr = out.data_ptr<T>();
   const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
+  const C* k_ptr = key_cache.data_ptr<C>();
+  const C* v_ptr = value_cache.data_ptr<C>();
   const int* tables = block_tables.data_ptr<int>();
   at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;  // reused by all of this thread's tasks
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const int s = task.seq;
-      attend_rows<T, BLOCK_SIZE>(out_ptr, q_ptr, k_ptr, v_ptr,
-                                 tables + (int64_t)s * sh.max_blocks_per_seq, ctx[s],
-                                 loc[s + 1] - loc[s], task.row_begin, task.row_end, loc[s],
-                                 task.kv_head, sh, scratch);
+      attend_rows<T, C, BLOCK_SIZE>(out_ptr, q_ptr, k_ptr, v_ptr,
+                                    tables + (int64_t)s * sh.max_blocks_per_seq, ctx[s],
+                                    loc[s + 1] - loc[s], task.row_begin, task.row_end, loc[s],
+                                    task.kv_head, sh, scratch, scales);
     }
   });
 }
@@ -297,6 +335,10 @@ struct CacheShape {
   int64_t num_blocks, num_kv_heads, head_size, block_size;
 };
 
+inline bool is_8bit(at::ScalarType dtype) {
+  return dtype == at::kChar || dtype == at::kFloat8_e4m3fn;
+}
+
 // key_cache [num_blocks, num_kv_heads, head_size / x, block_size, x] and
 // value_cache [num_blocks, num_kv_heads, head_size, block_size]: one dtype, contiguous, agreeing.
 CacheShape check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
@@ -304,8 +346,9 @@ CacheShape check_caches(const torch::Tensor& key_cache, const torch::Tensor& val
               "key_cache and value_cache must be CPU tensors, got ", key_cache.device(), " and ",
               value_cache.device());
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "key_cache: dtype must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+              is_8bit(dtype), "key_cache: dtype must be float32, bfloat16, float16, or int8 / "
+              "float8_e4m3fn with scales, got ", dtype);
   TORCH_CHECK(value_cache.scalar_type() == dtype, "value_cache is ", value_cache.scalar_type(),
               " but key_cache is ", dtype);
   TORCH_CHECK(key_cache.dim() == 5, "key_cache must be [num_blocks, num_kv_heads, head_size / x, "
@@ -336,8 +379,8 @@ void check_query(const torch::Tensor& query, const torch::Tensor& key_cache, con
               query.sizes());
   TORCH_CHECK(query.stride(2) == 1, "query must be contiguous in its last dimension (head_size), "
               "got strides ", query.strides());
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query is ", query.scalar_type(),
-              " but the caches are ", key_cache.scalar_type());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() || is_8bit(key_cache.scalar_type()),
+              "query is ", query.scalar_type(), " but the caches are ", key_cache.scalar_type());
   TORCH_CHECK(query.size(2) == c.head_size, "query has head size ", query.size(2),
               " but the caches hold head size ", c.head_size);
   TORCH_CHECK(query.size(1) >= 1 && query.size(1) % c.num_kv_heads == 0, "num_heads = ",
@@ -404,12 +447,21 @@ void check_batch(const torch::Tensor& query, const torch::Tensor& block_tables,
   }
 }
 
-// out[T, heads, head_size] = causal attention of each sequence's newest rows over its cache.
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
-                                      torch::Tensor value_cache, torch::Tensor block_tables,
-                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                      double scale) {
-  const CacheShape c = check_caches(key_cache, value_cache);
+// Calls body(C{}) with C the 8-bit code type of `dtype` (int8 or float8 e4m3).
+template <typename Body>
+void dispatch_code(at::ScalarType dtype, Body&& body) {
+  if (dtype == at::kChar) {
+    body(int8_t{});
+  } else {
+    body(c10::Float8_e4m3fn{});
+  }
+}
+
+// Both prefill entry points, once the caches are checked: `scales` null for a 16/32-bit cache.
+torch::Tensor attend_all(const torch::Tensor& query, const torch::Tensor& key_cache,
+                         const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                         const torch::Tensor& query_start_loc, const torch::Tensor& context_lens,
+                         double scale, const CacheShape& c, const Scales* scales) {
   check_query(query, key_cache, c);
   check_batch(query, block_tables, query_start_loc, context_lens, c);
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
@@ -417,60 +469,90 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cac
   const Shapes sh{(int)query.size(1), (int)c.num_kv_heads, (int)c.head_size,
                   (int)block_tables.size(1), query.stride(0), query.stride(1),
                   key_cache.stride(0), key_cache.stride(1), (float)scale};
-  MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention", [&] {
-    MINIPAGED_DISPATCH_BLOCK_SIZE(c.block_size, [&] {
-      paged_prefill_attention_impl<scalar_t, BLOCK_SIZE>(out, query, key_cache, value_cache,
-                                                         block_tables, query_start_loc,
-                                                         context_lens, sh);
+  auto run = [&](auto code) {  // code: the cache's element type (the query's, or 8-bit)
+    MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention", [&] {
+      using C = std::conditional_t<std::is_same<decltype(code), bool>::value, scalar_t,
+                                   decltype(code)>;
+      MINIPAGED_DISPATCH_BLOCK_SIZE(c.block_size, [&] {
+        paged_prefill_attention_impl<scalar_t, BLOCK_SIZE, C>(
+            out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, sh,
+            scales ? *scales : Scales{});
+      });
     });
-  });
+  };
+  if (scales) {
+    dispatch_code(key_cache.scalar_type(), run);
+  } else {
+    run(false);  // (bool: "the query's own type")
+  }
   return out;
 }
 
-// Decode: one query row per sequence, i.e. query_start_loc = 0, 1, 2, ...
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
-                              torch::Tensor value_cache, torch::Tensor block_tables,
-                              torch::Tensor context_lens, double scale) {
+// out[T, heads, head_size] = causal attention of each sequence's newest rows over its cache.
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
+                                      torch::Tensor value_cache, torch::Tensor block_tables,
+                                      torch::Tensor query_start_loc, torch::Tensor context_lens,
+                                      double scale) {
+  const CacheShape c = check_caches(key_cache, value_cache);
+  return attend_all(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                    scale, c, nullptr);
+}
+
+// Decode has one query row per sequence: query_start_loc = 0, 1, 2, ...
+torch::Tensor decode_query_start_loc(const torch::Tensor& query,
+                                     const torch::Tensor& context_lens) {
   check_int32(context_lens, "context_lens", 1);
   TORCH_CHECK(query.dim() == 3 && query.size(0) == context_lens.size(0), "decode has one query "
               "row per sequence: query ", query.sizes(), " but context_lens has ",
               context_lens.size(0), " entries");
-  auto query_start_loc = torch::arange(query.size(0) + 1, context_lens.options());
-  return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                                 context_lens, scale);
+  return torch::arange(query.size(0) + 1, context_lens.options());
+}
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
+                              torch::Tensor value_cache, torch::Tensor block_tables,
+                              torch::Tensor context_lens, double scale) {
+  return paged_prefill_attention(query, key_cache, value_cache, block_tables,
+                                 decode_query_start_loc(query, context_lens), context_lens, scale);
 }
 
 // ----------------------------------------------------------------------------------------------
 // reshape_and_cache: each new token's key and value into its slot (slot -1: not cached)
 // ----------------------------------------------------------------------------------------------
+// write(token, kv_head, block, offset) for every cached token (slot -1: skipped) and kv head.
+template <typename Write>
+void for_each_slot(const torch::Tensor& slot_mapping, int64_t num_kv_heads, int64_t block_size,
+                   Write&& write) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, slot_mapping.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slots[token];
+      if (slot < 0) continue;  // -1: a padding token (check_slots refused anything else)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        write(token, h, slot / block_size, slot % block_size);
+    }
+  });
+}
+
 template <typename T>
 void reshape_and_cache_impl(const torch::Tensor& key, const torch::Tensor& value,
                             torch::Tensor& key_cache, torch::Tensor& value_cache,
                             const torch::Tensor& slot_mapping) {
   constexpr int X = 16 / sizeof(T);
-  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
-  const int64_t block_size = key_cache.size(3);
+  const int64_t head_size = key.size(2), block_size = key_cache.size(3);
   const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
   T* kc = key_cache.data_ptr<T>();
   T* vc = value_cache.data_ptr<T>();
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t token = begin; token < end; ++token) {
-      const int64_t slot = slots[token];
-      if (slot < 0) continue;  // -1: a padding token (check_slots refused anything else)
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const T* k_src = k + token * key.stride(0) + h * key.stride(1);
-        const T* v_src = v + token * value.stride(0) + h * value.stride(1);
-        T* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
-        T* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
-        for (int64_t d = 0; d < head_size; ++d) {
-          k_dst[((d / X) * block_size + offset) * X + d % X] = k_src[d];
-          v_dst[d * block_size + offset] = v_src[d];
-        }
-      }
+  for_each_slot(slot_mapping, key.size(1), block_size,
+                [&](int64_t token, int64_t h, int64_t block, int64_t offset) {
+    const T* k_src = k + token * key.stride(0) + h * key.stride(1);
+    const T* v_src = v + token * value.stride(0) + h * value.stride(1);
+    T* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
+    T* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
+    for (int64_t d = 0; d < head_size; ++d) {
+      k_dst[((d / X) * block_size + offset) * X + d % X] = k_src[d];
+      v_dst[d * block_size + offset] = v_src[d];
     }
   });
 }
@@ -497,9 +579,9 @@ void check_slots(const torch::Tensor& slot_mapping, int64_t num_tokens, const Ca
   }
 }
 
-void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
-  const CacheShape c = check_caches(key_cache, value_cache);
+// key, value [num_tokens, num_kv_heads, head_size] of the caches' shape, and their slots.
+void check_new_tokens(const torch::Tensor& key, const torch::Tensor& value,
+                      const torch::Tensor& slot_mapping, const CacheShape& c) {
   TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu(), "key and value must be CPU "
               "tensors, got ", key.device(), " and ", value.device());
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key ", key.sizes(), " and value ",
@@ -507,17 +589,136 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value must be contiguous in "
               "their last dimension (head_size), got strides ", key.strides(), " and ",
               value.strides());
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-              value.scalar_type() == key_cache.scalar_type(), "key is ", key.scalar_type(),
-              " and value is ", value.scalar_type(), " but the caches are ",
-              key_cache.scalar_type());
   TORCH_CHECK(key.size(1) == c.num_kv_heads, "key and value have ", key.size(1),
               " kv heads but the caches hold ", c.num_kv_heads);
   TORCH_CHECK(key.size(2) == c.head_size, "key and value have head size ", key.size(2),
               " but the caches hold head size ", c.head_size);
   check_slots(slot_mapping, key.size(0), c);
+}
+
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                       torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  const CacheShape c = check_caches(key_cache, value_cache);
+  check_new_tokens(key, value, slot_mapping, c);
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+              value.scalar_type() == key_cache.scalar_type(), "key is ", key.scalar_type(),
+              " and value is ", value.scalar_type(), " but the caches are ",
+              key_cache.scalar_type());
   MINIPAGED_DISPATCH_DTYPE(key.scalar_type(), "reshape_and_cache", [&] {
     reshape_and_cache_impl<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
+  });
+}
+
+// ----------------------------------------------------------------------------------------------
+// The 8-bit cache (lesson 18): the same routines, codes in the caches, scales beside them
+// ----------------------------------------------------------------------------------------------
+constexpr float FP8_MAX = 448.f;  // the largest float8 e4m3 (fn) value
+constexpr float INT8_MAX_CODE = 127.f;
+
+// key_scales and value_scales: float32 [num_blocks, num_kv_heads, block_size], contiguous, next
+// to 8-bit caches; and 16/32-bit caches take no scales.
+Scales check_scales(const torch::Tensor& key_cache, const torch::Tensor& key_scales,
+                    const torch::Tensor& value_scales, const CacheShape& c) {
+  TORCH_CHECK(is_8bit(key_cache.scalar_type()), "key_scales and value_scales go with an 8-bit "
+              "cache (int8 or float8_e4m3fn), but the caches are ", key_cache.scalar_type());
+  for (const auto* t : {&key_scales, &value_scales}) {
+    const char* name = t == &key_scales ? "key_scales" : "value_scales";
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                name, " must be a contiguous float32 CPU tensor, got ", t->scalar_type(), " on ",
+                t->device());
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == c.num_blocks && t->size(1) == c.num_kv_heads &&
+                t->size(2) == c.block_size, name, " must be [num_blocks, num_kv_heads, "
+                "block_size] = [", c.num_blocks, ", ", c.num_kv_heads, ", ", c.block_size,
+                "], got ", t->sizes());
+  }
+  return Scales{key_scales.data_ptr<float>(), value_scales.data_ptr<float>()};
+}
+
+torch::Tensor paged_prefill_attention_8bit(torch::Tensor query, torch::Tensor key_cache,
+                                           torch::Tensor value_cache, torch::Tensor key_scales,
+                                           torch::Tensor value_scales,
+                                           torch::Tensor block_tables,
+                                           torch::Tensor query_start_loc,
+                                           torch::Tensor context_lens, double scale) {
+  const CacheShape c = check_caches(key_cache, value_cache);
+  const Scales scales = check_scales(key_cache, key_scales, value_scales, c);
+  return attend_all(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                    scale, c, &scales);
+}
+
+torch::Tensor paged_attention_8bit(torch::Tensor query, torch::Tensor key_cache,
+                                   torch::Tensor value_cache, torch::Tensor key_scales,
+                                   torch::Tensor value_scales, torch::Tensor block_tables,
+                                   torch::Tensor context_lens, double scale) {
+  return paged_prefill_attention_8bit(query, key_cache, value_cache, key_scales, value_scales,
+                                      block_tables, decode_query_start_loc(query, context_lens),
+                                      context_lens, scale);
+}
+
+// One vector (head_size numbers) to codes: scale = max |x| / the largest code (1 if all are 0),
+// code = x / scale rounded (the torch reference, minipaged/kernels/kv_quant.py, does the same
+// divisions, so both write the same bits).
+// store(d, code) puts element d's code where the layout wants it; returns the scale.
+template <typename T, typename C, typename Store>
+float quantize_vector(const T* src, int64_t n, Store&& store) {
+  constexpr bool is_int8 = std::is_same<C, int8_t>::value;
+  const float qmax = is_int8 ? INT8_MAX_CODE : FP8_MAX;
+  float amax = 0.f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(to_float(src[d])));
+  const float scale = amax > 0.f ? amax / qmax : 1.f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float y = std::min(std::max(to_float(src[d]) / scale, -qmax), qmax);
+    if constexpr (is_int8) {
+      store(d, static_cast<int8_t>(std::nearbyint(y)));  // half to even
+    } else {
+      store(d, c10::Float8_e4m3fn(y));  // torch's own rounding: nearest even
+    }
+  }
+  return scale;
+}
+
+template <typename T, typename C>
+void reshape_and_cache_8bit_impl(const torch::Tensor& key, const torch::Tensor& value,
+                                 torch::Tensor& key_cache, torch::Tensor& value_cache,
+                                 float* key_scales, float* value_scales,
+                                 const torch::Tensor& slot_mapping) {
+  constexpr int X = 16 / sizeof(C);
+  const int64_t num_kv_heads = key.size(1), head_size = key.size(2);
+  const int64_t block_size = key_cache.size(3);
+  const int64_t block_stride = key_cache.stride(0), head_stride = key_cache.stride(1);
+  C* kc = key_cache.data_ptr<C>();
+  C* vc = value_cache.data_ptr<C>();
+  for_each_slot(slot_mapping, num_kv_heads, block_size,
+                [&](int64_t token, int64_t h, int64_t block, int64_t offset) {
+    const T* k_src = key.data_ptr<T>() + token * key.stride(0) + h * key.stride(1);
+    const T* v_src = value.data_ptr<T>() + token * value.stride(0) + h * value.stride(1);
+    C* k_dst = kc + block * block_stride + h * head_stride;  // [head_size / X][block][X]
+    C* v_dst = vc + block * block_stride + h * head_stride;  // [head_size][block]
+    const int64_t s = (block * num_kv_heads + h) * block_size + offset;  // its scale's index
+    key_scales[s] = quantize_vector<T, C>(k_src, head_size, [&](int64_t d, C code) {
+      k_dst[((d / X) * block_size + offset) * X + d % X] = code;
+    });
+    value_scales[s] = quantize_vector<T, C>(v_src, head_size, [&](int64_t d, C code) {
+      v_dst[d * block_size + offset] = code;
+    });
+  });
+}
+
+void reshape_and_cache_8bit(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                            torch::Tensor value_cache, torch::Tensor key_scales,
+                            torch::Tensor value_scales, torch::Tensor slot_mapping) {
+  const CacheShape c = check_caches(key_cache, value_cache);
+  const Scales scales = check_scales(key_cache, key_scales, value_scales, c);
+  check_new_tokens(key, value, slot_mapping, c);
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key is ", key.scalar_type(),
+              " but value is ", value.scalar_type());
+  dispatch_code(key_cache.scalar_type(), [&](auto code) {
+    using C = decltype(code);
+    MINIPAGED_DISPATCH_DTYPE(key.scalar_type(), "reshape_and_cache_8bit", [&] {
+      reshape_and_cache_8bit_impl<scalar_t, C>(key, value, key_cache, value_cache,
+                                               const_cast<float*>(scales.key),
+                                               const_cast<float*>(scales.value), slot_mapping);
+    });
   });
 }
 
@@ -531,4 +732,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each sequence's newest query rows, causal, over its paged KV cache");
   m.def("reshape_and_cache", &minipaged_cpu::reshape_and_cache,
         "write new keys and values into their cache slots");
+  m.def("paged_attention_8bit", &minipaged_cpu::paged_attention_8bit,
+        "decode over an 8-bit paged KV cache (codes and per-token scales)");
+  m.def("paged_prefill_attention_8bit", &minipaged_cpu::paged_prefill_attention_8bit,
+        "causal rows over an 8-bit paged KV cache");
+  m.def("reshape_and_cache_8bit", &minipaged_cpu::reshape_and_cache_8bit,
+        "quantize new keys and values into an 8-bit cache, one scale per token and kv head");
 }

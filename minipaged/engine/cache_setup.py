@@ -15,6 +15,7 @@ import torch
 from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.model_shape import ModelShape
+from minipaged.worker.cache_engine import cache_block_bytes
 from minipaged.worker.gpu_memory import naming_memory_holders
 from minipaged.worker.worker import Worker
 
@@ -44,16 +45,18 @@ def init_kv_cache(cfg: EngineConfig, worker: Worker, shape: ModelShape,
     model_max_len = shape.max_positions
     max_len = min(cfg.max_model_len or model_max_len, model_max_len)  # before fitting
     budget = cfg.batch_budget(max_len)
-    block_bytes = cfg.block_size * shape.kv_bytes_per_token(  # per rank: each rank holds
-        dtype.itemsize, cfg.tensor_parallel_size)  # its share of the kv heads
+    block_bytes = cache_block_bytes(  # per rank: each holds its share of the kv heads
+        cfg.block_size, shape.num_layers, shape.num_kv_heads // cfg.tensor_parallel_size,
+        shape.head_size, dtype, cfg.kv_cache_dtype)
     profiled = (None if cfg.num_gpu_blocks is not None else worker.profile_num_gpu_blocks(
         budget, max_len, cfg.gpu_memory_utilization, block_bytes))
     with naming_memory_holders(worker):  # on a GPU, a refusal says who holds memory
         num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, block_bytes, max_len, profiled)
         max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
     worker.init_cache(shape.num_layers, shape.num_kv_heads, shape.head_size, cfg.block_size,
-                      num_gpu_blocks, num_cpu_blocks, use_cuda_graphs=not cfg.enforce_eager,
-                      max_num_seqs=cfg.max_num_seqs, max_model_len=max_len)
+                      num_gpu_blocks, num_cpu_blocks, cfg.kv_cache_dtype,
+                      use_cuda_graphs=not cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
+                      max_model_len=max_len)
     scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
                                        cfg.enable_chunked_prefill)
     scheduler = Scheduler.with_pools(scheduler_config, cfg.block_size, num_gpu_blocks,

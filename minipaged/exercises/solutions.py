@@ -380,3 +380,18 @@ def predict_v1_steps():
             {"b": 8},  # b recomputes its 7 prompt + 2 sampled tokens: 8 fit the budget
             {"b": 1, "c": 5},
             {"c": 1}]
+
+
+# ---- lesson 18 (KV cache quantization) ---------------------------------------
+
+
+def quantize_vector(x, fmt):
+    import torch
+
+    dtype, largest = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}[fmt]
+    amax = float(x.float().abs().max())
+    scale = torch.tensor(amax, dtype=torch.float32) / largest if amax > 0 else torch.tensor(1.0)
+    y = (x.float() / scale).clamp(-largest, largest)
+    if fmt == "int8":
+        y = torch.round(y)
+    return y.to(dtype), float(scale)

@@ -15,6 +15,10 @@ lengths, slots): a bad one raises a RuntimeError naming it, its value and the li
 reading or writing outside a tensor. Slot -1 means "not cached". The wrappers here only convert
 integer tensors to the types the C++ code reads.
 
+An 8-bit cache (lesson 18) passes ``kv_scales = (key_scales, value_scales)`` last; the C++
+side then runs its ``_8bit`` entry points, which quantize on writing and apply the scales on
+reading (``supports_8bit_cache``).
+
 Importing this module is cheap and never fails: torch is imported only inside the functions.
 """
 from __future__ import annotations
@@ -23,26 +27,42 @@ from __future__ import annotations
 class CpuKernels:
     """Thin wrappers around the compiled module: integer tensors to int64/int32, checks in C++."""
 
+    supports_8bit_cache = True  # the ``_8bit`` entry points (lesson 18)
+
     def __init__(self, module):
         self.module = module  # the compiled extension
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping,
+                          kv_scales=None) -> None:
         """Write each token's key and value into its slot (see ``reference.reshape_and_cache``)."""
         import torch
 
         slot_mapping = slot_mapping.to(dtype=torch.long).contiguous()
+        if kv_scales is not None:
+            return self.module.reshape_and_cache_8bit(key, value, key_cache, value_cache,
+                                                      *kv_scales, slot_mapping)
         self.module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
-    def paged_attention(self, query, key_cache, value_cache, block_tables, context_lens, scale):
+    def paged_attention(self, query, key_cache, value_cache, block_tables, context_lens, scale,
+                        kv_scales=None):
         """Decode attention through the block table (see ``reference.paged_attention``)."""
+        if kv_scales is not None:
+            return self.module.paged_attention_8bit(
+                _last_dim_contiguous(query), key_cache, value_cache, *kv_scales,
+                _int32(block_tables), _int32(context_lens), float(scale))
         return self.module.paged_attention(_last_dim_contiguous(query), key_cache, value_cache,
                                            _int32(block_tables), _int32(context_lens),
                                            float(scale))
 
     def paged_prefill_attention(self, query, key_cache, value_cache, block_tables,
-                                query_start_loc, context_lens, scale):
+                                query_start_loc, context_lens, scale, kv_scales=None):
         """Causal attention of new tokens over their cached context (see
         ``reference.paged_prefill_attention``)."""
+        if kv_scales is not None:
+            return self.module.paged_prefill_attention_8bit(
+                _last_dim_contiguous(query), key_cache, value_cache, *kv_scales,
+                _int32(block_tables), _int32(query_start_loc), _int32(context_lens),
+                float(scale))
         return self.module.paged_prefill_attention(
             _last_dim_contiguous(query), key_cache, value_cache, _int32(block_tables),
             _int32(query_start_loc), _int32(context_lens), float(scale))

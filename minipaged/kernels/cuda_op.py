@@ -20,25 +20,34 @@ from __future__ import annotations
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)  # the template instances in paged_attention.cu
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+# an 8-bit cache (lesson 18): phase 4 reads 16 one-byte codes (16 tokens) of a value row at once
+SUPPORTED_8BIT_HEAD_SIZES = (64, 128)
+SUPPORTED_8BIT_BLOCK_SIZES = (16, 32)
 
 
 class CudaKernels:
     """Thin Python wrappers: argument conversion here, checks in torch_bindings.cpp."""
 
+    supports_8bit_cache = True  # ``kv_scales`` (lesson 18): the ``_8bit`` entry points
+
     def __init__(self, module):
         self.module = module  # the compiled extension
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping,
+                          kv_scales=None) -> None:
         import torch
 
         if slot_mapping.device.type == "cpu" and slot_mapping.numel():
             _check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[3])
         slot_mapping = slot_mapping.to(device=key_cache.device, dtype=torch.long).contiguous()
+        if kv_scales is not None:
+            return self.module.reshape_and_cache_8bit(key, value, key_cache, value_cache,
+                                                      *kv_scales, slot_mapping)
         self.module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(
         self, query, key_cache, value_cache, block_tables, context_lens, scale,
-        max_context_len=None, out=None, version=0,
+        max_context_len=None, out=None, version=0, kv_scales=None,
     ):
         """Decode attention into ``out`` (allocated if None); returns ``out``.
 
@@ -50,6 +59,7 @@ class CudaKernels:
         host is checked here, for free, before it is copied to the GPU; lengths already on the
         GPU are not read back (that would cost a synchronisation per call): there the kernel
         writes zeros for an empty context and NaN for one longer than ``max_context_len``.
+        ``kv_scales``: an 8-bit cache's (key_scales, value_scales) (lesson 18).
         """
         import torch
 
@@ -83,6 +93,11 @@ class CudaKernels:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if query.stride(-1) != 1:
             query = query.contiguous()
+        if kv_scales is not None:
+            self.module.paged_attention_8bit(
+                out, query, key_cache, value_cache, *kv_scales, block_tables, context_lens,
+                float(scale), int(max_context_len), int(version))
+            return out
         self.module.paged_attention(
             out, query, key_cache, value_cache, block_tables, context_lens,
             float(scale), int(max_context_len), int(version),
@@ -99,6 +114,10 @@ class CudaKernels:
         """
         import torch
 
+        if key_cache.element_size() == 1:  # an 8-bit cache (lesson 18)
+            return (query.shape[-1] in SUPPORTED_8BIT_HEAD_SIZES
+                    and key_cache.shape[3] in SUPPORTED_8BIT_BLOCK_SIZES
+                    and query.dtype in (torch.float32, torch.float16, torch.bfloat16))
         return (query.shape[-1] in SUPPORTED_HEAD_SIZES
                 and key_cache.shape[3] in SUPPORTED_BLOCK_SIZES
                 and query.dtype in (torch.float32, torch.float16, torch.bfloat16))

@@ -66,10 +66,21 @@ def _pick(tensor: torch.Tensor):
     return ("cuda" if tensor.is_cuda else "cpu"), op
 
 
+def _pick_for_cache(key_cache: torch.Tensor, kv_scales):
+    """``_pick`` for an operation on a KV cache: an 8-bit cache (``kv_scales`` given) goes to
+    the compiled op only where it reads 8-bit caches (``supports_8bit_cache``), else to the
+    reference, which always does (lesson 18)."""
+    name, op = _pick(key_cache)
+    if kv_scales is not None and not getattr(op, "supports_8bit_cache", False):
+        return "reference", None
+    return name, op
+
+
 # ----------------------------------------------------------------------------------------------
 # The operations
 # ----------------------------------------------------------------------------------------------
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                      kv_scales=None) -> None:
     """Write each token's key and value into the cache slot ``slot_mapping[token]``.
 
     Args:
@@ -79,15 +90,18 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
             and the CUDA build on the CPU refuse a slot below -1 or past the pool with an error
             naming it; the CUDA kernel on a GPU, which cannot look at device data without a
             synchronisation, skips every negative slot.
+        kv_scales: None, or an 8-bit cache's (key_scales, value_scales): the tokens are then
+            quantized as they are written (``kv_quant``, lesson 18).
     """
-    name, op = _pick(key_cache)
+    name, op = _pick_for_cache(key_cache, kv_scales)
     calls["reshape_and_cache", name] += 1
     run = reference.reshape_and_cache if op is None else op.reshape_and_cache
-    return run(key, value, key_cache, value_cache, slot_mapping)
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    return run(key, value, key_cache, value_cache, slot_mapping, **scales)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
-                    max_context_len: int | None = None) -> torch.Tensor:
+                    max_context_len: int | None = None, kv_scales=None) -> torch.Tensor:
     """Single-query attention of each sequence's newest token over its cached context.
 
     Args:
@@ -99,21 +113,24 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
         scale: the logits' factor, usually ``head_size ** -0.5``.
         max_context_len: the longest context, if the caller knows it (saves the CUDA path a
             synchronisation).
+        kv_scales: None, or an 8-bit cache's (key_scales, value_scales).
     """
-    name, op = _pick(key_cache)
+    name, op = _pick_for_cache(key_cache, kv_scales)
     if name == "cuda" and not op.supports_paged_attention(query, key_cache):
         # NOTE: a model whose head size the kernel was not built for still runs, on the
         # (slower) torch reference, instead of failing in the middle of generation.
         _warn_unsupported_once(query, key_cache)
         name = "reference"
     calls["paged_attention", name] += 1
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
     if name == "cuda":
         return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                  scale, max_context_len)
+                                  scale, max_context_len, **scales)
     if name == "cpu":
-        return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+        return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                  scale, **scales)
     return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                     scale)
+                                     scale, kv_scales)
 
 
 def prefill_attention(query, key, value, prompt_lens: list[int], scale: float) -> torch.Tensor:
@@ -138,7 +155,7 @@ def prefill_attention(query, key, value, prompt_lens: list[int], scale: float) -
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale) -> torch.Tensor:
+                            context_lens, scale, kv_scales=None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     Args:
@@ -148,6 +165,7 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
         query_start_loc: (num_seqs + 1,) int: sequence s owns rows [loc[s], loc[s+1]).
         context_lens: (num_seqs,) int: tokens in the cache incl. the new ones.
         scale: the logits' factor.
+        kv_scales: None, or an 8-bit cache's (key_scales, value_scales).
 
     See ``reference.paged_prefill_attention`` for what it computes.
     """
@@ -155,12 +173,14 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
     # per sequence; for long chunks, one dense copy of the context plus torch's fused CPU
     # attention (about 8x the C++ op's FLOP rate at 256 x 1792 tokens) wins.
     short = query.shape[0] < CPU_OP_MAX_CHUNK * max(len(context_lens), 1)
-    name, op = _pick(key_cache)
+    name, op = _pick_for_cache(key_cache, kv_scales)
     if name != "cpu" or not short:
         name, op = "reference", None
     calls["paged_prefill_attention", name] += 1
     run = reference.paged_prefill_attention if op is None else op.paged_prefill_attention
-    return run(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
+    scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    return run(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+               **scales)
 
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],

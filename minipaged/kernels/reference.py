@@ -11,11 +11,18 @@ The KV cache layout (one layout everywhere):
     value_cache [num_blocks, num_kv_heads, head_size, block_size]
 
 A token's *slot* is ``physical_block_number * block_size + offset_in_block``.
+
+An 8-bit cache (``kv_cache_dtype`` "fp8" or "int8", lesson 18) holds codes in these tensors and
+one float32 scale per token and kv head beside them, ``kv_scales = (key_scales, value_scales)``
+each ``[num_blocks, num_kv_heads, block_size]`` (``minipaged.kernels.kv_quant``): writing
+quantizes, reading dequantizes.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from minipaged.kernels import kv_quant
 
 
 # ----------------------------------------------------------------------------------------------
@@ -27,11 +34,14 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size // x, block_size, x)
     value_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_size, block_size)
     slot_mapping: torch.Tensor,  # (T,) int, -1 = padding token, not cached
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # 2 x (num_blocks, kv_heads, bs)
 ) -> None:
     """Write each token's key and value into the cache slot ``slot_mapping[token]``.
 
     A slot is in ``[0, num_blocks * block_size)``, or -1 for a token that is not cached (vLLM's
-    padding slot); anything below -1 raises a ValueError naming it.
+    padding slot); anything below -1 raises a ValueError naming it. With ``kv_scales`` (an
+    8-bit cache) each token's key and value are quantized per kv head, codes into the cache and
+    scales into ``kv_scales``.
     """
     num_tokens, num_kv_heads, head_size = key.shape
     block_size, x = key_cache.shape[3], key_cache.shape[4]
@@ -42,20 +52,27 @@ def reshape_and_cache(
     slots = slot_mapping[keep].long()  # (T',)
     block_idx = slots // block_size  # (T',)
     offset = slots % block_size  # (T',)
+    key, value = key[keep], value[keep]  # (T', kv_heads, head_size)
+    if kv_scales is not None:
+        key, key_scale = kv_quant.quantize(key, key_cache.dtype)  # codes, (T', kv_heads)
+        value, value_scale = kv_quant.quantize(value, value_cache.dtype)
+        kv_scales[0][block_idx, :, offset] = key_scale  # (T', kv_heads)
+        kv_scales[1][block_idx, :, offset] = value_scale
     # Advanced indices on dims 0 and 3 put the token dim first: (T', kv_heads, head_size//x, x)
-    key_cache[block_idx, :, :, offset, :] = key[keep].reshape(-1, num_kv_heads, head_size // x, x)
+    key_cache[block_idx, :, :, offset, :] = key.reshape(-1, num_kv_heads, head_size // x, x)
     # (T', kv_heads, head_size)
-    value_cache[block_idx, :, :, offset] = value[keep]
+    value_cache[block_idx, :, :, offset] = value
 
 
 # ----------------------------------------------------------------------------------------------
 # Decode: one query token per sequence, keys and values read through the block table
 # ----------------------------------------------------------------------------------------------
-def gather_kv(key_cache, value_cache, block_tables):
+def gather_kv(key_cache, value_cache, block_tables, kv_scales=None):
     """Read every sequence's cached keys and values into padded dense tensors.
 
     Returns keys and values of shape (num_seqs, num_kv_heads, max_blocks * block_size, head_size);
-    positions past a sequence's context length hold whatever the padding blocks contain.
+    positions past a sequence's context length hold whatever the padding blocks contain. With
+    ``kv_scales`` (an 8-bit cache) they come back dequantized, in float32.
     """
     num_seqs, max_blocks = block_tables.shape
     _, num_kv_heads, _, block_size, _ = key_cache.shape
@@ -67,6 +84,11 @@ def gather_kv(key_cache, value_cache, block_tables):
     v = value_cache[tables]  # (S, B, kv_heads, head_size, block_size)
     v = v.permute(0, 2, 1, 4, 3)  # (S, kv_heads, B, block_size, head_size)
     v = v.reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
+    if kv_scales is not None:
+        scales = [sc[tables].permute(0, 2, 1, 3)  # (S, kv_heads, B, block_size)
+                  .reshape(num_seqs, num_kv_heads, max_blocks * block_size) for sc in kv_scales]
+        k = kv_quant.dequantize(k, scales[0])  # (S, kv_heads, L, head_size)
+        v = kv_quant.dequantize(v, scales[1])
     return k, v
 
 
@@ -77,17 +99,19 @@ def paged_attention(
     block_tables: torch.Tensor,  # (num_seqs, max_num_blocks_per_seq) int
     context_lens: torch.Tensor,  # (num_seqs,) int
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size)
     """Single-query attention of each sequence's newest token over its cached context.
 
     Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+    ``kv_scales``: an 8-bit cache's scales (see ``reshape_and_cache``).
     """
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads  # query heads per kv head
     if num_seqs == 0:
         return torch.empty_like(query)
-    k, v = gather_kv(key_cache, value_cache, block_tables)  # (S, kv_heads, L, head_size) each
+    k, v = gather_kv(key_cache, value_cache, block_tables, kv_scales)  # (S, kv_heads, L, D) each
     length = k.shape[2]
     q = query.reshape(num_seqs, num_kv_heads, group, head_size).float()  # (S, kv_heads, G, D)
     logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # (S, kv_heads, G, L)
@@ -146,6 +170,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # (num_seqs + 1,) int: sequence s owns rows [loc[s], loc[s+1])
     context_lens: torch.Tensor,  # (num_seqs,) int: tokens in the cache incl. the new ones
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # (T, num_heads, head_size)
     """Causal attention of each sequence's newest ``q_len`` tokens over its whole cached context.
 
@@ -153,7 +178,7 @@ def paged_prefill_attention(
     values are already in the cache (``reshape_and_cache`` ran first). Token at position ``p``
     attends to positions ``0..p``. This one operation serves a prompt after a cached prefix, a
     chunk of a long prompt, and the recompute of a sequence that shares its prompt's blocks; a
-    decode is the case ``q_len == 1``.
+    decode is the case ``q_len == 1``. ``kv_scales``: an 8-bit cache's scales.
     """
     num_heads = query.shape[1]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
@@ -167,7 +192,7 @@ def paged_prefill_attention(
             continue
         num_blocks = -(-context_len // block_size)
         table = block_tables[s, :num_blocks].long()
-        k, v = gather_kv(key_cache, value_cache, table[None])  # (1, kv_heads, L', D) each
+        k, v = gather_kv(key_cache, value_cache, table[None], kv_scales)  # (1, kv_heads, L', D)
         k = k[0, :, :context_len].float()  # (kv_heads, L, D)
         v = v[0, :, :context_len].float()
         if group > 1:

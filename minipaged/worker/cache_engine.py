@@ -7,20 +7,52 @@ Per layer, in the layout of docs/ARCHITECTURE.md (lesson 02 draws it, lesson 05 
 
 On a machine without CUDA both pools live in RAM; the "GPU" pool is still the one attention
 reads, so swapping and copy-on-write behave exactly as they would on a GPU.
+
+With ``kv_cache_dtype`` "fp8" or "int8" (lesson 18, ``kernels/kv_quant.py``) the tensors hold
+8-bit codes and each layer has two more, the scales of keys and of values, one float32 per token
+and kv head ``[num_blocks, num_kv_heads, block_size]``; a layer's cache is then the 4-tuple
+``(key, value, key_scales, value_scales)`` and every block move moves all four.
 """
 from __future__ import annotations
 
 import torch
 
-from minipaged.kernels import ops
+from minipaged.kernels import kv_quant, ops
+from minipaged.model_shape import kv_bytes_per_token
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]  # (key, value) or, 8-bit, (key, value, key_sc, value_sc)
+
+
+def cache_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_size: int,
+                      dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block across all layers: K and V, ``block_size`` tokens each.
+
+    Args:
+        block_size, num_layers, num_kv_heads, head_size: the cache's shape.
+        dtype: the model's dtype.
+        kv_cache_dtype: "auto" (the model's dtype), "fp8" or "int8" (one byte a number, plus a
+            4-byte scale per token and kv head).
+    """
+    element, scale = kv_quant.element_and_scale_bytes(kv_cache_dtype, dtype)
+    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_size, element, scale)
 
 
 class CacheEngine:
+    """The GPU pool and the CPU swap pool of one model, every layer.
+
+    Args:
+        num_layers, num_kv_heads, head_size, block_size: the cache's shape.
+        num_gpu_blocks, num_cpu_blocks: the pools' sizes.
+        dtype: the model's dtype.
+        device: where the GPU pool lives.
+        kv_cache_dtype: "auto", "fp8" or "int8" (``kernels/kv_quant.py``).
+    """
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_cache_dtype: str = "auto") -> None:
+        self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        dtype = kv_quant.storage_dtype(kv_cache_dtype, dtype)  # what the cache tensors hold
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -31,7 +63,8 @@ class CacheEngine:
         self.device = torch.device(device)
         self.x = ops.key_vector_size(dtype)
         if head_size % self.x:
-            raise ValueError(f"head_size {head_size} must be a multiple of {self.x} for {dtype}")
+            raise ValueError(f"head_size {head_size} must be a multiple of {self.x} for {dtype}"
+                             f" (kv_cache_dtype={kv_cache_dtype!r})")
         # NOTE: the pool attention reads is zero-filled, not empty: attention multiplies masked
         # probabilities (0) by values in padding slots, and 0 * NaN from uninitialised memory
         # would poison the output. The swap pool is left empty: a CPU block is read only after
@@ -55,24 +88,30 @@ class CacheEngine:
                      pin_memory=pin)
             v = make((num_blocks, *self.value_block_shape()), dtype=self.dtype, device=device,
                      pin_memory=pin)
-            cache.append((k, v))
+            scales = ()
+            if kv_quant.is_quantized(self.dtype):  # (blocks, kv_heads, block_size) each
+                shape = (num_blocks, self.num_kv_heads, self.block_size)
+                scales = tuple(make(shape, dtype=kv_quant.SCALE_DTYPE, device=device,
+                                    pin_memory=pin) for _ in range(2))
+            cache.append((k, v, *scales))
         return cache
 
     def swap_in(self, src_to_dst: dict[int, int]) -> None:
         """CPU blocks -> GPU blocks."""
-        for (cpu_k, cpu_v), (gpu_k, gpu_v) in zip(self.cpu_cache, self.gpu_cache):
-            ops.swap_blocks(cpu_k, gpu_k, src_to_dst)
-            ops.swap_blocks(cpu_v, gpu_v, src_to_dst)
+        for cpu_layer, gpu_layer in zip(self.cpu_cache, self.gpu_cache):
+            for cpu_t, gpu_t in zip(cpu_layer, gpu_layer):  # K, V (and their scales)
+                ops.swap_blocks(cpu_t, gpu_t, src_to_dst)
 
     def swap_out(self, src_to_dst: dict[int, int]) -> None:
         """GPU blocks -> CPU blocks."""
-        for (gpu_k, gpu_v), (cpu_k, cpu_v) in zip(self.gpu_cache, self.cpu_cache):
-            ops.swap_blocks(gpu_k, cpu_k, src_to_dst)
-            ops.swap_blocks(gpu_v, cpu_v, src_to_dst)
+        for gpu_layer, cpu_layer in zip(self.gpu_cache, self.cpu_cache):
+            for gpu_t, cpu_t in zip(gpu_layer, cpu_layer):  # K, V (and their scales)
+                ops.swap_blocks(gpu_t, cpu_t, src_to_dst)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the CPU blocks may be reused right away
 
     def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
-        """Copy-on-write: duplicate GPU blocks, every layer."""
-        ops.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache],
-                        src_to_dsts)
+        """Copy-on-write: duplicate GPU blocks, every layer (an 8-bit cache's scales too)."""
+        for pair in range(0, len(self.gpu_cache[0]), 2):  # (K, V), then (K scales, V scales)
+            ops.copy_blocks([layer[pair] for layer in self.gpu_cache],
+                            [layer[pair + 1] for layer in self.gpu_cache], src_to_dsts)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from minipaged.config import DEFAULT_TIMEOUT_S
 from minipaged.worker.mp_workers import TensorParallelWorkers
-from minipaged.worker.tensor_parallel import DEFAULT_TIMEOUT_S
 from minipaged.worker.worker import LocalWorker, Worker
 
 

@@ -13,7 +13,8 @@ Two back-ends start the ranks: ``mp_workers.py`` (processes on this machine) and
 A request is a plain tuple, the same for both back-ends:
 
     ("profile", max_num_batched_tokens, max_model_len, gpu_memory_utilization, block_bytes)
-    ("init_cache", num_layers, kv_heads_per_rank, head_size, block_size, gpu_blocks, cpu_blocks)
+    ("init_cache", num_layers, kv_heads_per_rank, head_size, block_size, gpu_blocks, cpu_blocks,
+     kv_cache_dtype)
     ("step", cache_ops, (input_ids, positions, meta, sample_indices))
 
 and every rank answers each one; only rank 0's answer to a step carries the logits.
@@ -230,15 +231,17 @@ class TensorParallelDriver(Worker):
                                gpu_memory_utilization, block_bytes), "profiling"))
 
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int, use_cuda_graphs: bool = False,
-                   max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
+                   num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
+                   use_cuda_graphs: bool = False, max_num_seqs: int = 256,
+                   max_model_len: int = 2048) -> None:
         """Allocate each rank's cache: the same blocks, ``num_kv_heads / N`` heads each.
 
         NOTE: ``use_cuda_graphs`` is ignored: each step's inputs come from another process, so
         the ranks run their decode steps eagerly."""
         per_rank = num_kv_heads // self.world_size
         self.kv_cache_bytes = self._call(("init_cache", num_layers, per_rank, head_size,
-                                          block_size, num_gpu_blocks, num_cpu_blocks), "init")
+                                          block_size, num_gpu_blocks, num_cpu_blocks,
+                                          kv_cache_dtype), "init")
 
     def swap_out(self, src_to_dst: dict[int, int]) -> None:
         self._cache_ops.append(("swap_out", dict(src_to_dst)))

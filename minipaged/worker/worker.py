@@ -28,8 +28,7 @@ import torch
 
 from minipaged.kernels.build import start_background_build
 from minipaged.worker import gpu_memory
-from minipaged.model_shape import kv_bytes_per_token
-from minipaged.worker.cache_engine import CacheEngine
+from minipaged.worker.cache_engine import CacheEngine, cache_block_bytes
 from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
 from minipaged.worker.model_runner import ModelRunner, PreparedInputs
 
@@ -63,8 +62,9 @@ class Worker(ABC):
 
     @abstractmethod
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int, use_cuda_graphs: bool = False,
-                   max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
+                   num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
+                   use_cuda_graphs: bool = False, max_num_seqs: int = 256,
+                   max_model_len: int = 2048) -> None:
         """Allocate the KV pools (once, before the first step).
 
         Args:
@@ -72,6 +72,7 @@ class Worker(ABC):
                 tensor-parallel worker keeps its share).
             block_size: tokens per block.
             num_gpu_blocks, num_cpu_blocks: the pools' sizes, the same on every rank.
+            kv_cache_dtype: "auto", "fp8" or "int8" (an 8-bit cache, lesson 18).
             use_cuda_graphs: serve decode steps from CUDA graphs where the worker can (lesson
                 15); a worker that cannot (not on CUDA, several processes) runs them eagerly.
             max_num_seqs, max_model_len: size the graphs' static buffers.
@@ -187,18 +188,19 @@ class LocalWorker(Worker):
                                       self._memory_at_start)
 
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
-                   num_gpu_blocks: int, num_cpu_blocks: int, use_cuda_graphs: bool = False,
-                   max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
+                   num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
+                   use_cuda_graphs: bool = False, max_num_seqs: int = 256,
+                   max_model_len: int = 2048) -> None:
         if self._on_gpu():  # a clear refusal rather than an out-of-memory error half-way
-            element_size = torch.tensor([], dtype=self.dtype).element_size()
-            need = num_gpu_blocks * block_size * kv_bytes_per_token(num_layers, num_kv_heads,
-                                                                    head_size, element_size)
+            need = num_gpu_blocks * cache_block_bytes(block_size, num_layers, num_kv_heads,
+                                                      head_size, self.dtype, kv_cache_dtype)
             if need > gpu_memory.DeviceMemory.read(self.device).available:
                 raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: the KV pool needs "
                                  f"{gpu_memory.gib(need)} and this process cannot get it. "
                                  + gpu_memory.holders_report(self, need))
         self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
-                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
+                                        kv_cache_dtype)
         if use_cuda_graphs and self.device.type == "cuda":  # (lesson 15)
             self.enable_cuda_graphs(max_num_seqs, max_model_len, block_size)
 
