@@ -3,7 +3,11 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+from repo_paths import ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def test_throughput_benchmark_runs_on_dummy_weights():
@@ -20,7 +24,6 @@ def test_throughput_benchmark_runs_on_dummy_weights():
 
 
 def test_serving_benchmark_runs_on_a_tiny_model(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from tiny_models import save_tiny_model
 
     save_tiny_model("llama", tmp_path, vocab_size=1000)

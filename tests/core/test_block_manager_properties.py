@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from budgets import examples
 from minipaged.block import Device
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.lab.no_sharing import NoSharingBlockManager
@@ -346,7 +347,7 @@ class CollidingPrefixCachingMachine(PrefixCachingMachine):
     hash_fn = _colliding_hash
 
 
-SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None,
+SETTINGS = settings(max_examples=examples(40), stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerWithSharing = BlockManagerMachine.TestCase
 TestBlockManagerWithSharing.settings = SETTINGS

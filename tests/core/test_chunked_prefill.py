@@ -35,6 +35,7 @@ def _run(path, prompts, **kwargs):
     return llm, [o.outputs[0].token_ids for o in outs], snapshots
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix caching", "no caching"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("budget", [1, 7, 32])
@@ -62,6 +63,7 @@ def test_chunked_prompts_give_transformers_tokens_for_any_budget(cases, kind, bu
     assert engine.block_manager.get_num_free_gpu_blocks() == 128
 
 
+@pytest.mark.slow
 def test_the_snapshot_shows_prefill_progress_advancing_chunk_by_chunk(cases):
     """A 33-token prompt with a budget of 7 tokens a step: the scheduler snapshot after each step
     says how many of its tokens are in the cache, 7 more each step, until it samples."""
@@ -79,6 +81,7 @@ def test_the_snapshot_shows_prefill_progress_advancing_chunk_by_chunk(cases):
     assert [s.prompt_run for s in snapshots[:6]] == [[True]] * 5 + [[False]]
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_running_sequences_is_exceeded_by_their_decodes(cases):
     """Decodes are never skipped (README: differences from vLLM): with a budget of 1 token, an
     n=2 group decodes both its sequences each step, 2 tokens."""
@@ -94,6 +97,7 @@ def test_a_budget_below_the_running_sequences_is_exceeded_by_their_decodes(cases
     assert [s.num_batched_tokens for s in snapshots] == [1] * 7 + [2] * 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_chunked_prefill_with_preemption_changes_nothing(cases, mode):
     path, prompts, refs = cases["llama"]
@@ -107,6 +111,7 @@ def test_chunked_prefill_with_preemption_changes_nothing(cases, mode):
     assert tokens == refs
 
 
+@pytest.mark.slow
 def test_chunking_on_and_off_agree_on_seeded_groups(cases):
     path, prompts, _ = cases["gpt2"]
     params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=NEW, ignore_eos=True)

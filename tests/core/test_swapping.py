@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from beam_prompts import pick_beam_prompts
 from minipaged import LLM, SamplingParams
-from test_beam_search import pick_beam_prompts
 
 pytestmark = pytest.mark.lesson04
 

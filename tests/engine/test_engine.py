@@ -30,6 +30,7 @@ def run(path, prompts, **kwargs):
     return llm, outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_greedy_batch_matches_transformers_prompt_by_prompt(cases, kind):
     path, prompts, refs = cases[kind]
@@ -46,6 +47,7 @@ def test_greedy_batch_matches_transformers_prompt_by_prompt(cases, kind):
     assert engine.block_manager.get_num_free_gpu_blocks() == 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_tiny_pool_forces_recompute_and_changes_nothing(cases, kind):
     path, prompts, refs = cases[kind]
@@ -60,6 +62,7 @@ def test_tiny_pool_forces_recompute_and_changes_nothing(cases, kind):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_block_size_does_not_change_tokens(cases):
     path, prompts, refs = cases["llama"]
     for block_size in (1, 8, 32):
@@ -70,6 +73,7 @@ def test_block_size_does_not_change_tokens(cases):
         assert [o.outputs[0].token_ids for o in outs] == refs[:4], block_size
 
 
+@pytest.mark.slow
 def test_max_num_seqs_and_batched_tokens_limit_each_step(cases):
     path, prompts, refs = cases["gpt2"]
     # 128 tokens a step: the longest request (75 + 48 tokens) still fits whole.
@@ -159,6 +163,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
     assert a[0].outputs[0].token_ids == b[1].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_top_k_1_is_greedy(cases):
     path, prompts, refs = cases["llama"]
     llm = LLM(path, block_size=BLOCK, num_gpu_blocks=256)

@@ -41,14 +41,15 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from budgets import examples
 from minipaged import LLMEngine, SamplingParams
 from minipaged.worker import sampler as sampler_module
 from prefix_cache_invariants import check_prefix_cache
 from tiny_models import VOCAB
 
-pytestmark = pytest.mark.lesson04
+pytestmark = [pytest.mark.lesson04, pytest.mark.slow]
 
-NUM_EXAMPLES = int(os.environ.get("MINIPAGED_ENGINE_EXAMPLES", 300))
+NUM_EXAMPLES = examples(int(os.environ.get("MINIPAGED_ENGINE_EXAMPLES", 300)))
 # Float32 noise between batch shapes (a chunk of 1 token against a whole prompt, 1 row against
 # 20) moves a logprob by up to ~2e-5 here. Where the lone run's choice was closer than this to
 # another one, the engine under test may legitimately make that other choice; that is the only

@@ -99,7 +99,7 @@ def test_a_recomputed_group_computes_its_shared_prompt_once_and_shares_its_block
 
 def test_beam_search_preempted_by_recompute_keeps_its_beams(tiny_llama):
     path, model = tiny_llama
-    from test_beam_search import pick_beam_prompts
+    from beam_prompts import pick_beam_prompts
 
     beam_prompts = [p for p, _ in pick_beam_prompts(model, 3, seed=21, lengths=(6, 5, 7),
                                                     steps=12)]

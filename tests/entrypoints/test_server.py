@@ -10,7 +10,7 @@ from minipaged import LLM, SamplingParams
 from serving_helpers import read_metrics, running_server, save_tiny_model_with_tokenizer
 from tiny_models import greedy_reference, pick_prompts
 
-pytestmark = pytest.mark.lesson13
+pytestmark = [pytest.mark.lesson13, pytest.mark.slow]
 MODEL = "tiny"
 IGNORE_EOS = {"ignore_eos": True}
 

@@ -14,10 +14,11 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
+from budgets import examples
 from minipaged.entrypoints.api_server import ServerOptions
 from serving_helpers import save_tiny_model_with_tokenizer, served_in_process, wait_for_metrics
 
-pytestmark = pytest.mark.lesson13
+pytestmark = [pytest.mark.lesson13, pytest.mark.slow]
 MODEL, KEY = "tiny", "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = {"POST": 50, "GET": 5}  # per generation mode
@@ -60,7 +61,7 @@ def test_every_route_from_the_openapi_schema_answers_without_5xx_or_hang(tiny_di
                 if mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET":
                     continue  # (no parameters or body: nothing that can be made invalid)
 
-                @settings(max_examples=EXAMPLES[operation.method.upper()], deadline=None,
+                @settings(max_examples=examples(EXAMPLES[operation.method.upper()]), deadline=None,
                           database=None, derandomize=True, phases=[Phase.generate],
                           suppress_health_check=list(HealthCheck))
                 @given(case=operation.as_strategy(generation_mode=mode))

@@ -22,7 +22,7 @@ import pytest
 from serving_helpers import (MemorySampler, read_metrics, running_server_process,
                              save_tiny_model_with_tokenizer, wait_for_metrics)
 
-pytestmark = pytest.mark.lesson13
+pytestmark = [pytest.mark.lesson13, pytest.mark.slow]
 MODEL = "tiny"
 MAX_NUM_SEQS, MAX_WAITING, MAX_TOKENS = 8, 24, 8
 CLIENTS, REQUESTS, BURST = 32, 256, 64

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budgets import examples
 from minipaged import SamplingParams
 from minipaged.exercises import lesson16 as ex
 from minipaged.exercises import not_done, solutions
@@ -71,7 +72,7 @@ def workloads(draw):
     return requests, num_gpu_blocks
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=workloads())
 def test_the_answers_match_llm_step_by_step_on_random_workloads(case):
     workload, num_gpu_blocks = case

@@ -11,6 +11,7 @@ import pytest
 from minipaged.exercises import ExerciseFailed, NotDone, not_done, solutions as S
 from minipaged.exercises import (lesson01, lesson02, lesson03, lesson04, lesson05, lesson08,
                                  lesson11, lesson13, lesson14)
+from repo_paths import ROOT
 
 
 # ---- plausible wrong answers -------------------------------------------------------------------
@@ -351,9 +352,7 @@ def test_hints_point_at_the_idea_without_stating_the_code(module):
 
 def test_the_stream_delta_rule_is_in_the_exercise_text():
     import json
-    import pathlib
-
-    lesson = pathlib.Path(__file__).resolve().parent.parent / "lessons" / "13_serving.ipynb"
+    lesson = ROOT / "lessons" / "13_serving.ipynb"
     text = "".join("".join(c["source"]) for c in json.loads(lesson.read_text())["cells"]
                    if c["cell_type"] == "markdown")
     assert "len(longest stop string) - 1" in text

@@ -1,6 +1,6 @@
 """Lesson 05's load-count checker: it passes the solution, fails plausible wrong answers in a few
 lines with a hint that does not state the code, and says "not done yet" when unanswered. (The
-other lesson-05 checkers are in tests/test_exercises.py.)"""
+other lesson-05 checkers are in tests/exercises/test_exercises.py.)"""
 import ast
 import inspect
 

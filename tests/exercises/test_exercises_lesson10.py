@@ -2,17 +2,16 @@
 message and the right hint, and say "not done yet"; the top-p answer keeps its interface (the
 capstone plugs it in) and every rule the checkers hold is in the exercise text."""
 import json
-import pathlib
 
 import pytest
 import torch
 
 from minipaged.exercises import lesson10, not_done, solutions as S
 from minipaged.worker.sampler import top_k_top_p_filter
+from repo_paths import ROOT
 
 pytestmark = pytest.mark.lesson10
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 # ---- plausible wrong answers -------------------------------------------------------------------

@@ -12,9 +12,9 @@ import time
 import httpx
 
 from process_helpers import free_port, running_process
+from repo_paths import ROOT
 from tiny_models import save_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def save_tiny_model_with_tokenizer(path, kind: str = "llama"):
@@ -50,7 +50,7 @@ def running_server_process(model: str | None, *flags: str, name: str = "test-mod
     cmd = [sys.executable, "-m", "minipaged", "serve"] + ([model] if model else []) + [
         "--port", str(port), "--served-model-name", name, "--log-level", "warning", *flags]
     env = dict(os.environ, **(env or {}),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     url = f"http://127.0.0.1:{port}"
     with running_process(cmd, url + "/health", log_path=log_path, timeout=timeout, cwd=ROOT,
                          env=env) as proc:

@@ -346,6 +346,7 @@ def prompts_and_refs(tiny_llama, tiny_gpt2):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_engine_matches_transformers_with_the_cpp_op_in_use(kernels, prompts_and_refs, kind):
     path, _, prompts, refs = prompts_and_refs[kind]
@@ -363,6 +364,7 @@ def agreement(tokens, refs):
     return same, first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_bfloat16_engine_follows_float32_as_closely_as_transformers_in_bfloat16(
         kernels, prompts_and_refs, kind):

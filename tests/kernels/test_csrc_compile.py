@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from repo_paths import ROOT
+
 pytestmark = pytest.mark.lesson05
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = ROOT / "csrc"
 CU_FILES = sorted(CSRC.glob("*.cu"))
 BINDING = CSRC / "torch_bindings.cpp"
 DECLARATIONS = CSRC / "kernels.h"  # the extern "C" interface, included by the binding

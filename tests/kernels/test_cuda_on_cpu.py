@@ -24,7 +24,7 @@ import torch
 
 from minipaged.kernels import cuda_on_cpu, ops, reference
 
-pytestmark = pytest.mark.lesson06
+pytestmark = [pytest.mark.lesson06, pytest.mark.slow]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}

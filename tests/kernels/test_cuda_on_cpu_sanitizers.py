@@ -24,7 +24,7 @@ import pytest
 
 from minipaged.kernels import cuda_on_cpu
 
-pytestmark = [pytest.mark.lesson05,
+pytestmark = [pytest.mark.lesson05, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")]
 
 DROPPED = "every probability is written before any warp reads them"  # the barrier's comment

@@ -8,10 +8,10 @@ import pytest
 import torch
 from IPython.display import SVG
 
+from lesson_cells import run_cell
 from minipaged import LLM, SamplingParams
 from minipaged.lab.sampler_probe import SamplerProbe, beam_candidates, sampler_logprobs
 from minipaged.worker.sampler import draw, top_k_top_p_filter
-from test_lessons_content import run_cell
 from visualizer.sampling import render_beam_step, render_token_bars
 from visualizer.svg import text_width
 

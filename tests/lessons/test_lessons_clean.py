@@ -1,12 +1,13 @@
 """Lessons are committed without outputs: CI produces the executed versions, git stores prose and
 code only."""
 import json
-import pathlib
 import re
 
 import pytest
 
-LESSONS = sorted((pathlib.Path(__file__).resolve().parent.parent / "lessons").glob("*.ipynb"))
+from repo_paths import ROOT
+
+LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
 
 
 def test_lessons_are_numbered_once_each_from_01():

@@ -2,27 +2,12 @@
 without a kernel: only cells that need no model)."""
 import json
 import math
-import pathlib
 import xml.etree.ElementTree as ET
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def cell_source(lesson: str, needle: str) -> str:
-    cells = json.loads((ROOT / "lessons" / f"{lesson}.ipynb").read_text())["cells"]
-    hits = ["".join(c["source"]) for c in cells if needle in "".join(c["source"])]
-    assert len(hits) == 1, (needle, len(hits))
-    return hits[0]
-
-
-def run_cell(lesson: str, needle: str, namespace: dict) -> list:
-    """Run the code cell of ``lesson`` that contains ``needle``; returns what it displayed."""
-    shown = []
-    namespace.setdefault("display", shown.append)
-    exec(compile(cell_source(lesson, needle), lesson, "exec"), namespace)
-    return shown
+from lesson_cells import run_cell
+from repo_paths import ROOT
 
 
 @pytest.mark.lesson02

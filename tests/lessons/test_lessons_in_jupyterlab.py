@@ -14,7 +14,6 @@ This is the course's unanswered run; ``pytest --nbmake lessons`` is the answered
 """
 import json
 import os
-import pathlib
 import shutil
 import sys
 import time
@@ -23,8 +22,8 @@ import urllib.request
 import pytest
 
 from process_helpers import chromium_path, free_port, launch_chromium, running_process
+from repo_paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Every lesson. 13 starts an HTTP server (uvicorn in a thread of the kernel, on a free port of
 # 127.0.0.1) and its clients inside the notebook; 14 builds tensor-parallel shards in the kernel.
 LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("*.ipynb"))

@@ -4,13 +4,12 @@ Lesson 05's section on the addresses one warp reads once printed 16 sectors for 
 at block size 16 while its text implied a 4x cost; the text now says which count is about bytes.
 """
 import json
-import pathlib
 
 import pytest
 
 from minipaged.kernels import emulator as emu
+from repo_paths import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def markdown(lesson: str) -> str:

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from repo_paths import ROOT
+
 LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ def _browser_test_runs() -> bool:
     """The JupyterLab-in-Chromium test runs every lesson unanswered too; then this is a repeat."""
     import importlib.util
 
-    from process_helpers import chromium_path  # tests/ is on sys.path (tests/conftest.py)
+    from process_helpers import chromium_path  # tests/helpers/ is on sys.path (tests/conftest.py)
     return (chromium_path() is not None and importlib.util.find_spec("jupyterlab") is not None
             and importlib.util.find_spec("playwright") is not None
             and os.environ.get("MINIPAGED_UNANSWERED_HEADLESS") != "1")

@@ -15,12 +15,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from budgets import examples
 from minipaged import LLMEngine, SamplingParams
 from tiny_models import VOCAB, save_tiny_model
 
-pytestmark = pytest.mark.lesson12
+pytestmark = [pytest.mark.lesson12, pytest.mark.slow]
 
-NUM_EXAMPLES = int(os.environ.get("MINIPAGED_SPEC_EXAMPLES", 40))
+NUM_EXAMPLES = examples(int(os.environ.get("MINIPAGED_SPEC_EXAMPLES", 40)))
 
 
 @pytest.fixture(scope="module")

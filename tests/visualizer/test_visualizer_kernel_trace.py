@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from test_visualizer_layout import assert_clean_layout
+from svg_layout import assert_clean_layout
 from visualizer import render_key_loads, render_logits, render_phase4_sums, render_warp_visits
 
 pytestmark = pytest.mark.lesson06
@@ -127,7 +127,7 @@ def test_bad_input_is_refused():
 @pytest.mark.slow
 def test_a_real_trace_is_drawn_as_recorded():
     from minipaged.kernels import kernel_trace
-    from test_kernel_trace import make_inputs
+    from kernel_inputs import make_inputs
 
     inputs = make_inputs(64, 16, lens=(150,), num_heads=1, num_kv_heads=1)
     out, trace = kernel_trace.run_traced(*inputs)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from budgets import examples
 from minipaged import LLM, SamplingParams
 from minipaged.worker.cuda_graphs import (DecodeBuffers, GraphRunner, block_table_width,
                                           capture_sizes, padded_size)
@@ -23,7 +24,7 @@ def test_capture_sizes_are_powers_of_two_then_the_limit():
 
 
 @given(st.integers(1, 300), st.integers(1, 300))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_a_step_runs_the_smallest_graph_that_holds_it(max_num_seqs, n):
     sizes = capture_sizes(max_num_seqs)
     size = padded_size(n, sizes)

@@ -18,12 +18,12 @@ import pytest
 from minipaged import LLM, SamplingParams
 from minipaged.lab.ray_cluster import LOOPBACK
 from minipaged.worker.tensor_parallel import WorkerError, shard_weight_bytes
+from repo_paths import ROOT
 from tiny_models import save_tiny_model
 from tp_helpers import ENGINE, assert_same_outputs, gone, workload
 
-pytestmark = pytest.mark.lesson14
+pytestmark = [pytest.mark.lesson14, pytest.mark.slow]
 RAY = dict(distributed_executor_backend="ray")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _import_ray():
@@ -127,7 +127,6 @@ def test_the_cluster_is_three_nodes_on_the_loopback_only(cluster):
 _REFERENCES = {}  # (model, engine settings) -> one rank's outputs
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind,world_size,preemption_mode", [
     ("gpt2", 3, "swap"), ("gpt2", 2, "recompute"), ("llama", 2, "swap"),
     ("llama", 3, "recompute")])
@@ -213,7 +212,6 @@ def test_a_hung_actor_times_out_and_is_stopped(cluster, tiny_llama):
                 pass
 
 
-@pytest.mark.slow
 def test_actors_end_with_the_interpreter(cluster, tiny_llama):
     """A script that never shuts its engine down leaves no actor or placement group behind."""
     import ray
@@ -223,7 +221,7 @@ def test_actors_end_with_the_interpreter(cluster, tiny_llama):
               "distributed_executor_backend='ray'); "
               "print(*[p['pid'] for p in llm.llm_engine.worker.placement], flush=True)")
     env = dict(os.environ, RAY_ADDRESS=cluster.address,
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", script, tiny_llama[0]], capture_output=True,
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
@@ -232,7 +230,6 @@ def test_actors_end_with_the_interpreter(cluster, tiny_llama):
     assert _no_leftovers(ray), _leftovers(ray)
 
 
-@pytest.mark.slow
 def test_serve_with_the_ray_backend_answers_the_openai_client(cluster, tmp_path):
     import openai
     import ray

@@ -18,11 +18,15 @@ from minipaged import LLM, SamplingParams
 from minipaged.models.gpt2 import GPT2Attention
 from minipaged.models.parallel_layers import copy_shard_from, tensor_parallel_state
 from minipaged.worker.mp_workers import WorkerError, shard_weight_bytes
+from repo_paths import ROOT
 from tiny_models import make_config, save_tiny_model
 from tp_helpers import ENGINE, NEW_TOKENS
 from tp_helpers import assert_same_outputs as _assert_same_outputs
 from tp_helpers import gone as _gone
 from tp_helpers import workload as _workload
+
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def gpt2_6_heads(tmp_path_factory):
@@ -178,7 +182,6 @@ def test_a_hung_worker_times_out_and_is_stopped(llama_runs):
     assert _gone(workers.pids)  # SIGKILL reaches a stopped process
 
 
-@pytest.mark.slow
 def test_embedded_smollm2_on_three_ranks_matches_one_rank_and_ends_with_del():
     """9 heads and 3 kv heads: one kv head (and its 3 query heads) per rank."""
     chat = [{"role": "user", "content": "What is the capital of France?"}]
@@ -200,14 +203,13 @@ def test_embedded_smollm2_on_three_ranks_matches_one_rank_and_ends_with_del():
     assert _gone(pids)
 
 
-@pytest.mark.slow
 def test_workers_end_with_the_interpreter(tiny_llama):
     """A script that never shuts its engine down: its workers end with it."""
     script = ("import sys; from minipaged import LLM; "
               "llm = LLM(sys.argv[1], tensor_parallel_size=2); "
               "print(*llm.llm_engine.worker.pids, flush=True)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", script, tiny_llama[0]], capture_output=True,
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr
