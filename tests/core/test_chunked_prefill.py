@@ -1,5 +1,10 @@
 """Chunked prefill (lesson 09): a token budget per step that decodes never wait for, and prompts
-split across steps, with exactly the tokens of whole-prompt prefill and of transformers."""
+split across steps, with exactly the tokens of whole-prompt prefill and of transformers.
+
+Slow (left out of `make test`): every test on the module's transformers references, about 300 s
+together on the 2-core machine (measured at load ~12, so less when idle); the scheduler-only test
+is fast.
+"""
 from __future__ import annotations
 
 import pytest

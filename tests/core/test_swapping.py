@@ -4,6 +4,9 @@ A GPU pool too small for all requests at once forces the scheduler to preempt. G
 sequences (beam search, parallel sampling) are swapped out by default; preemption by recompute
 and by swap can be forced. Whatever happens, the tokens must be those of a run with room to
 spare, and afterwards every GPU and CPU block must be free again.
+
+Slow (left out of `make test`): the swap-out-and-in test over beams and samples, about 20 s on the
+2-core machine (measured at load ~15).
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ def roomy(tiny_llama, prompts):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["beam", "sample"])
 def test_swapping_groups_out_and_in_changes_no_token(tiny_llama, prompts, roomy, kind):
     path, _ = tiny_llama

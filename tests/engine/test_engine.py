@@ -1,4 +1,8 @@
-"""Lesson 09: continuous batching gives exactly transformers' greedy tokens, also under preemption."""
+"""Lesson 09: continuous batching gives exactly transformers' greedy tokens, also under preemption.
+
+Slow (left out of `make test`): the tests on the module's transformers references, about 260 s
+together on the 2-core machine (measured at load ~12, so less when idle); the rest are fast.
+"""
 import pytest
 
 from minipaged import LLM, SamplingParams

@@ -1,5 +1,9 @@
 """An accepted request always finishes (lesson 04): preemption of groups, swap-in accounting,
-seeds that mean the same tokens everywhere, and validation before anything is queued."""
+seeds that mean the same tokens everywhere, and validation before anything is queued.
+
+Slow (left out of `make test`): the five tests that run whole preempted workloads twice, about 90 s
+together on the 2-core machine (measured at load ~15).
+"""
 from __future__ import annotations
 
 import math
@@ -42,6 +46,7 @@ def prompts(tiny_llama):
 
 
 # -- preemption of groups ------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_seeded_groups_preempted_either_way_give_the_tokens_of_a_roomy_pool(tiny_llama, prompts,
                                                                              mode):
@@ -61,6 +66,7 @@ def test_seeded_groups_preempted_either_way_give_the_tokens_of_a_roomy_pool(tiny
     assert _all_free(llm)
 
 
+@pytest.mark.slow
 def test_a_recomputed_group_computes_its_shared_prompt_once_and_shares_its_blocks_again(
         tiny_llama, prompts):
     path, _ = tiny_llama
@@ -97,6 +103,7 @@ def test_a_recomputed_group_computes_its_shared_prompt_once_and_shares_its_block
     assert _all_free(llm)
 
 
+@pytest.mark.slow
 def test_beam_search_preempted_by_recompute_keeps_its_beams(tiny_llama):
     path, model = tiny_llama
     from beam_prompts import pick_beam_prompts
@@ -126,6 +133,7 @@ def test_a_single_sequence_forced_to_swap_with_a_watermark_comes_back(tiny_llama
 
 
 # -- seeds ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_seeded_samples_do_not_depend_on_pool_mode_batch_or_admission_step(tiny_gpt2, prompts):
     path, _ = tiny_gpt2
     seeded = SamplingParams(n=2, temperature=1.0, seed=2024, max_tokens=16, ignore_eos=True)
@@ -168,6 +176,7 @@ def test_bad_sampling_values_name_the_parameter_and_the_value(kwargs, name):
     assert repr(next(iter(kwargs.values()))) in message, message
 
 
+@pytest.mark.slow
 def test_tiny_temperatures_are_greedy_and_tiny_top_p_keeps_the_top_token(tiny_llama, prompts):
     path, model = tiny_llama
     llm = LLM(path, block_size=BLOCK, num_gpu_blocks=64)

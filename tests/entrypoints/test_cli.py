@@ -1,5 +1,9 @@
 """The command line: every engine option is a flag of `generate` and `serve`, the flags reach the
-engine, and `generate --stream` prints text as it is generated (lessons 08 and 13)."""
+engine, and `generate --stream` prints text as it is generated (lessons 08 and 13).
+
+Slow (left out of `make test`): the streaming test (a subprocess that loads the embedded model),
+about 16 s on the 2-core machine (measured at load ~15).
+"""
 import inspect
 import io
 import subprocess
@@ -106,6 +110,7 @@ class _Stdout(io.StringIO):
         return super().write(text)
 
 
+@pytest.mark.slow
 def test_generate_stream_prints_text_as_it_comes_and_the_same_text(monkeypatch, tiny_dir):
     argv = ["generate", "Once upon a time", "The sky is", "--model", tiny_dir, "--chat",
             "--max-tokens", "24", "--temperature", "0.8", "--seed", "3", "--num-gpu-blocks",

@@ -3,6 +3,9 @@
 Inputs are N(0, 1) and errors are relative, per sequence (an all-zero output would fail). Every
 slot nobody wrote holds NaN, and so does the block that padding entries of the block table point
 to: a kernel that reads one token too far, or multiplies a probability 0 by a NaN, fails.
+
+Slow (left out of `make test`): the two engine-against-transformers tests, about 160 s on the
+2-core machine (measured at load ~12, so less when idle); the op-level tests are fast.
 """
 import copy
 import math

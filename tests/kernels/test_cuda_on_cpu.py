@@ -14,6 +14,9 @@ versions = 324 combinations, each with 6 context lengths (1, block - 1, block, b
 some case), plus targeted cases (4096 tokens, both sides of the shared-memory limits, ...);
 ``MINIPAGED_FULL_MATRIX=1`` runs all 324 (slow). ``pytest -s`` prints the matrix size and the
 worst per-sequence relative error per dtype (``test_report_worst_error_per_dtype``).
+
+Slow: ~250 s on the 2-core machine (measured at load ~12), most of it the first compile of the
+kernels (`make test-all` prebuilds them).
 """
 import itertools
 import math

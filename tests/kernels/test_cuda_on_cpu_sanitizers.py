@@ -14,6 +14,8 @@ our code:
 
 The first run compiles the programs (a minute or two each; cached under
 ~/.cache/minipaged/torch_ext/sanitize). ``make sanitize`` runs only these tests.
+
+Slow: ~90 s on the 2-core machine (measured at load ~12): two sanitizer builds and their runs.
 """
 import os
 import re

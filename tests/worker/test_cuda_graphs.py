@@ -1,7 +1,11 @@
 """CUDA graphs for decode steps, checked on the CPU where they can be: the padded batch sizes,
 the bucket a step picks, the static buffers' padding and width, and a whole generation served
 from the static buffers (``capture=False``) equal to the eager engine. The capture itself runs
-only on a GPU (tests/gpu/test_cuda_graphs_gpu.py)."""
+only on a GPU (tests/gpu/test_cuda_graphs_gpu.py).
+
+Slow (left out of `make test`): the whole generations from the static buffers, about 17 s on the
+2-core machine (measured at load ~15).
+"""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -50,6 +54,7 @@ def _run(llm, prompts, params):
     return [[(o.token_ids, o.cumulative_logprob) for o in r.outputs] for r in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_decode_steps_from_the_static_buffers_equal_the_eager_engine(kind, tiny_llama,
                                                                      tiny_gpt2):
