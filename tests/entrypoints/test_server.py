@@ -1,5 +1,8 @@
 """`minipaged serve` in a subprocess with a tiny random LLaMA, driven by the official openai client
-(lesson 13): completions and chat, streamed and not, 32 concurrent clients, bad input."""
+(lesson 13): completions and chat, streamed and not, 32 concurrent clients, bad input.
+
+Slow: ~45 s on the 2-core machine (measured at load ~9): a server subprocess and 32 clients.
+"""
 import asyncio
 
 import httpx

@@ -1,5 +1,8 @@
 """`minipaged serve` with the embedded SmolLM2-135M-Instruct: the same text as offline generation,
-and clients that disconnect (mid-stream or while waiting) free their KV blocks (lesson 13)."""
+and clients that disconnect (mid-stream or while waiting) free their KV blocks (lesson 13).
+
+Slow: ~75 s on the 2-core machine (measured at load ~9).
+"""
 import threading
 
 import httpx

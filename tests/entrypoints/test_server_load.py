@@ -8,6 +8,8 @@ block is free and nothing waits or runs. The hostile bodies (50 MB, deep nesting
 100,000 stop strings, ...) are each answered with a 4xx within a second while /health stays
 quick. Throughout, the server's resident memory stays within MEMORY_BOUND of what it held warm.
 Run with ``-s`` to see the tables.
+
+Slow: ~25 s on the 2-core machine (measured at load ~9).
 """
 import asyncio
 import json

@@ -6,6 +6,9 @@ on). The torch binding needs a CUDA build of torch to compile, so here it is onl
 csrc/kernels.h, which it includes, must declare every extern "C" launcher with exactly the
 parameter types the .cu files define (the .cu files include it too, so nvcc also checks), and the
 binding must call every one of them.
+
+Slow (left out of `make test`): the two nvcc builds, minutes where nvcc is installed (skipped
+elsewhere); not measured this session.
 """
 import os
 import re

@@ -6,6 +6,9 @@ the torch reference on N(0, 1) inputs: the phase-2 logits are scale * q.k, the w
 cover every KV block of a sequence exactly once, the phase-4 sums add up to the output. Both
 key loads (ours, and vLLM's thread-group-shared one) give the reference's attention, and their
 load counts differ exactly as lesson 05 says. Each build compiles once (cached on disk).
+
+Slow: minutes on a first run (two traced builds of the kernels; `make test-all` prebuilds them),
+not measured this session.
 """
 import pytest
 import torch

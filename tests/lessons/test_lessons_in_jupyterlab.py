@@ -11,6 +11,9 @@ in memory at once. Nothing is downloaded.
 
 This is the course's unanswered run; ``pytest --nbmake lessons`` is the answered one
 (lessons/conftest.py sets MINIPAGED_SOLUTIONS=1 there). Each lesson's time is printed.
+
+Slow: all sixteen lessons in JupyterLab in Chromium, several minutes on the 2-core machine; not
+measured this session.
 """
 import json
 import os

@@ -9,6 +9,8 @@ MINIPAGED_SOLUTIONS=1 there.)
 The JupyterLab-in-Chromium test (test_lessons_in_jupyterlab.py) runs every lesson unanswered in a
 real browser; where it can run, this headless run would repeat it and is skipped, unless
 MINIPAGED_UNANSWERED_HEADLESS=1. Without Chromium or JupyterLab, this is the unanswered run.
+
+Slow: runs all sixteen lessons, several minutes on the 2-core machine; not measured this session.
 """
 import os
 import pathlib

@@ -6,6 +6,8 @@ config (n-gram with random lookup lengths and k, or a one-layer draft model), an
 greedy requests (n up to 2, max_tokens, penalties, prompts that repeat themselves or not). The
 outputs must be those of an engine without speculation: the same tokens, logprobs within 1e-4;
 afterwards every GPU and CPU block is free. Tiny models and few examples: about a minute.
+
+Slow: ~115 s on the 2-core machine with the full budget (measured at load ~9).
 """
 from __future__ import annotations
 

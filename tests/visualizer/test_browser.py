@@ -3,6 +3,8 @@
 The page is a notebook served by Voila on 127.0.0.1 (the kernel runs the widget's Python side);
 Debian's Chromium opens it through playwright. Nothing is downloaded: Voila serves the widget
 JavaScript from its own package, and playwright drives the system browser.
+
+Slow: Voila and Chromium, about a minute on the 2-core machine; not measured this session.
 """
 import json
 import os

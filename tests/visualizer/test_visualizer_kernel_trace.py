@@ -4,6 +4,9 @@ Each drawing gets a record shaped like ``kernel_trace.run_traced``'s (synthetic 
 is needed; the last test draws a real one): every visited block, token, row and load is drawn
 with its data attributes, the maximum is marked on the right token, the row totals are the sums
 of the warps' row sums, and no label leaves the drawing or covers another.
+
+Slow (left out of `make test`): the last test, which draws a real trace (the traced build of the
+kernels); not measured this session.
 """
 import random
 import xml.etree.ElementTree as ET

@@ -6,6 +6,8 @@ CPU each, all on 127.0.0.1, no dashboard), since starting one takes 20-60 s on t
 rank's bundle is one CPU, so PACK puts one rank on each node, and every test shuts its engine
 down (the cluster has room for one engine at a time). The cluster is always shut down, and no
 process of it may be left.
+
+Slow: more than 140 s on the 2-core machine (12 of its tests took 140 s at load ~9).
 """
 import os
 import signal
