@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-all lab setup system-deps gpu-check bench clean sanitize
+.PHONY: demo test test-all lab setup system-deps gpu-check cuda-ext-check ops-check bench clean sanitize
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,10 +65,21 @@ lab: $(STAMP) $(KERNELS_ON_CPU)
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 
-# On a CUDA machine (no package registry needed): build the kernels, run tests/gpu and the
-# kernel benchmark with the machine's own python3 (torch, transformers, numpy, pytest).
+# On a CUDA machine (no package registry needed), with the machine's own python3: stages with
+# their own time limits and logs, 8 minutes in all, a summary table at the end (README, "On a GPU").
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# The real CUDA extension on a machine without a GPU: built with nvcc against a CUDA build of
+# torch in a separate environment (~5.5 GB, $(CUDA_TORCH_ENV), never .venv), its library checked
+# and every error path reachable without a GPU called (each must raise, not crash).
+CUDA_TORCH_ENV ?= /tmp/minipaged-cuda-torch
+cuda-ext-check:
+	bash scripts/cuda_ext_check.sh $(CUDA_TORCH_ENV)
+
+# Every compiled back-end this machine builds, its library check and the malformed-input table.
+ops-check: $(STAMP)
+	$(PY) scripts/check_compiled_ops.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -38,7 +38,7 @@ def run(llm: LLM, args, rng_seed: int) -> dict:
     """Decoders first; a long prompt joins every ``--every`` steps. Times per token."""
     engine = llm.llm_engine
     rng = random.Random(rng_seed)
-    vocab = engine.vocab_size
+    vocab = engine.model_shape.vocab_size
     decode_params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     long_params = SamplingParams(temperature=0, max_tokens=args.long_tokens, ignore_eos=True)
     for i in range(args.num_decoders):

@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from minipaged.model_shape import kv_bytes_per_token  # noqa: E402
+
 HEAD_SIZE = 128
 NUM_HEADS = 32
 NUM_KV_HEADS = 32
@@ -178,7 +180,7 @@ def time_contiguous(batch: int, context: int, copies: int) -> dict:
 
 def kv_bytes(batch: int, context: int) -> int:
     """Bytes of keys and values one decode step must read."""
-    return 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * DTYPE.itemsize
+    return batch * context * kv_bytes_per_token(1, NUM_KV_HEADS, HEAD_SIZE, DTYPE.itemsize)
 
 
 def bench_one(kernels, batch: int, context: int, l2_bytes: int) -> dict:

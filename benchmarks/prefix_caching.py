@@ -101,7 +101,7 @@ def main() -> None:
         for caching in (False, True):
             llm = LLM(kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                       enable_prefix_caching=caching)
-            vocab = llm.llm_engine.vocab_size
+            vocab = llm.llm_engine.model_shape.vocab_size
             if trace == "shared system prompt":
                 prompts = shared_prompt_trace(args, vocab)
                 r = measure(llm, lambda: run_shared(llm, prompts, params))

@@ -116,7 +116,7 @@ def prompt_ids(llm: LLM, conversations: list[list[dict]], seed: int) -> list[lis
     if tok is not None and getattr(tok, "chat_template", None):
         return [chat_prompt_ids(tok, c) for c in conversations]
     rng = random.Random(seed)
-    vocab = llm.llm_engine.vocab_size
+    vocab = llm.llm_engine.model_shape.vocab_size
     ids = []
     for _ in conversations:
         passage = [rng.randrange(3, vocab) for _ in range(24)]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import math
 import os
 import random
@@ -244,10 +243,8 @@ def main(argv=None) -> int:
     mp_results = {n: r["minipaged"] for n, r in runs.items()}
     # Our weights go to transformers: same weights, and the KV pool is freed first.
     state = {k: v for k, v in engine.worker.model.state_dict().items()}
+    llm.shutdown()  # the KV pool, the CUDA graphs and torch's cached blocks go back
     del llm, engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
     skip = set(filter(None, args.skip.split(",")))
     hf = None
@@ -278,7 +275,8 @@ def main(argv=None) -> int:
                                                     sum(o for _, o in traces[n]))
               for n in traces]
     engine_breakdowns = [f"{n} requests: " + format_breakdown(mp_results[n]["stats"],
-                                                               mp_results[n]["num_gpu_blocks"])
+                                                               mp_results[n]["num_gpu_blocks"],
+                                                               device.type == "cuda")
                          for n in traces]
     decode = format_decode_breakdown(breakdown, peak)
     report = "\n\n".join(tables + engine_breakdowns + [decode])
@@ -334,12 +332,19 @@ def format_table(results: dict, static_batch: int, num_requests: int, num_out: i
     return "\n".join(lines)
 
 
-def format_breakdown(stats: dict, num_gpu_blocks: int) -> str:
-    parts = ["schedule", "prepare", "model", "sample", "update"]
-    total = sum(stats[f"time_{p}"] for p in parts) or 1.0
+def format_breakdown(stats: dict, num_gpu_blocks: int, on_cuda: bool = False) -> str:
+    """The engine's own step timers over a whole run.
+
+    NOTE: they read the clock without synchronising (the engine does not wait for the device
+    between its phases). On CUDA the model's kernels finish while the sampler waits for the
+    logits, so the two are shown as one section, "model + sample"; the decode breakdown
+    (``decode_step_breakdown``) synchronises and separates them."""
+    totals = {p: stats[f"time_{p}"] for p in ("schedule", "prepare", "model", "sample", "update")}
+    if on_cuda:
+        totals["model + sample"] = totals.pop("model") + totals.pop("sample")
+    total = sum(totals.values()) or 1.0
     steps = max(stats["num_steps"], 1)
-    cells = ", ".join(f"{p} {stats[f'time_{p}']:.2f} s ({100 * stats[f'time_{p}'] / total:.0f} %)"
-                      for p in parts)
+    cells = ", ".join(f"{p} {t:.2f} s ({100 * t / total:.0f} %)" for p, t in totals.items())
     return (f"minipaged step-time breakdown over {stats['num_steps']} steps "
             f"({1000 * total / steps:.1f} ms/step): {cells}. Peak KV blocks in use "
             f"{stats['peak_gpu_blocks_used']} of {num_gpu_blocks}; preemptions "

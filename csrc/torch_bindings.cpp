@@ -111,8 +111,11 @@ void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cac
   const int64_t x = 16 / key_cache.element_size();
   TORCH_CHECK(key_cache.size(4) == x, "key_cache's last dimension must be x = 16 / element size = ",
               x, ", got ", key_cache.size(4));
-  TORCH_CHECK(key_cache.size(2) * x == head_size && value_cache.size(2) == head_size,
-              "the caches do not hold head_size = ", head_size);
+  TORCH_CHECK(key_cache.size(2) * x == head_size, "key_cache holds head size ",
+              key_cache.size(2) * x, " (", key_cache.size(2), " x ", x, ") but the query's is ",
+              head_size);
+  TORCH_CHECK(value_cache.size(2) == head_size, "value_cache holds head size ",
+              value_cache.size(2), " but the query's is ", head_size);
   TORCH_CHECK(value_cache.size(0) == key_cache.size(0) && value_cache.size(1) == key_cache.size(1)
               && value_cache.size(3) == key_cache.size(3),
               "key_cache ", key_cache.sizes(), " and value_cache ", value_cache.sizes(),
@@ -363,7 +366,8 @@ void swap_blocks(torch::Tensor src, torch::Tensor dst, torch::Tensor block_pairs
     const auto s = pairs.select(1, 0), d = pairs.select(1, 1);
     TORCH_CHECK(s.min().item<int64_t>() >= 0 && s.max().item<int64_t>() < src.size(0) &&
                 d.min().item<int64_t>() >= 0 && d.max().item<int64_t>() < dst.size(0),
-                "swap_blocks: block numbers out of range");
+                "swap_blocks: source blocks must be in [0, ", src.size(0),
+                ") and destination blocks in [0, ", dst.size(0), ")");
   }
   cudaMemcpyKind kind;
   if (on_device(src) && on_device(dst)) {

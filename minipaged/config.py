@@ -1,7 +1,8 @@
 """The engine's settings, checked once, and the two decisions they lead to (lesson 08).
 
-``EngineConfig`` holds every keyword of ``LLMEngine``; building it checks each one (a
-ValueError names the setting and what is allowed; numpy scalars become Python numbers). Two steps
+``EngineConfig`` declares every setting of ``LLMEngine`` and ``LLM`` once, with its default and
+what it means (the command line's flags and help are made from it); building it checks each one
+(a ValueError names the setting and what is allowed; numpy scalars become Python numbers). Two steps
 come later, once the model and the worker are known, because they need the model's size:
 
 - ``kv_pool_blocks``: how many KV blocks the GPU and CPU pools get;
@@ -11,9 +12,10 @@ come later, once the model and the worker are known, because they need the model
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from minipaged.validation import as_int, as_number, shown
 
@@ -22,9 +24,12 @@ DEFAULT_KV_CACHE_BYTES = GiB  # the CPU pool's budget when no kv_cache_bytes is 
 logger = logging.getLogger("minipaged")
 
 
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 def _mode(v):  # a PreemptionMode member counts as its name
     v = getattr(v, "value", v)
-    return v if isinstance(v, str) and v in ("recompute", "swap") else None
+    return v if isinstance(v, str) and v in PREEMPTION_MODES else None
 
 
 def _device(v):
@@ -85,79 +90,109 @@ _RULES = {
     "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
     "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
 }
-_MAY_BE_NONE = {"kv_cache_bytes", "num_gpu_blocks", "num_cpu_blocks", "max_num_batched_tokens",
-                "max_model_len", "preemption_mode", "distributed_executor_backend"}
+
+# -- the settings ------------------------------------------------------------------------------
+DEFAULT_TIMEOUT_S = 120.0  # seconds for one tensor-parallel step (worker_timeout)
+
+
+def setting(default, help_text: str, **metadata):
+    """A field of ``EngineConfig``: its default and what it means (the CLI's help reads it).
+
+    Args:
+        default: the value when the setting is not given.
+        help_text: one line for ``--help`` and for readers of this file.
+        metadata: more facts the CLI reads, e.g. ``choices=("a", "b")``.
+    """
+    return field(default=default, metadata={"help": help_text, **metadata})
 
 
 @dataclass
 class EngineConfig:
-    """Every ``LLMEngine`` keyword, checked (the defaults are ``LLMEngine``'s).
+    """Every setting of ``LLMEngine`` and ``LLM``, declared once: its default and its meaning.
 
-    Building one checks the settings in ``_RULES`` (the model, tokenizer, dtype and load format
-    are checked where they are loaded); a bad value raises ValueError naming it and what is
-    allowed. Numbers come out as Python ints and floats, ``preemption_mode`` as its name.
-
-    Fields:
-        model: a Hugging Face id, a local ``save_pretrained`` directory, or None for the
-            embedded SmolLM2-135M-Instruct.
-        tokenizer: where to load the tokenizer from, if not from ``model``.
-        dtype: "auto" (float32 on CPU, the checkpoint's half type on CUDA) or a dtype name.
-        device: "auto", "cpu" or "cuda".
-        block_size: tokens per KV block.
-        seed: seeds requests that bring no seed of their own.
-        gpu_memory_utilization: on CUDA, the fraction of GPU memory for weights, activations and
-            the KV pool; the pool gets what a profiled forward pass leaves.
-        kv_cache_bytes: on CPU, the byte budget of the KV pool (default 1 GiB).
-        swap_space: GiB of CPU memory for swapped-out blocks.
-        num_gpu_blocks, num_cpu_blocks: explicit pool sizes, overriding the budgets.
-        max_num_seqs, max_num_batched_tokens, max_model_len: scheduler limits.
-        preemption_mode: None (recompute single sequences, swap groups), "recompute" or "swap".
-        watermark: fraction of the GPU pool kept free when admitting prompts.
-        enable_chunked_prefill: each step's budget (``max_num_batched_tokens``) goes to the
-            decodes first; prompts fill what is left, split over several steps when needed.
-            False: a prompt runs whole in one step, so it must fit the budget.
-        load_format: "auto" (read the checkpoint) or "dummy" (random weights from the config).
-        tensor_parallel_size: N > 1 splits the model over N worker processes (lesson 14,
-            ``worker/mp_workers.py``); the pool sizes and budgets are then per rank.
-        worker_timeout: seconds a tensor-parallel step may take before the engine gives up.
-        distributed_executor_backend: who starts the tensor-parallel ranks: "mp" (processes on
-            this machine, the default) or "ray" (Ray actors on the nodes of a Ray cluster,
-            ``worker/ray_workers.py``; needs ``pip install 'minipaged[ray]'``).
-        enable_prefix_caching: keep computed full blocks named by their hash chain, so a prompt
-            that starts like an earlier one takes its blocks instead of computing them
-            (lesson 11). Outputs are the same either way.
-        hf_config: a transformers config to use instead of the one of ``model``.
-        enforce_eager: never replay decode steps from CUDA graphs (``worker/cuda_graphs.py``;
-            on CUDA with one rank they are captured by default; the CPU runs eagerly anyway).
-        speculative_config: None, or vLLM's dict turning on speculative decoding (lesson 12;
-            ``SpeculativeConfig`` below says what it holds).
+    ``LLMEngine(model, **settings)`` and ``LLM(model, **settings)`` build one with
+    ``EngineConfig.from_settings``, and the command line makes a flag of each field
+    (``entrypoints/cli.py``). Building one checks the settings in ``_RULES`` (the model,
+    tokenizer, dtype and load format are checked where they are loaded); a bad value raises
+    ValueError naming it and what is allowed. Numbers come out as Python ints and floats,
+    ``preemption_mode`` as its name.
     """
 
-    model: str | None
-    tokenizer: str | None
-    dtype: object
-    device: str
-    block_size: int
-    seed: int
-    gpu_memory_utilization: float
-    kv_cache_bytes: int | None
-    swap_space: float
-    num_gpu_blocks: int | None
-    num_cpu_blocks: int | None
-    max_num_seqs: int
-    max_num_batched_tokens: int | None
-    max_model_len: int | None
-    preemption_mode: str | None
-    watermark: float
-    enable_chunked_prefill: bool
-    load_format: str
-    hf_config: object
-    tensor_parallel_size: int
-    worker_timeout: float
-    enable_prefix_caching: bool
-    distributed_executor_backend: str | None = None
-    enforce_eager: bool = False
-    speculative_config: object = None
+    model: str | None = setting(
+        None, "a Hugging Face id, a local save_pretrained directory, or None for the embedded "
+              "SmolLM2-135M-Instruct")
+    tokenizer: str | None = setting(
+        None, "where to load the tokenizer from, if not from the model")
+    dtype: object = setting(
+        "auto", "weights and KV cache type: auto (float32 on CPU, the checkpoint's half type "
+                "on CUDA), float32, float16 or bfloat16")
+    device: str = setting("auto", "auto, cpu or cuda")
+    block_size: int = setting(16, "tokens per KV cache block")
+    seed: int = setting(0, "seeds every request that brings no seed of its own")
+    gpu_memory_utilization: float = setting(
+        0.9, "on CUDA: fraction of the GPU memory this process could still take when the "
+             "engine started (free memory and torch's unused cache) for weights, activations "
+             "and the KV pool (the pool gets what a profiled forward pass leaves)")
+    kv_cache_bytes: int | None = setting(
+        None, "without CUDA: bytes for the KV pool (1 GiB when not given)")
+    swap_space: float = setting(1.0, "GiB of CPU memory for swapped-out KV blocks")
+    num_gpu_blocks: int | None = setting(
+        None, "blocks in the KV pool (GPU, or the CPU when it runs the model); overrides the "
+              "memory budgets")
+    num_cpu_blocks: int | None = setting(
+        None, "blocks in the CPU swap pool; overrides swap_space")
+    max_num_seqs: int = setting(256, "most sequences in one step's batch")
+    max_num_batched_tokens: int | None = setting(
+        None, "most tokens in one step: prompt chunks plus one per decode (when not given: "
+              "max(4096, max_model_len))")
+    max_model_len: int | None = setting(
+        None, "longest sequence, prompt plus output (when not given: the model's)")
+    preemption_mode: str | None = setting(
+        None, "recompute or swap (when not given: recompute single sequences, swap groups)",
+        choices=PREEMPTION_MODES)
+    watermark: float = setting(0.01, "fraction of the KV pool kept free when admitting prompts")
+    enable_chunked_prefill: bool = setting(
+        True, "split long prompts over several steps, decodes first (off: a prompt runs whole "
+              "in one step, so it must fit max_num_batched_tokens)")
+    load_format: str = setting(
+        "auto", "auto (read the checkpoint) or dummy (random weights from the config)",
+        choices=("auto", "dummy"))
+    hf_config: object = setting(
+        None, "a transformers config to use instead of the model's own")
+    tensor_parallel_size: int = setting(
+        1, "split the model over N worker processes (lesson 14); pool sizes and budgets are "
+           "then per rank")
+    worker_timeout: float = setting(
+        DEFAULT_TIMEOUT_S, "seconds a tensor-parallel step may take before the engine gives up")
+    enable_prefix_caching: bool = setting(
+        True, "reuse the cached KV blocks a prompt starts with (lesson 11); outputs are the "
+              "same either way")
+    enforce_eager: bool = setting(
+        False, "on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    distributed_executor_backend: str | None = setting(
+        None, "who starts the tensor-parallel ranks: mp (processes on this machine, when not "
+              "given) or ray (actors on a Ray cluster; pip install 'minipaged[ray]')",
+        choices=BACKENDS)
+    speculative_config: object = setting(
+        None, "None, or vLLM's dict turning on speculative decoding (lesson 12; "
+              "SpeculativeConfig below says what it holds)")
+
+    @classmethod
+    def from_settings(cls, model: str | None = None, **settings) -> EngineConfig:
+        """The config of ``LLMEngine(model, **settings)``; an unknown setting is refused by name.
+
+        Args:
+            model: the model (see the field).
+            settings: any other fields, by name; those not given keep their defaults.
+        """
+        names = [f.name for f in fields(cls)]
+        for name in settings:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"unknown engine setting {name!r}{hint} (the settings are the "
+                                f"fields of EngineConfig in minipaged/config.py)")
+        return cls(model=model, **settings)
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
@@ -165,7 +200,7 @@ class EngineConfig:
             if f.name not in _RULES:
                 continue
             value = getattr(self, f.name)
-            if value is None and f.name in _MAY_BE_NONE:
+            if value is None and f.default is None:  # None means "not given": the engine decides
                 continue
             convert, check, allowed = _RULES[f.name]
             converted = convert(value)
@@ -187,15 +222,16 @@ def kv_pool_blocks(config: EngineConfig, block_bytes: int, max_model_len: int,
     Args:
         config: the settings; explicit ``num_gpu_blocks``/``num_cpu_blocks`` win.
         block_bytes: bytes of one block (all layers, K and V; per rank under tensor parallel).
-        max_model_len: the length before fitting; caps a pool at what ``max_num_seqs``
-            sequences of that length could ever use.
+        max_model_len: the length before fitting; caps a pool the engine sizes (on the CPU or
+            on a GPU) at what ``max_num_seqs`` sequences of that length could ever use, so a
+            small engine on a big GPU takes a small pool.
         profiled_gpu_blocks: what profiling found free on a GPU, or None on the CPU (the pool
             then gets ``kv_cache_bytes``).
     """
     blocks_cap = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
     num_gpu_blocks = config.num_gpu_blocks
-    if num_gpu_blocks is None:
-        num_gpu_blocks = profiled_gpu_blocks
+    if num_gpu_blocks is None and profiled_gpu_blocks is not None:
+        num_gpu_blocks = min(profiled_gpu_blocks, blocks_cap)
     if num_gpu_blocks is None:
         budget = (config.kv_cache_bytes if config.kv_cache_bytes is not None
                   else DEFAULT_KV_CACHE_BYTES)

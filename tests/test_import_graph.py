@@ -16,8 +16,9 @@ from repo_paths import ROOT
 PACKAGES = ("minipaged", "visualizer")
 
 # Who may import whom, by layer. A layer not named on the right of another's arrow is out of
-# bounds for it. Data types (block, sequence, sampling_params, outputs, validation, config) sit below
-# everything; exercises, lab and the visualizer sit above everything.
+# bounds for it. Data types (block, sequence, sampling_params, outputs, validation, config,
+# cache_paths, model_shape) sit below everything; exercises, lab and the visualizer sit above
+# everything.
 LAYER_DEPS = {
     "types": set(),
     "core": {"types"},
@@ -34,7 +35,8 @@ LAYER_DEPS = {
                    "entrypoints", "lab"},
     "api": {"types", "engine", "entrypoints"},  # minipaged/__init__.py, __main__.py
 }
-TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config"}
+TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config", "cache_paths",
+         "model_shape"}
 
 
 def modules() -> dict[str, pathlib.Path]:

@@ -4,11 +4,13 @@
                          overlay={"output (measured)": p})
 
 One panel per distribution, all on the same y scale, so that bars can be compared across panels
-(rejection sampling: p, q, min(p, q), the residual, the measured output). ``overlay`` draws a
-black tick over a panel's bars at another distribution's values (the measured histogram against
-the p it should match). Elements for tests: ``panel`` (``data-name``), ``bar`` (``data-name``,
-``data-token``, ``data-value``) and ``overlay-tick`` (``data-name``, ``data-token``,
-``data-value``).
+(rejection sampling: p, q, min(p, q), the measured output). ``stack`` puts a second part on top
+of a panel's bars, in its own colour (min(p, q) with the rejected mass times the residual on
+it: together they are p). ``overlay`` draws a black tick over a panel's bars at another
+distribution's values (the measured histogram against the p it should match). Elements for
+tests: ``panel`` (``data-name``), ``bar`` (``data-name``, ``data-token``, ``data-value``),
+``stacked-bar`` (the same, ``data-name`` the stacked part's) and ``overlay-tick``
+(``data-name``, ``data-token``, ``data-value``).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _values(dist) -> list[float]:
 
 def render_distributions(panels, token_labels=None, title: str | None = None,
                          overlay: dict | None = None, colours: dict | None = None,
-                         overlay_note: str | None = None) -> str:
+                         overlay_note: str | None = None, stack: dict | None = None) -> str:
     """SVG of ``panels`` (a list of (name, distribution over the same tokens)).
 
     Args:
@@ -37,6 +39,8 @@ def render_distributions(panels, token_labels=None, title: str | None = None,
         overlay: panel name -> a distribution drawn as black ticks over that panel's bars.
         colours: panel name -> bar colour (default: the palette in panel order).
         overlay_note: a line under the panels saying what the ticks are.
+        stack: panel name -> (part name, a distribution) drawn on top of that panel's bars, in
+            ``colours[part name]`` (default: the palette colour after the panels').
     """
     panels = [(name, _values(dist)) for name, dist in panels]
     if not panels:
@@ -46,8 +50,16 @@ def render_distributions(panels, token_labels=None, title: str | None = None,
         raise ValueError("panels: every distribution must cover the same tokens")
     labels = [str(t) for t in (token_labels or range(num_tokens))]
     overlay = {name: _values(d) for name, d in (overlay or {}).items()}
+    stack = {name: (part, _values(d)) for name, (part, d) in (stack or {}).items()}
+    if set(stack) - {name for name, _ in panels}:
+        raise ValueError(f"stack: no panel named {sorted(set(stack) - dict(panels).keys())}")
+    if any(len(v) != num_tokens for _, v in stack.values()):
+        raise ValueError("stack: every distribution must cover the same tokens")
     colours = colours or {}
-    top_value = max([max(v) for _, v in panels] + [max(v) for v in overlay.values()] + [1e-9])
+    heights = [max(v) for _, v in panels] + [max(v) for v in overlay.values()]
+    heights += [max(a + b for a, b in zip(dict(panels)[name], part[1]))
+                for name, part in stack.items()]
+    top_value = max(heights + [1e-9])
 
     panel_w = min(200, (MAX_WIDTH - 20 - PANEL_GAP * (len(panels) - 1)) / len(panels))
     bar_w = (panel_w - BAR_GAP * (num_tokens + 1)) / num_tokens
@@ -71,8 +83,16 @@ def render_distributions(panels, token_labels=None, title: str | None = None,
             h = PANEL_H * v / top_value
             el(g, "rect", x=x, y=base - h, width=bar_w, height=h, fill=fill, class_="bar",
                data_name=name, data_token=t, data_value=f"{v:.4f}")
-            if v > 0:
-                text(g, x + bar_w / 2, base - h - 3, f"{v:.2f}".lstrip("0") or "0", size=8,
+            total = v
+            if name in stack:
+                part, on_top = stack[name][0], stack[name][1][t]
+                h_top = PANEL_H * on_top / top_value
+                el(g, "rect", x=x, y=base - h - h_top, width=bar_w, height=h_top,
+                   fill=colours.get(part, colour(len(panels))), class_="stacked-bar",
+                   data_name=part, data_token=t, data_value=f"{on_top:.4f}")
+                total, h = v + on_top, h + h_top
+            if total > 0:
+                text(g, x + bar_w / 2, base - h - 3, f"{total:.2f}".lstrip("0") or "0", size=8,
                      anchor="middle", fill=MUTED)
             text(g, x + bar_w / 2, base + 12, shorten(labels[t], label_chars), size=9,
                  anchor="middle")

@@ -96,7 +96,7 @@ def fork_tree_text(nodes: list[ForkNode]) -> str:
 LEGEND = [
     ("root", "the prompt: its blocks are shared by every sequence"),
     ("live", "seq N: a sequence from where it began (allocate, or a fork of another beam)"),
-    ("final", "finished: an output that was kept"),
+    ("final", "finished: a sequence's last version (beam search returns the n best of them)"),
     ("dropped", "dropped: a beam that fell behind; its sequence was freed"),
     ("name", "seq 4b: seq 4's second life (a freed id, reused by a later fork)"),
 ]

@@ -160,22 +160,39 @@ def render_phase4_sums(t: dict, out_row, rows=range(8), title: str | None = None
     return to_string(root)
 
 
-def render_key_loads(loads_by_variant: dict, group_size: int, title: str | None = None) -> str:
+def render_key_loads(loads_by_variant: dict, group_size: int, title: str | None = None,
+                     window: tuple[int, int] | None = None) -> str:
     """The bytes of one KV block's keys (x axis) that each load instruction of one warp reads
     (one strip per instruction), for each variant; a lane's bytes are coloured by its place in
     its thread group of ``group_size`` lanes. ``loads_by_variant[name]`` is the warp's per-lane
     lists of (byte offset, bytes) in one KV block (``kernel_trace.visit_loads``); offsets are
-    drawn from the smallest one."""
+    drawn from the smallest one.
+
+    Args:
+        window: (first byte, end byte), counted from the smallest offset: draw only that part of
+            the block, magnified, and only the instructions that read in it (a 4-byte load is a
+            fraction of a pixel across a whole block: zoomed to a cache line it is a mark).
+    """
     if not loads_by_variant or group_size < 1:
         raise ValueError("no loads to draw, or group_size < 1")
     starts = [a for lanes in loads_by_variant.values() for loads in lanes for a, _ in loads]
     ends = [a + s for lanes in loads_by_variant.values() for loads in lanes for a, s in loads]
     base, span = min(starts), max(ends) - min(starts)
-    left, strip, plot_w = 110, 9, 800
-    scale = plot_w / span
+    lo, hi = window if window is not None else (0, span)
+    if not 0 <= lo < hi:
+        raise ValueError(f"window must be (first, end) bytes with 0 <= first < end, got {window}")
+    left, plot_w = 110, 800
+    strip = 9 if window is None else 14
+    scale = plot_w / (hi - lo)
+
+    def inside(a: int, s: int) -> bool:
+        return a - base < hi and a - base + s > lo
+
+    shown = {name: [i for i in range(max(len(loads) for loads in lanes))
+                    if any(i < len(loads) and inside(*loads[i]) for loads in lanes)]
+             for name, lanes in loads_by_variant.items()}
     top = 78 if title else 58
-    height = top + sum(28 + max(len(loads) for loads in lanes) * strip + 8
-                       for lanes in loads_by_variant.values()) + 24
+    height = top + sum(28 + len(rows) * strip + 8 for rows in shown.values()) + 24
     width = left + plot_w + 20
     root = svg_root(width, height, "key-loads", data_bytes=span, data_group_size=group_size)
     if title:
@@ -185,21 +202,24 @@ def render_key_loads(loads_by_variant: dict, group_size: int, title: str | None 
     for name, lanes in loads_by_variant.items():
         instructions = max(len(loads) for loads in lanes)
         size = max(s for loads in lanes for _, s in loads)
-        text(root, 10, y + 12, f"{name}: {instructions} load instructions of {size} B per lane",
+        text(root, 10, y + 12, f"{name}: {instructions} load instructions of {size} B per lane"
+             + ("" if window is None else f" ({len(shown[name])} read in this window)"),
              size=11, weight="bold")
         y += 22
-        for i in range(instructions):
+        for i in shown[name]:
             text(root, left - 6, y + strip - 1, f"load {i}", size=8, anchor="end", fill=MUTED)
             for lane, loads in enumerate(lanes):
-                if i >= len(loads):
+                if i >= len(loads) or not inside(*loads[i]):
                     continue
                 a, s = loads[i]
-                el(root, "rect", x=left + (a - base) * scale, y=y, width=max(s * scale - 0.4, 0.6),
-                   height=strip - 1, fill=colour(lane % group_size), class_="load",
-                   data_variant=name, data_instruction=i, data_lane=lane, data_offset=a - base,
-                   data_bytes=s)
+                x0, x1 = max(a - base, lo), min(a - base + s, hi)  # clipped to the window
+                el(root, "rect", x=left + (x0 - lo) * scale, y=y,
+                   width=max((x1 - x0) * scale - 0.4, 0.6), height=strip - 1,
+                   fill=colour(lane % group_size), class_="load", data_variant=name,
+                   data_instruction=i, data_lane=lane, data_offset=a - base, data_bytes=s)
             y += strip
         y += 14
-    text(root, 10, height - 8, f"x: the {span} bytes of one KV block's keys, in memory order",
-         size=10, fill=MUTED)
+    what = (f"the {span} bytes of one KV block's keys" if window is None
+            else f"bytes {lo}-{hi} of the {span} bytes of one KV block's keys, magnified")
+    text(root, 10, height - 8, f"x: {what}, in memory order", size=10, fill=MUTED)
     return to_string(root)

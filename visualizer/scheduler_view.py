@@ -3,9 +3,14 @@
     waiting | running | swapped        one badge per sequence group, oldest at the top
     GPU pool [#####.....]  CPU pool [##........]
 
+A badge is filled with its sequences' colours, the colours ``render_block_tables`` gives their
+block tables (stripes when a group has several), so a badge and its tables match side by side;
+a preempted group is outlined in red.
+
 Elements for tests: ``queue`` (``data-queue``, ``data-count``), ``badge`` (``data-queue``,
-``data-request``, ``data-num-seqs``, ``data-num-tokens``, ``data-preempted``) and ``pool-bar``
-(``data-pool``, ``data-used``, ``data-total``).
+``data-request``, ``data-num-seqs``, ``data-num-tokens``, ``data-preempted``) with its
+``badge-fill`` stripes (``data-seq``), and ``pool-bar`` (``data-pool``, ``data-used``,
+``data-total``).
 """
 from __future__ import annotations
 
@@ -20,9 +25,14 @@ NOTE_CHARS = 100  # characters of a size-10 note line that fit in the drawing's 
 BADGE_CHARS = int((BADGE_W - 12) / (0.6 * 10))  # characters of a size-10 line inside a badge
 
 
-def request_colour(request_id) -> str:
-    rid = str(request_id)
-    return colour(int(rid) if rid.isdigit() else sum(map(ord, rid)))
+def _badge_fill(parent, x: float, y: float, seq_ids: list[int]) -> None:
+    """A badge's background in its sequences' colours, the colours of their block tables: one
+    colour for one sequence, equal stripes for several (as a shared block is striped)."""
+    seq_ids = seq_ids or [0]
+    w = BADGE_W / len(seq_ids)
+    for i, seq_id in enumerate(seq_ids):
+        el(parent, "rect", x=x + i * w, y=y, width=w, height=BADGE_H, fill=colour(seq_id),
+           opacity=0.25, class_="badge-fill", data_seq=seq_id)
 
 
 def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None = None) -> str:
@@ -60,8 +70,7 @@ def render_scheduler(snapshot: dict, title: str | None = None, step: dict | None
             b = el(g, "g", class_="badge", data_queue=queue, data_request=rid,
                    data_num_seqs=badge["num_seqs"], data_num_tokens=badge["num_tokens"],
                    data_preempted=mode or "", data_seq_ids=",".join(map(str, badge["seq_ids"])))
-            el(b, "rect", x=x, y=y, width=BADGE_W, height=BADGE_H, rx=6,
-               fill=request_colour(rid), opacity=0.25)
+            _badge_fill(b, x, y, badge["seq_ids"])
             el(b, "rect", x=x, y=y, width=BADGE_W, height=BADGE_H, rx=6, fill="none",
                stroke=HIGHLIGHT if mode else INK, stroke_width=2 if mode else 1)
             seqs = "seq" if badge["num_seqs"] == 1 else "seqs"

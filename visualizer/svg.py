@@ -10,8 +10,11 @@ import xml.etree.ElementTree as ET
 SVG_NS = "http://www.w3.org/2000/svg"
 
 # One colour per sequence (colour-blind-friendly "Tableau 10"), cycled when there are more.
-PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
-           "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
+# NOTE: without Tableau's red, pink and grey (indigo, olive green and light blue instead): red is
+# HIGHLIGHT, which marks events (a copy-on-write copy, the newest token, a preemption), and grey
+# is a free or evictable block; a sequence drawn in either would read as one of those.
+PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#7b66d2", "#76b7b2",
+           "#edc948", "#b07aa1", "#a5b84c", "#9c755f", "#a0cbe8"]
 FREE_FILL = "#f4f4f4"
 INK = "#333333"
 MUTED = "#888888"

@@ -23,16 +23,17 @@ from minipaged.engine.output_processor import OutputProcessor, eos_token_ids
 from minipaged.engine.stats import EngineStats, StepSnapshot
 from minipaged.engine.validation import (RequestLimits, as_arrival_time, check_request_id,
                                          max_blocks_needed, validate_request)
+from minipaged.model_shape import ModelShape
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.spec_decode.speculator import Speculator
 from minipaged.validation import as_token_ids
 from minipaged.worker import checkpoint
-from minipaged.worker.cache_engine import cache_block_bytes
+from minipaged.worker.gpu_memory import naming_memory_holders
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
 from minipaged.worker.model_runner import prepare_inputs
-from minipaged.worker.mp_workers import DEFAULT_TIMEOUT_S, TensorParallelWorkers
+from minipaged.worker.mp_workers import TensorParallelWorkers
 from minipaged.worker.sampler import Sampler, sequence_generators
 from minipaged.worker.worker import LocalWorker, Worker
 
@@ -42,36 +43,15 @@ logger = logging.getLogger("minipaged")
 class LLMEngine:
     """Owns the scheduler, the sampler and a ``Worker`` that holds the model and the KV cache.
 
-    Args: every keyword is a setting of ``EngineConfig`` (``minipaged/config.py``), which says
-    what it means and checks it; the defaults are the ones below.
+    Args:
+        model: a Hugging Face id, a local ``save_pretrained`` directory, or None for the
+            embedded SmolLM2-135M-Instruct.
+        settings: any field of ``EngineConfig`` (``minipaged/config.py``), which declares its
+            default and meaning and checks it; an unknown name raises TypeError.
     """
 
-    def __init__(self, model: str | None = None, tokenizer: str | None = None,
-                 dtype="auto", device: str = "auto", block_size: int = 16, seed: int = 0,
-                 gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
-                 swap_space: float = 1.0, num_gpu_blocks: int | None = None,
-                 num_cpu_blocks: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 preemption_mode: str | None = None, watermark: float = 0.01,
-                 enable_chunked_prefill: bool = True,
-                 load_format: str = "auto", hf_config=None, tensor_parallel_size: int = 1,
-                 worker_timeout: float = DEFAULT_TIMEOUT_S,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False,
-                 distributed_executor_backend: str | None = None,
-                 speculative_config=None) -> None:
-        self.config = cfg = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, device=device, block_size=block_size,
-            seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_bytes=kv_cache_bytes, swap_space=swap_space, num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            preemption_mode=preemption_mode, watermark=watermark,
-            enable_chunked_prefill=enable_chunked_prefill, load_format=load_format,
-            hf_config=hf_config, tensor_parallel_size=tensor_parallel_size,
-            worker_timeout=worker_timeout, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            distributed_executor_backend=distributed_executor_backend,
-            speculative_config=speculative_config)
+    def __init__(self, model: str | None = None, **settings) -> None:
+        self.config = cfg = EngineConfig.from_settings(model, **settings)
         resolved_device = resolve_device(cfg.device)
 
         # -- the model ---------------------------------------------------------------------------
@@ -92,23 +72,18 @@ class LLMEngine:
                                         cfg.worker_timeout)
         self.tokenizer = (checkpoint.load_tokenizer(source, cfg.tokenizer)
                           if source is not None else None)
-        hf = self.hf_config
-        self.num_layers = hf.num_hidden_layers
-        self.num_heads = hf.num_attention_heads
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads
-        self.vocab_size = hf.vocab_size
+        self.model_shape = shape = ModelShape.from_hf(self.hf_config)
 
         # -- the KV cache, the scheduler, the limits requests are checked against ---------------
         reason = self._init_kv_cache()
-        self.limits = RequestLimits(self.vocab_size, cfg.block_size, self.tokenizer is not None,
+        self.limits = RequestLimits(shape.vocab_size, cfg.block_size, self.tokenizer is not None,
                                     reason, self.scheduler_config)
-        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids(hf, self.tokenizer),
-                                                self.max_model_len)
+        eos = eos_token_ids(self.hf_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.sampler = Sampler()
         spec = cfg.speculative_config  # speculative decoding (lesson 12), or None
         self.speculator = None if spec is None else Speculator(
-            spec, self.vocab_size, cfg.block_size, self.block_manager.num_total_gpu_blocks,
+            spec, shape.vocab_size, cfg.block_size, self.block_manager.num_total_gpu_blocks,
             self.dtype, resolved_device)
 
         self.stats = EngineStats()
@@ -122,20 +97,22 @@ class LLMEngine:
         """Size the pools, fit max_model_len to them, allocate them; returns why the length
         is what it is (for error messages)."""
         cfg = self.config
-        model_max_len = self.hf_config.max_position_embeddings
+        shape = self.model_shape
+        model_max_len = shape.max_positions
         max_len = min(cfg.max_model_len or model_max_len, model_max_len)  # before fitting
         budget = cfg.batch_budget(max_len)
-        self.block_bytes = cache_block_bytes(  # per rank: each holds its own kv heads
-            cfg.block_size, self.num_layers, self.num_kv_heads // cfg.tensor_parallel_size,
-            self.head_size, self.dtype)
+        self.block_bytes = cfg.block_size * shape.kv_bytes_per_token(  # per rank: each rank
+            self.dtype.itemsize, cfg.tensor_parallel_size)  # holds its share of the kv heads
         profiled = (None if cfg.num_gpu_blocks is not None else self.worker.profile_num_gpu_blocks(
             budget, max_len, cfg.gpu_memory_utilization, self.block_bytes))
-        num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len, profiled)
-        max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
+        with naming_memory_holders(self.worker):  # on a GPU, a refusal says who holds memory
+            num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, self.block_bytes, max_len,
+                                                            profiled)
+            max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
         self.scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len,
                                                 cfg.preemption_mode, cfg.enable_chunked_prefill)
-        self.worker.init_cache(self.num_layers, self.num_kv_heads, self.head_size, cfg.block_size,
-                               num_gpu_blocks, num_cpu_blocks)
+        self.worker.init_cache(shape.num_layers, shape.num_kv_heads, shape.head_size,
+                               cfg.block_size, num_gpu_blocks, num_cpu_blocks)
         if (not cfg.enforce_eager and isinstance(self.worker, LocalWorker)
                 and self.worker.device.type == "cuda"):  # decode steps from CUDA graphs (lesson 15)
             self.worker.enable_cuda_graphs(cfg.max_num_seqs, max_len, cfg.block_size)
@@ -205,6 +182,7 @@ class LLMEngine:
             prompt_token_ids: the prompt's tokens, if already encoded.
             arrival_time: when the request arrived (``time.monotonic()`` seconds; default now).
         """
+        self._check_running()
         if request_id is None:
             request_id = self.new_request_id()
         check_request_id(request_id, self._requests)
@@ -270,13 +248,23 @@ class LLMEngine:
     def remove_observer(self, fn: Callable[[StepSnapshot], None]) -> None:
         self._observers.remove(fn)
 
+    is_shut_down = False  # (shutdown sets it on the instance)
+
     def shutdown(self) -> None:
-        """Release the worker (tensor-parallel processes stop; also done at ``del`` and exit)."""
+        """Give back the model, KV and swap pools, CUDA graphs, worker processes, a draft model
+        and on CUDA torch's cached blocks (also at collection). Twice is fine; steps then raise."""
+        self.is_shut_down = True
+        self.speculator = None  # (a draft model's weights and cache, if any)
         self.worker.shutdown()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("this engine was shut down; build a new one to generate again")
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the outputs of the groups touched by it."""
+        self._check_running()
         t = [time.perf_counter()]
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running, self.max_model_len)

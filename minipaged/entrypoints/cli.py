@@ -5,55 +5,43 @@
                     [engine options]
     minipaged demo
 
-Every LLMEngine option is a flag of both `generate` and `serve` (ENGINE_OPTIONS), for example
---num-gpu-blocks 64, --tensor-parallel-size 3, --no-enable-prefix-caching.
+Every engine setting (a field of EngineConfig, minipaged/config.py) is a flag of both `generate`
+and `serve`, for example --num-gpu-blocks 64, --tensor-parallel-size 3,
+--no-enable-prefix-caching.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import typing
+from dataclasses import fields
+
+from minipaged.config import EngineConfig
 
 
-# Every LLMEngine option, as a flag of both `generate` and `serve` (the keyword with dashes):
-# (keyword, type, help). A bool becomes --flag / --no-flag. Defaults are LLMEngine's own; a flag
-# left out is not passed, so the engine's default applies.
-ENGINE_OPTIONS = [
-    ("tokenizer", str, "where to load the tokenizer from, if not from the model"),
-    ("dtype", str, "weights and KV cache type: auto (float32 on CPU, the checkpoint's half type "
-                   "on CUDA), float32, float16 or bfloat16"),
-    ("device", str, "auto, cpu or cuda"),
-    ("seed", int, "seeds every request that brings no seed of its own"),
-    ("block_size", int, "tokens per KV cache block"),
-    ("num_gpu_blocks", int, "blocks in the KV pool (GPU, or the CPU when it runs the model); "
-                            "overrides the memory budgets"),
-    ("num_cpu_blocks", int, "blocks in the CPU swap pool; overrides --swap-space"),
-    ("kv_cache_bytes", int, "without CUDA: bytes for the KV pool (1 GiB when not given)"),
-    ("gpu_memory_utilization", float, "on CUDA: fraction of GPU memory for weights, "
-                                      "activations and the KV pool"),
-    ("swap_space", float, "GiB of CPU memory for swapped-out KV blocks"),
-    ("max_num_seqs", int, "most sequences in one step's batch"),
-    ("max_num_batched_tokens", int, "most tokens in one step: prompt chunks plus one per "
-                                    "decode"),
-    ("max_model_len", int, "longest sequence, prompt plus output (when not given: the "
-                           "model's)"),
-    ("preemption_mode", str, "recompute or swap (when not given: recompute single sequences, "
-                             "swap groups)"),
-    ("watermark", float, "fraction of the KV pool kept free when admitting prompts"),
-    ("enable_chunked_prefill", bool, "split long prompts over several steps, decodes first"),
-    ("enable_prefix_caching", bool, "reuse the cached KV blocks a prompt starts with "
-                                    "(lesson 11)"),
-    ("load_format", str, "auto (read the checkpoint) or dummy (random weights)"),
-    ("tensor_parallel_size", int, "split the model over N worker processes (lesson 14)"),
-    ("worker_timeout", float, "seconds a tensor-parallel step may take before the engine "
-                              "gives up"),
-    ("distributed_executor_backend", str, "who starts the tensor-parallel ranks: mp (processes "
-                                          "on this machine) or ray (actors on a Ray cluster; "
-                                          "pip install 'minipaged[ray]')"),
-    ("enforce_eager", bool, "on CUDA: run decode steps eagerly instead of replaying CUDA "
-                            "graphs"),
-]
-_CHOICES = {"preemption_mode": ["recompute", "swap"], "load_format": ["auto", "dummy"],
-            "distributed_executor_backend": ["mp", "ray"]}
+# Every engine setting is a flag of both `generate` and `serve` (the field's name with dashes),
+# read from EngineConfig's fields: type, default and help. A bool becomes --flag / --no-flag. A
+# flag left out is not passed, so the engine's default applies. These fields are no flags:
+NOT_FLAGS = {
+    "model": "`generate --model`, `serve MODEL`",
+    "hf_config": "a transformers object",
+    "speculative_config": "--speculative-config JSON and its fields' flags, below",
+}
+
+
+def engine_options() -> list[tuple[str, type, str, object, tuple | None]]:
+    """(name, type, help, default, choices) of every engine setting that is a flag."""
+    hints = typing.get_type_hints(EngineConfig)
+    options = []
+    for f in fields(EngineConfig):
+        if f.name in NOT_FLAGS:
+            continue
+        kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],)
+                 if k is not type(None)]
+        kind = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float) else str
+        options.append((f.name, kind, f.metadata["help"], f.default, f.metadata.get("choices")))
+    return options
+
 
 # The server's limits on one request, as flags of `serve` (ServerLimits' fields with dashes):
 # (field, help). A flag left out keeps ServerLimits' default.
@@ -71,16 +59,9 @@ LIMIT_OPTIONS = [
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """The ENGINE_OPTIONS flags, in their own group, with LLMEngine's defaults in the help."""
-    import inspect
-
-    from minipaged.engine.llm_engine import LLMEngine
-
-    defaults = {name: p.default for name, p in
-                inspect.signature(LLMEngine.__init__).parameters.items()}
+    """The engine settings' flags, in their own group, with their defaults in the help."""
     group = parser.add_argument_group("engine options (as LLM(...) keywords)")
-    for name, kind, help_text in ENGINE_OPTIONS:
-        default = defaults[name]
+    for name, kind, help_text, default, choices in engine_options():
         if default is not None:
             help_text += f" (default: {default})"
         flag = "--" + name.replace("_", "-")
@@ -88,8 +69,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(name),
-                               help=help_text)
+            group.add_argument(flag, type=kind, default=None, choices=choices, help=help_text)
     add_speculative_options(parser)
 
 
@@ -166,7 +146,7 @@ def speculative_config(args) -> dict | None:
 
 def engine_kwargs(args) -> dict:
     """The engine options given on the command line, as LLMEngine keywords."""
-    kwargs = {name: getattr(args, name) for name, _, _ in ENGINE_OPTIONS
+    kwargs = {name: getattr(args, name) for name, *_ in engine_options()
               if getattr(args, name) is not None}
     spec = speculative_config(args)
     if spec is not None:

@@ -29,10 +29,10 @@ def main() -> int:
         print(f"\n### {question}\n{completion.text.strip()}\n"
               f"[{len(completion.token_ids)} tokens, finish: {completion.finish_reason}]")
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    bm, stats = engine.block_manager, engine.stats
+    bm, stats, shape = engine.block_manager, engine.stats, engine.model_shape
     print("\n--- minipaged ---")
-    print(f"model: SmolLM2-135M-Instruct ({engine.num_layers} layers, {engine.num_heads} heads, "
-          f"{engine.num_kv_heads} kv heads) on {engine.device}, {engine.dtype}; "
+    print(f"model: SmolLM2-135M-Instruct ({shape.num_layers} layers, {shape.num_heads} heads, "
+          f"{shape.num_kv_heads} kv heads) on {engine.device}, {engine.dtype}; "
           f"loaded in {load_s:.1f} s")
     print(f"generated {num_tokens} tokens for {len(outputs)} requests in {gen_s:.2f} s: "
           f"{num_tokens / gen_s:.1f} tokens/s, {stats.num_steps} engine steps")

@@ -12,18 +12,33 @@ from minipaged.validation import as_token_ids
 class LLM:
     """A model with a paged KV cache and a continuous-batching engine.
 
-    ``LLM()`` loads the embedded SmolLM2-135M-Instruct. Every keyword of ``LLMEngine`` is
-    accepted (``num_gpu_blocks``, ``kv_cache_bytes``, ``gpu_memory_utilization``,
-    ``tensor_parallel_size`` for N worker processes (lesson 14), ...).
+    ``LLM()`` loads the embedded SmolLM2-135M-Instruct. Every setting of the engine is accepted
+    (``num_gpu_blocks``, ``kv_cache_bytes``, ``gpu_memory_utilization``, ``tensor_parallel_size``
+    for N worker processes (lesson 14), ...): the fields of ``EngineConfig``
+    (``minipaged/config.py``), which hold their defaults and meanings.
     Prefix caching is on by default: prompts that start like earlier ones reuse their cached KV
     blocks (lesson 11); ``enable_prefix_caching=False`` turns it off.
+
+    Args:
+        model: a Hugging Face id, a local ``save_pretrained`` directory, or None for the
+            embedded model.
+        settings: engine settings by name; an unknown name raises TypeError.
     """
 
-    def __init__(self, model: str | None = None, tokenizer: str | None = None,
-                 dtype="auto", device: str = "auto", block_size: int = 16, seed: int = 0,
-                 **engine_kwargs) -> None:
-        self.llm_engine = LLMEngine(model, tokenizer=tokenizer, dtype=dtype, device=device,
-                                    block_size=block_size, seed=seed, **engine_kwargs)
+    def __init__(self, model: str | None = None, **settings) -> None:
+        self.llm_engine = LLMEngine(model, **settings)
+
+    def shutdown(self) -> None:
+        """Give the engine's memory back now (model, KV pools, CUDA graphs, worker processes;
+        on CUDA torch's cached blocks too). ``generate`` then raises; a second call does nothing.
+        ``with LLM(...) as llm:`` calls it at the end of the block, ``del llm`` at collection."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

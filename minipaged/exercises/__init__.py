@@ -1,6 +1,6 @@
 """Code exercises for the lessons: the learner writes a function the package has, a checker answers.
 
-Each lesson module here (``lesson01`` ... ``lesson16``) has ``check_<name>(fn)`` functions. A
+Each lesson module here (``lesson01`` ... ``lesson17``) has ``check_<name>(fn)`` functions. A
 checker runs ``fn`` on randomized cases whose expected answer comes from the package itself
 (the real ``BlockSpaceManager``, ``Scheduler``, ``prepare_inputs``, the server's
 ``TextStreamer``, the tensor-parallel layers, ...), and stops at the first case that disagrees,

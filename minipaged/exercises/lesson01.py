@@ -1,11 +1,12 @@
 """Lesson 01 exercises: the bytes of a token's cache, and what a contiguous reservation wastes.
 
-    bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes) -> int
+    bytes_per_token(num_layers, num_kv_heads, head_size, dtype_bytes) -> int
     reservation_slots(request, num_tokens) -> {"used": .., "reserved": .., "internal": ..}
     paged_slots(num_tokens, block_size) -> (blocks held, empty slots in them)
 
-The expected answers come from ``kv_memory.bytes_per_token``, from replaying the request through
-``kv_memory.contiguous_waste``, and from a real ``BlockSpaceManager``.
+The expected answers come from ``kv_bytes_per_token`` (``minipaged/model_shape.py``), from
+replaying the request through ``kv_memory.contiguous_waste``, and from a real
+``BlockSpaceManager``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from minipaged.sampling_params import SamplingParams
 from minipaged.lab import kv_memory
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.model_shape import kv_bytes_per_token
 from minipaged.sequence import Sequence, SequenceGroup
 
 
@@ -22,19 +24,19 @@ from minipaged.sequence import Sequence, SequenceGroup
 def check_bytes_per_token(fn, num_cases: int = 200, seed: int | None = 0) -> CheckResult:
     learner = Learner("bytes_per_token", fn)
     rng = rng_for(seed)
-    shapes = [(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes)
+    shapes = [(s.num_layers, s.num_kv_heads, s.head_size, kv_memory.FP16_BYTES)
               for s in kv_memory.MODEL_SHAPES.values()]
     shapes += [(rng.randint(1, 96), rng.randint(1, 64), rng.choice([32, 64, 80, 96, 128, 256]),
                 rng.choice([1, 2, 4])) for _ in range(num_cases - len(shapes))]
     for i, args in enumerate(shapes):
-        expected = kv_memory.bytes_per_token(*args)
+        expected = kv_bytes_per_token(*args)
         got = learner(*args)
         if got != expected:
             hint = ("you are off by a factor of 2: every token stores a key AND a value vector"
                     if got * 2 == expected else
                     "count what one token leaves behind in every layer: for each kv head, "
-                    "vectors of head_dim elements, each dtype_bytes long")
-            fail(learner.name, i, "num_layers=%d, num_kv_heads=%d, head_dim=%d, dtype_bytes=%d"
+                    "vectors of head_size elements, each dtype_bytes long")
+            fail(learner.name, i, "num_layers=%d, num_kv_heads=%d, head_size=%d, dtype_bytes=%d"
                  % args, got, expected, hint)
     return passed(learner, len(shapes))
 

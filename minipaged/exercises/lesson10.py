@@ -17,8 +17,10 @@
         shared by all ``width`` beams (its cumulative logprob is 0); after that there are
         ``width`` beams. Expected answer: the candidates ``Sampler._beam_search`` keeps.
 
-The checkers draw random cases with no ties that matter: no two logits are equal, top_p is never
-within 1e-4 of a running sum, and no two of the best scores are within 1e-4.
+The checkers draw random cases with no ties that matter: no two logits are equal, a top_p other
+than 1 is never within 1e-4 of a running sum, and no two of the best scores are within 1e-4.
+top_p = 1 is the exception: a float32 running sum can reach 1.0 before the last (tiny)
+probabilities, so it is a rule of its own (keep every token), checked before any sum.
 """
 from __future__ import annotations
 
@@ -99,7 +101,8 @@ def check_top_p_filter(fn, num_cases: int = 200, seed: int | None = 0) -> CheckR
             hint = ("the kept tokens' logits stay exactly as they were: only the dropped ones "
                     "change, to -inf (no softmax, no renormalising)")
         elif top_p == 1.0:
-            hint = "top_p = 1 keeps every token: the whole distribution is the nucleus"
+            hint = ("top_p = 1 keeps every token, whatever a running sum says: in float32 the "
+                    "sum can reach 1 before the last tiny probabilities, so decide it first")
         elif not got_kept.any():
             hint = "the most likely token is always kept, however small top_p is"
         elif int(got_kept.sum()) == int(kept.sum()) + 1:

@@ -5,7 +5,7 @@ budget allows.
         FLOPs per byte moved of one decode step of ``batch_size`` sequences, each attending to
         ``context_len`` tokens, with weights and KV of ``dtype_bytes`` bytes per number:
             FLOPs = batch_size x (2 x dims.weight_params
-                                  + 4 x num_layers x num_heads x head_dim x context_len)
+                                  + 4 x num_layers x num_heads x head_size x context_len)
             bytes = dims.weight_params x dtype_bytes                  (read once, for the batch)
                     + batch_size x context_len x dims.kv_bytes_per_token(dtype_bytes)
     max_batch_size(kv_budget_bytes, kv_bytes_per_token, block_size, seq_len) -> int
@@ -21,18 +21,19 @@ import math
 from minipaged.exercises import checking
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab import roofline
-from minipaged.lab.roofline import ModelDims
+from minipaged.model_shape import ModelShape
 
 
-def random_dims(rng) -> ModelDims:
+def random_dims(rng) -> ModelShape:
     heads = rng.choice([4, 8, 9, 12, 32])
-    head_dim = rng.choice([32, 64, 128])
-    return ModelDims(num_layers=rng.randint(1, 40), hidden_size=heads * head_dim,
-                     intermediate_size=rng.choice([2, 3, 4]) * heads * head_dim,
-                     num_heads=heads, num_kv_heads=rng.choice([h for h in (1, 2, 3, 4, 8, heads)
-                                                               if heads % h == 0]),
-                     head_dim=head_dim, vocab_size=rng.choice([256, 32000, 50257]),
-                     gated_mlp=rng.random() < 0.5)
+    head_size = rng.choice([32, 64, 128])
+    return ModelShape(num_layers=rng.randint(1, 40), hidden_size=heads * head_size,
+                      intermediate_size=rng.choice([2, 3, 4]) * heads * head_size,
+                      num_heads=heads, num_kv_heads=rng.choice([h for h in (1, 2, 3, 4, 8, heads)
+                                                                if heads % h == 0]),
+                      head_size=head_size, vocab_size=rng.choice([256, 32000, 50257]),
+                      max_positions=rng.choice([1024, 2048, 8192]),
+                      gated_mlp=rng.random() < 0.5)
 
 
 def _close(a, b) -> bool:

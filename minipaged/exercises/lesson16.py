@@ -232,7 +232,8 @@ def engine_like(llm, plugins: dict[str, Callable]) -> AssembledEngine:
     e = llm.llm_engine
     return AssembledEngine(e.worker.model, plugins, e.block_size,
                            e.block_manager.num_total_gpu_blocks,
-                           (e.num_layers, e.num_kv_heads, e.head_size), e.max_model_len,
+                           (e.model_shape.num_layers, e.model_shape.num_kv_heads,
+                            e.model_shape.head_size), e.max_model_len,
                            e.scheduler_config.max_num_seqs,
                            e.scheduler_config.max_num_batched_tokens,
                            e.block_manager.watermark_blocks, e.eos_token_ids, e.seed)

@@ -5,8 +5,8 @@ from __future__ import annotations
 # ---- lesson 01 -------------------------------------------------------------------------------
 
 
-def bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes):
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+def bytes_per_token(num_layers, num_kv_heads, head_size, dtype_bytes):
+    return 2 * num_layers * num_kv_heads * head_size * dtype_bytes
 
 
 def reservation_slots(request, num_tokens):
@@ -313,7 +313,7 @@ def residual_distribution(p, q):
 
 
 def decode_intensity(dims, batch_size, context_len, dtype_bytes):
-    attention = 4 * dims.num_layers * dims.num_heads * dims.head_dim * context_len
+    attention = 4 * dims.num_layers * dims.num_heads * dims.head_size * context_len
     flops = batch_size * (2 * dims.weight_params + attention)
     moved = (dims.weight_params * dtype_bytes
              + batch_size * context_len * dims.kv_bytes_per_token(dtype_bytes))
@@ -350,3 +350,33 @@ def step_slot_mapping(seqs, block_size, slot_of):
     slots = [slot_of(s.block_table, pos, block_size)
              for s in prompts for pos in range(len(s.token_ids))]
     return slots + [slot_of(s.block_table, len(s.token_ids) - 1, block_size) for s in decodes]
+
+
+# ---- lesson 17 -------------------------------------------------------------------------------
+
+
+def v1_names():
+    return {"SequenceGroup": "Request",
+            "Sequence.num_computed_tokens": "Request.num_computed_tokens",
+            "SchedulerOutputs": "SchedulerOutput",
+            "BlockSpaceManager": "KVCacheManager",
+            "FreeListAllocator": "BlockPool",
+            "PhysicalTokenBlock": "KVCacheBlock",
+            "PhysicalTokenBlock.ref_count": "KVCacheBlock.ref_cnt",
+            "prepare_inputs": "GPUModelRunner._prepare_inputs",
+            "InputMetadata": "FlashAttentionMetadata",
+            "LLMEngine.step": "EngineCore.step",
+            "blocks_to_swap_out": None,  # V1 preempts by recompute only
+            "blocks_to_copy": None}  # no copy-on-write: n > 1 shares through prefix caching
+
+
+def predict_v1_steps():
+    # a: 10 + 4 tokens, b: 7 + 3, c: 5 + 2; budget 8, blocks of 4, a pool of 6.
+    return [{"a": 8},  # a's prompt cut to a chunk of 8
+            {"a": 2, "b": 6},  # a's last 2 prompt tokens (samples), b's first chunk
+            {"a": 1, "b": 1},  # c needs 2 blocks, 1 is free: it waits
+            {"a": 1, "b": 1},
+            {"a": 1},  # a takes the last free block; b needs one more: b is preempted
+            {"b": 8},  # b recomputes its 7 prompt + 2 sampled tokens: 8 fit the budget
+            {"b": 1, "c": 5},
+            {"c": 1}]

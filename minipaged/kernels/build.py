@@ -7,9 +7,14 @@ files compiled for the CPU (``minipaged.kernels.cuda_on_cpu``). Each is a ``JitB
 - built at most once per process, under a lock, so two threads never build at once; a failed
   build is tried once too (the CPU and CUDA ops then warn once and ``load()`` returns None, so
   that ``minipaged.kernels.ops`` runs the torch reference);
-- compiled by ``torch.utils.cpp_extension`` into ``~/.cache/minipaged/torch_ext``
-  (``$MINIPAGED_EXT_DIR``), one folder per build named by what it depends on (the CPU's vector
-  instructions, the GPU's architecture) and the torch version, rebuilt when a source changes;
+- compiled by ``torch.utils.cpp_extension`` into ``<cache root>/torch_ext`` (``~/.cache/minipaged``
+  or ``$MINIPAGED_CACHE``, see ``minipaged.cache_paths``), one folder per build named by a digest
+  of everything it is made from, behind a lock the operating system releases if its holder dies
+  (``build_cache.py``): a killed build never hangs the next process, and two checkouts never
+  rebuild each other's library;
+- linked with the shared libstdc++ named explicitly, and checked once after each build
+  (``library_check.py``): a library carrying a private copy of libstdc++, or whose error path
+  cannot raise, is not used;
 - announced on stderr when a compile actually runs ("minipaged: building the C++ CPU attention
   op (first use only, ~30 s)..."), silent when the cached library is loaded;
 - startable in the background: ``start_background_build(device)`` compiles the op of a device
@@ -33,23 +38,13 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from minipaged.kernels.build_cache import (build_folder, build_key, build_lock, copy_sources,
+                                           prune_siblings, toolchain_identity)
 from minipaged.kernels.cpu_op import CpuKernels
 from minipaged.kernels.cuda_op import CudaKernels
+from minipaged.kernels.library_check import verify
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-
-
-def cache_root() -> Path:
-    """The folder every build caches its compiled library in (one sub-folder per build)."""
-    return Path(os.environ.get("MINIPAGED_EXT_DIR",
-                               Path.home() / ".cache" / "minipaged" / "torch_ext"))
-
-
-def build_dir(tag: str) -> Path:
-    """The folder of one build: ``tag`` names what its code depends on besides torch."""
-    import torch
-
-    return cache_root() / f"{tag}-torch{torch.__version__}"
 
 
 def switched_on(switch: str) -> bool:
@@ -123,8 +118,8 @@ class JitBuild:
             self._thread = threading.Thread(target=self._load_quietly, daemon=True,
                                             name=f"minipaged build: {self.what}")
             self._thread.start()
-        # NOTE: a process that ends while the compiler runs would leave torch's build lock file
-        # behind, and the next process would wait on it; so the exit waits for the build.
+        # NOTE: a process that ends normally waits for its build rather than throw the work away
+        # (a killed one leaves no harm behind: build_cache.build_lock cleans up after it).
         atexit.register(self._thread.join)
 
     def _load_quietly(self) -> None:
@@ -141,54 +136,96 @@ class JitBuild:
                 self._error = exc
                 return
             hint = f" Set {self.switch}=0 to skip the build." if self.switch else ""
-            warnings.warn(
-                f"minipaged: building {self.what} failed, so the plain torch reference runs "
-                f"instead (slower).{hint}\n{type(exc).__name__}: {exc}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            what = (f"minipaged: {exc}" if isinstance(exc, LibraryRefused) else
+                    f"minipaged: building {self.what} failed\n{type(exc).__name__}: {exc}")
+            warnings.warn(f"{what}\nThe plain torch reference runs instead (slower).{hint}",
+                          RuntimeWarning, stacklevel=4)
 
 
 _start_lock = threading.Lock()
 
 
+class LibraryRefused(RuntimeError):
+    """A library was built but fails ``library_check.verify``: it must not be used."""
+
+
+# NOTE: the shared libstdc++ named on the link line, before the libraries g++ adds by itself:
+# every C++ runtime symbol then resolves to it, and no private copy of libstdc++ can be linked
+# into the library (by -static-libstdc++ from a flag or a toolchain default), which is what made
+# every error message with a number crash on a GPU machine (see library_check.py).
+SHARED_CXX_RUNTIME = "-l:libstdc++.so.6"
+
+
 def compile_extension(job: JitBuild, name: str, tag: str, sources: list[Path],
-                      depends: list[Path] = (), **load_kwargs):
-    """``torch.utils.cpp_extension.load`` into ``build_dir(tag)``, announcing a compile.
+                      depends: list[Path] = (), generated: dict[str, str] | None = None,
+                      probe: tuple[str, str] | None = None, **load_kwargs):
+    """``torch.utils.cpp_extension.load`` into the build's own folder, under its lock.
+
+    The folder is named by a digest of everything the library is made from
+    (``build_cache.build_key``), and the files are compiled from a copy inside it, so that
+    builds that differ never share a folder and identical builds from two checkouts share one.
 
     Args:
-        job: the build, for the progress line.
+        job: the build, for messages.
         name: the extension's module name (also its library's file name).
-        tag: what the compiled code depends on besides torch ("cpu-AVX2", "cuda12.4-sm90").
-        sources: the files compiled.
-        depends: headers they include (a newer header means a compile runs: announced).
-        load_kwargs: passed on (extra_cflags, extra_cuda_cflags, extra_include_paths, ...).
+        tag: a readable prefix for the folder ("cpu-AVX2", "cuda13.0-sm90").
+        sources: the files compiled (under ``csrc/`` or anywhere).
+        depends: headers they include: copied too and part of the digest. An include path that
+            points into ``csrc/`` is pointed at the copy, so a header not listed here is not found
+            (the compiler says so at once, instead of a stale build).
+        generated: more sources as ``{file name: text}`` (the rewritten ``.cu`` files).
+        probe: ``(call, expect)`` for ``library_check.verify``: an error path that must raise.
+        load_kwargs: passed on (extra_cflags, extra_cuda_cflags, extra_ldflags,
+            extra_include_paths, ...).
     """
     from torch.utils import cpp_extension
 
     make_ninja_findable()
-    folder = build_dir(tag)
-    folder.mkdir(parents=True, exist_ok=True)
-    announce = _needs_compile(folder / f"{name}.so", [*sources, *depends])
-    if announce:
-        print(f"minipaged: building {job.what} (first use only, {job.duration})...",
-              file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    module = cpp_extension.load(
-        name=name, sources=[str(s) for s in sources], build_directory=str(folder),
-        verbose=os.environ.get("MINIPAGED_VERBOSE_BUILD", "") not in ("", "0"), **load_kwargs)
-    if announce:
-        print(f"minipaged: {job.what} built in {time.perf_counter() - start:.0f} s",
-              file=sys.stderr, flush=True)
+    files = {_copy_name(path): Path(path).read_bytes() for path in [*sources, *depends]}
+    files.update({f"src/{file}": text.encode() for file, text in (generated or {}).items()})
+    include_paths = [_copy_name(p) if _in_csrc(p) else str(p)
+                     for p in load_kwargs.pop("extra_include_paths", [])]
+    load_kwargs["extra_ldflags"] = [SHARED_CXX_RUNTIME, *load_kwargs.get("extra_ldflags", [])]
+    key = build_key(name, sorted(files.items()), include_paths, sorted(load_kwargs.items()),
+                    toolchain_identity())
+    folder = build_folder(tag, key)
+    with build_lock(folder, job.what):
+        copy_sources(files, folder)
+        library = folder / f"{name}.so"
+        announce = not library.exists()
+        if announce:
+            print(f"minipaged: building {job.what} (first use only, {job.duration})...",
+                  file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        module = cpp_extension.load(
+            name=name, build_directory=str(folder),
+            sources=[str(folder / _copy_name(s)) for s in sources]
+            + [str(folder / "src" / file) for file in (generated or {})],
+            extra_include_paths=[str(folder / p) if not os.path.isabs(p) else p
+                                 for p in include_paths],
+            verbose=os.environ.get("MINIPAGED_VERBOSE_BUILD", "") not in ("", "0"),
+            **load_kwargs)
+        if announce:
+            print(f"minipaged: {job.what} built in {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+        if probe is not None:
+            problem = verify(Path(module.__file__), module.__name__, *probe)
+            if problem is not None:
+                raise LibraryRefused(f"{job.what} was built ({module.__file__}) but is not "
+                                     f"used: {problem}")
+    os.utime(folder)  # the folder's time stamp says when it was last used (pruning keeps those)
+    prune_siblings(folder)
     return module
 
 
-def _needs_compile(library: Path, inputs: list[Path]) -> bool:
-    """Whether ninja will compile: no library yet, or an input newer than it."""
-    if not library.exists():
-        return True
-    built = library.stat().st_mtime
-    return any(Path(p).stat().st_mtime > built for p in inputs)
+def _in_csrc(path) -> bool:
+    return Path(path).resolve().is_relative_to(CSRC)
+
+
+def _copy_name(path) -> str:
+    """Where a file is copied inside a build folder: ``csrc/<path in csrc>`` or ``src/<name>``."""
+    path = Path(path).resolve()
+    return f"csrc/{path.relative_to(CSRC)}" if path.is_relative_to(CSRC) else f"src/{path.name}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,10 +254,21 @@ def _make_cpu_op(job: JitBuild) -> CpuKernels:
     # without it the loops would run on one thread.
     module = compile_extension(
         job, name=f"minipaged_cpu_{capability.lower()}", tag=f"cpu-{capability}",
-        sources=[CSRC / "cpu" / "attention.cpp"],
+        sources=[CSRC / "cpu" / "attention.cpp"], probe=CPU_OP_PROBE,
         extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
         extra_ldflags=["-fopenmp"])
     return CpuKernels(module)
+
+
+# Error paths that format a number, called once after each build (library_check.verify): a slot
+# past the pool for the CPU op; a block past the pool for the CUDA kernels (copy_blocks checks its
+# block numbers before any CUDA call, so this runs without a GPU, and on the CPU build too).
+CPU_OP_PROBE = ("m.reshape_and_cache(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), "
+                "torch.zeros(2, 1, 1, 16, 4), torch.zeros(2, 1, 4, 16), torch.tensor([99]))",
+                r"slot_mapping\[0\] = 99\b")
+CUDA_PROBE = ("m.copy_blocks([torch.zeros(6, 1, 1, 16, 4)], [torch.zeros(6, 1, 4, 16)], "
+              "torch.tensor([[0, 9]]))", r"block numbers must be in \[0, 6\)")
+CUDA_SOURCES = ("torch_bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
 
 
 def _make_cuda_op(job: JitBuild) -> CudaKernels | None:
@@ -229,18 +277,23 @@ def _make_cuda_op(job: JitBuild) -> CudaKernels | None:
     if torch.version.cuda is None or not torch.cuda.is_available():
         return None  # a CPU (or ROCm) build of torch, or no GPU: the torch reference runs
     major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}"
+    return CudaKernels(compile_cuda_extension(job, f"{major}{minor}"))
+
+
+def compile_cuda_extension(job: JitBuild, arch: str):
+    """The CUDA kernels compiled for one GPU architecture ("90" for sm_90), checked by their
+    probe. Needs a CUDA build of torch and nvcc, not a GPU (``scripts/check_compiled_ops.py``
+    builds it on a machine without one)."""
+    import torch
+
     # NOTE: an explicit -gencode for this GPU only: a quick build, and torch adds no arch flags
     # of its own when it sees one among ours. No -std flag: torch picks the C++ standard its
     # own headers need (the .cu files are plain C++17 and build with either).
-    module = compile_extension(
+    return compile_extension(
         job, name=f"minipaged_cuda_sm{arch}", tag=f"cuda{torch.version.cuda}-sm{arch}",
-        sources=[CSRC / s for s in ("torch_bindings.cpp", "paged_attention.cu",
-                                    "cache_kernels.cu")],
-        depends=[CSRC / "kernels.h"],
-        extra_cflags=["-O2"],
+        sources=[CSRC / s for s in CUDA_SOURCES], depends=[CSRC / "kernels.h"],
+        probe=CUDA_PROBE, extra_cflags=["-O2"],
         extra_cuda_cflags=["-O2", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
-    return CudaKernels(module)
 
 
 CPU_OP = JitBuild("the C++ CPU attention op", "~30 s", _make_cpu_op, switch="MINIPAGED_CPU_OP")

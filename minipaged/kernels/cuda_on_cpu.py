@@ -39,7 +39,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from minipaged.kernels.build import CSRC, JitBuild, build_dir, cache_root, compile_extension
+from minipaged.cache_paths import extensions_root
+from minipaged.kernels.build import CSRC, CUDA_PROBE, JitBuild, compile_extension
 from minipaged.kernels.cuda_op import CudaKernels
 
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
@@ -79,23 +80,28 @@ def rewrite_cuda_source(text: str, path: str, drop_barrier: str | None = None) -
     return f'#line 1 "{path}"\n{text}'
 
 
+def rewritten_sources(drop_barrier: str | None = None) -> dict[str, str]:
+    """The ``.cu`` files rewritten for the host compiler: ``{"<name>.cpp": text}``."""
+    return {f"{name}.cpp": rewrite_cuda_source(
+                (CSRC / name).read_text(), str(CSRC / name),
+                drop_barrier if name == "paged_attention.cu" else None)
+            for name in CU_SOURCES}
+
+
 def write_rewritten_sources(out_dir: Path, drop_barrier: str | None = None) -> list[Path]:
     """The rewritten ``.cu`` files as ``out_dir/<name>.cpp``; a file is rewritten only when its
-    text changes, so that the build cache stays valid."""
+    text changes, so that the objects compiled from it stay valid."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in CU_SOURCES:
-        source = CSRC / name
-        target = out_dir / f"{name}.cpp"
-        text = rewrite_cuda_source(source.read_text(), str(source),
-                                   drop_barrier if name == "paged_attention.cu" else None)
+    for file, text in rewritten_sources(drop_barrier).items():
+        target = out_dir / file
         if not target.exists() or target.read_text() != text:
             target.write_text(text)
         written.append(target)
     return written
 
 
-# variant -> (the build's folder under the cache root, extension name, extra macros)
+# variant -> (the build's tag, the first part of its folder's name; extension name; extra macros)
 VARIANTS = {
     "plain": ("cuda_on_cpu", "minipaged_cuda_on_cpu", []),
     "traced": ("cuda_on_cpu_traced", "minipaged_cuda_on_cpu_traced", ["-DMINIPAGED_TRACE"]),
@@ -106,12 +112,10 @@ VARIANTS = {
 
 def _make(job: JitBuild, variant: str) -> CudaKernels:
     tag, name, macros = VARIANTS[variant]
-    sources = write_rewritten_sources(build_dir(tag) / "src")
     os.environ.setdefault("MAX_JOBS", "2")
     module = compile_extension(
-        job, name=name, tag=tag,
-        sources=[CSRC / "torch_bindings.cpp", *sources,
-                 *(RUNTIME_DIR / s for s in RUNTIME_SOURCES)],
+        job, name=name, tag=tag, generated=rewritten_sources(), probe=CUDA_PROBE,
+        sources=[CSRC / "torch_bindings.cpp", *(RUNTIME_DIR / s for s in RUNTIME_SOURCES)],
         depends=[CSRC / "kernels.h", RUNTIME_DIR / "cuda_on_cpu.h",
                  *sorted(p for p in (RUNTIME_DIR / "include").rglob("*") if p.is_file())],
         extra_include_paths=[str(RUNTIME_DIR / "include"), str(CSRC)],
@@ -219,7 +223,7 @@ def build_sanitizer_program(sanitizer: str, drop_barrier: str | None = None,
     flags = [*FLAGS, "-O1", "-g", "-DMINIPAGED_FEW_INSTANCES", *SANITIZERS[sanitizer],
              f"-I{RUNTIME_DIR / 'include'}", f"-I{CSRC}"]
     headers = b"".join(p.read_bytes() for p in [RUNTIME_DIR / "cuda_on_cpu.h", CSRC / "kernels.h"])
-    root = cache_root() / "sanitize" / sanitizer
+    root = extensions_root() / "sanitize" / sanitizer
     rewritten = write_rewritten_sources(root / f"src-{_digest(drop_barrier or '')}", drop_barrier)
     sources = [*rewritten, *(RUNTIME_DIR / s for s in RUNTIME_SOURCES), RUNTIME_DIR / "sanitize_main.cpp"]
     objects, jobs = [], []

@@ -31,6 +31,8 @@ class CudaKernels:
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         import torch
 
+        if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+            _check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[3])
         slot_mapping = slot_mapping.to(device=key_cache.device, dtype=torch.long).contiguous()
         self.module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
@@ -59,11 +61,20 @@ class CudaKernels:
                                  "holds at least its query's own token (>= 1)")
 
         if not self.supports_paged_attention(query, key_cache):
+            unsupported = [f"query dtype {query.dtype}"] if query.dtype not in (
+                torch.float32, torch.float16, torch.bfloat16) else []
+            if query.shape[-1] not in SUPPORTED_HEAD_SIZES:
+                unsupported.append(f"head size {query.shape[-1]}")
+            if key_cache.shape[3] not in SUPPORTED_BLOCK_SIZES:
+                unsupported.append(f"key_cache block size {key_cache.shape[3]}")
             raise ValueError(
-                f"the paged-attention kernel is built for head sizes {SUPPORTED_HEAD_SIZES}, "
-                f"block sizes {SUPPORTED_BLOCK_SIZES} and fp32/fp16/bf16, not head size "
-                f"{query.shape[-1]}, block size {key_cache.shape[3]}, {query.dtype} "
-                "(minipaged.kernels.ops runs the torch reference for those)")
+                f"{', '.join(unsupported)}: the paged-attention kernel is built for head sizes "
+                f"{SUPPORTED_HEAD_SIZES}, block sizes {SUPPORTED_BLOCK_SIZES} and fp32/fp16/bf16, "
+                f"not head size {query.shape[-1]}, block size {key_cache.shape[3]}, "
+                f"{query.dtype} (minipaged.kernels.ops runs the torch reference for those)")
+        if block_tables.device.type == "cpu" and context_lens.device.type == "cpu":
+            _check_block_numbers(block_tables, context_lens, key_cache.shape[0],
+                                 key_cache.shape[3])
         block_tables = block_tables.to(device=query.device, dtype=torch.int32).contiguous()
         context_lens = context_lens.to(device=query.device, dtype=torch.int32).contiguous()
         if max_context_len is None:
@@ -114,6 +125,38 @@ class CudaKernels:
     def swap_blocks(self, src, dst, block_mapping) -> None:
         if block_mapping:
             self.module.swap_blocks(src, dst, _pairs_tensor(list(block_mapping.items())))
+
+
+# NOTE: block numbers and slots that are still on the host are checked here, for free, before
+# they are copied to the GPU (a RuntimeError, as the binding's own checks raise): there the kernels cannot check them without a synchronisation, and
+# one past the pool would read or write another tensor's memory. (The CPU build's binding checks
+# them again: harmless.)
+def _check_block_numbers(block_tables, context_lens, num_blocks: int, block_size: int) -> None:
+    """Every block a sequence's context uses must be a block of the cache."""
+    import torch
+
+    width = block_tables.shape[1] if block_tables.dim() == 2 else 0
+    if block_tables.dim() != 2 or context_lens.dim() != 1 or not context_lens.numel():
+        return  # the binding refuses such shapes with its own message
+    rows = min(block_tables.shape[0], context_lens.shape[0])
+    needed = (context_lens[:rows].long().clamp(min=0) + block_size - 1) // block_size  # (rows,)
+    used = torch.arange(width)[None, :] < needed[:, None]  # (rows, width)
+    tables = block_tables[:rows].long()
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        seq, col = (int(i) for i in bad.nonzero()[0])
+        raise RuntimeError(f"block_tables[{seq}, {col}] = {int(tables[seq, col])} is not a block "
+                         f"of the cache ({num_blocks} blocks)")
+
+
+def _check_slots(slot_mapping, num_slots: int) -> None:
+    """Every slot must be -1 (not cached) or a slot of the cache."""
+    slots = slot_mapping.long().reshape(-1)
+    bad = ((slots < -1) | (slots >= num_slots)).nonzero()
+    if bad.numel():
+        token = int(bad[0])
+        raise RuntimeError(f"slot_mapping[{token}] = {int(slots[token])} is outside the cache's "
+                         f"slots [-1, {num_slots})")
 
 
 def _pairs_tensor(pairs):

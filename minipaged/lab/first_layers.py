@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from minipaged.model_shape import ModelShape
 from minipaged.models.registry import get_model_class
 from minipaged.worker import checkpoint
 
@@ -38,7 +39,7 @@ def load_first_layers(model: str | None = None, num_layers: int = 1):
         raise ValueError(f"num_layers must be at least 1, got {num_layers}")
     source = checkpoint.resolve(model)
     config = copy.deepcopy(checkpoint.load_config(source))
-    full = getattr(config, "num_hidden_layers", None) or config.n_layer
+    full = ModelShape.from_hf(config).num_layers
     if num_layers > full:
         raise ValueError(f"num_layers must be at most the model's {full} layers, got {num_layers}")
     config.num_hidden_layers = num_layers  # GPT2Config maps it to n_layer

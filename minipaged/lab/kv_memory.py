@@ -4,7 +4,7 @@ Attention at position t needs the key and value vectors of every earlier token. 
 for every new token costs a full forward pass over the whole sequence; keeping them (the *KV
 cache*) turns each new token into a forward pass over one token. The price is memory:
 
-    bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    bytes per token = 2 (K and V) x layers x kv_heads x head_size x bytes per element
 
 This module computes that price for a few real model shapes, times generation with and without a
 cache, and measures how a serving system that gives every request one contiguous reservation of
@@ -18,47 +18,42 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from minipaged.model_shape import ModelShape
+
 # ----------------------------------------------------------------------------------------------
-# Bytes per token
+# Bytes per token: ``kv_bytes_per_token`` and ``ModelShape`` (``minipaged/model_shape.py``), the
+# same numbers the engine sizes its pool with
 # ----------------------------------------------------------------------------------------------
 
+FP16_BYTES = 2  # the published models serve in fp16 / bf16
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """KV cache bytes one token occupies: a key and a value vector per kv head, per layer."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a model that decide its KV cache size (fp16 unless told otherwise)."""
-
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_len: int  # longest sequence the model was trained for
-    dtype_bytes: int = 2
-
-    @property
-    def bytes_per_token(self) -> int:
-        return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                               self.dtype_bytes)
-
-    def sequence_bytes(self, num_tokens: int) -> int:
-        """Cache bytes of one sequence of ``num_tokens`` tokens."""
-        return num_tokens * self.bytes_per_token
-
-
+# Real models' shapes (their published configs), as ``ModelShape.from_hf`` reads them.
 MODEL_SHAPES = {
-    "GPT-2": ModelShape("GPT-2", num_layers=12, num_kv_heads=12, head_dim=64, max_len=1024),
+    "GPT-2": ModelShape(num_layers=12, hidden_size=768, intermediate_size=3072, num_heads=12,
+                        num_kv_heads=12, head_size=64, vocab_size=50257, max_positions=1024,
+                        gated_mlp=False),
     # grouped-query attention: 9 query heads share 3 kv heads, so the cache is 3x smaller
-    "SmolLM2-135M": ModelShape("SmolLM2-135M", num_layers=30, num_kv_heads=3, head_dim=64,
-                               max_len=8192),
-    "LLaMA-7B": ModelShape("LLaMA-7B", num_layers=32, num_kv_heads=32, head_dim=128,
-                           max_len=2048),
-    "LLaMA-13B": ModelShape("LLaMA-13B", num_layers=40, num_kv_heads=40, head_dim=128,
-                            max_len=2048),
+    "SmolLM2-135M": ModelShape(num_layers=30, hidden_size=576, intermediate_size=1536,
+                               num_heads=9, num_kv_heads=3, head_size=64, vocab_size=49152,
+                               max_positions=8192, gated_mlp=True),
+    "LLaMA-7B": ModelShape(num_layers=32, hidden_size=4096, intermediate_size=11008,
+                           num_heads=32, num_kv_heads=32, head_size=128, vocab_size=32000,
+                           max_positions=2048, gated_mlp=True),
+    "LLaMA-13B": ModelShape(num_layers=40, hidden_size=5120, intermediate_size=13824,
+                            num_heads=40, num_kv_heads=40, head_size=128, vocab_size=32000,
+                            max_positions=2048, gated_mlp=True),
 }
+
+
+def sequence_bytes(shape: ModelShape, num_tokens: int, dtype_bytes: int = FP16_BYTES) -> int:
+    """Cache bytes of one sequence of ``num_tokens`` tokens.
+
+    Args:
+        shape: the model's shape.
+        num_tokens: the sequence's length.
+        dtype_bytes: bytes of one element of the cache.
+    """
+    return num_tokens * shape.kv_bytes_per_token(dtype_bytes)
 
 
 # ----------------------------------------------------------------------------------------------

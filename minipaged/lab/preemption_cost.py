@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-from minipaged.lab.kv_memory import ModelShape
+from minipaged.lab.kv_memory import FP16_BYTES
+from minipaged.model_shape import ModelShape
 
 PCIE4_X16_BYTES_PER_S = 25e9  # what a PCIe 4.0 x16 link sustains in practice (32 GB/s peak)
 COPY_LATENCY_S = 5e-6  # a small cudaMemcpyAsync: launch plus transfer set-up
@@ -20,11 +21,11 @@ GPU_FLOPS = 100e12  # an A100-class GPU in fp16 prefill, at about a third of its
 
 def swap_seconds(num_tokens: int, block_size: int, shape: ModelShape,
                  bandwidth: float = PCIE4_X16_BYTES_PER_S,
-                 copy_latency: float = COPY_LATENCY_S) -> float:
+                 copy_latency: float = COPY_LATENCY_S, dtype_bytes: int = FP16_BYTES) -> float:
     """Out and back in: every block of every layer's K and V is one copy each way."""
     num_blocks = math.ceil(num_tokens / block_size)
     num_copies = 2 * num_blocks * shape.num_layers * 2  # (out + in) x blocks x layers x (K, V)
-    num_bytes = 2 * num_blocks * block_size * shape.bytes_per_token
+    num_bytes = 2 * num_blocks * block_size * shape.kv_bytes_per_token(dtype_bytes)
     return num_bytes / bandwidth + num_copies * copy_latency
 
 
@@ -39,7 +40,8 @@ def crossover_block_size(shape: ModelShape, num_params: float, **kwargs) -> floa
     per_token_recompute = recompute_seconds(1, num_params, kwargs.pop("flops", GPU_FLOPS))
     bandwidth = kwargs.get("bandwidth", PCIE4_X16_BYTES_PER_S)
     latency = kwargs.get("copy_latency", COPY_LATENCY_S)
-    per_token_bytes = 2 * shape.bytes_per_token / bandwidth
+    dtype_bytes = kwargs.get("dtype_bytes", FP16_BYTES)
+    per_token_bytes = 2 * shape.kv_bytes_per_token(dtype_bytes) / bandwidth
     per_block_latency = 4 * shape.num_layers * latency
     if per_token_recompute <= per_token_bytes:
         return math.inf

@@ -16,7 +16,7 @@ has no room for more sequences (``max_batch_size``).
 
 Counted here (activations, norms and the embedding lookup are left out: they are small):
     weights   the matrices of the linear layers and the LM head, read once per step
-    FLOPs     2 per weight per row of the step; attention 4 x head_dim x heads per (query, key)
+    FLOPs     2 per weight per row of the step; attention 4 x head_size x heads per (query, key)
               pair and layer (q.k and p.V)
     KV bytes  a decode step reads the KV of every context token of every sequence
 """
@@ -28,61 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minipaged.lab.kv_memory import bytes_per_token
+from minipaged.model_shape import ModelShape
 
-# ----------------------------------------------------------------------------------------------
-# The model's numbers
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The shape of a decoder-only model, as far as its cost goes."""
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    gated_mlp: bool  # LLaMA's MLP has three matrices (gate, up, down); GPT-2's two
-
-    @classmethod
-    def from_hf_config(cls, config) -> "ModelDims":
-        """The numbers of a transformers GPT-2 or LLaMA config."""
-        if config.model_type == "gpt2":
-            return cls(config.n_layer, config.n_embd, config.n_inner or 4 * config.n_embd,
-                       config.n_head, config.n_head, config.n_embd // config.n_head,
-                       config.vocab_size, gated_mlp=False)
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size, heads,
-                   getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                   config.vocab_size, gated_mlp=True)
-
-    @property
-    def weight_params(self) -> int:
-        """Weights a step reads: every layer's q, k, v, o and MLP matrices, and the LM head."""
-        h = self.hidden_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h
-        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
-        return self.num_layers * (attention + mlp) + self.vocab_size * h
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
-
-
-# The shapes of lesson 01's models (their published configs).
-MODEL_DIMS = {
-    "SmolLM2-135M": ModelDims(num_layers=30, hidden_size=576, intermediate_size=1536,
-                              num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152,
-                              gated_mlp=True),
-    "LLaMA-7B": ModelDims(num_layers=32, hidden_size=4096, intermediate_size=11008,
-                          num_heads=32, num_kv_heads=32, head_dim=128, vocab_size=32000,
-                          gated_mlp=True),
-}
+# The model's numbers: ``ModelShape`` (``minipaged/model_shape.py``: ``weight_params``,
+# ``kv_bytes_per_token``); real models' shapes in ``kv_memory.MODEL_SHAPES``.
 
 
 @dataclass(frozen=True)
@@ -98,21 +47,21 @@ class StepCost:
         return self.flops / self.bytes
 
 
-def decode_step(dims: ModelDims, batch_size: int, context_len: int, dtype_bytes: int) -> StepCost:
+def decode_step(dims: ModelShape, batch_size: int, context_len: int, dtype_bytes: int) -> StepCost:
     """One decode step: ``batch_size`` sequences, each attending to ``context_len`` tokens.
 
-    FLOPs: 2 per weight per sequence, and attention's 4 x head_dim per head, context token,
+    FLOPs: 2 per weight per sequence, and attention's 4 x head_size per head, context token,
     layer and sequence. Bytes: the weights once (shared by the whole batch) and each sequence's
     KV cache (``context_len`` tokens)."""
     _check_positive(batch_size=batch_size, context_len=context_len, dtype_bytes=dtype_bytes)
-    attention = 4 * dims.num_layers * dims.num_heads * dims.head_dim * context_len
+    attention = 4 * dims.num_layers * dims.num_heads * dims.head_size * context_len
     flops = batch_size * (2 * dims.weight_params + attention)
     moved = (dims.weight_params * dtype_bytes
              + batch_size * context_len * dims.kv_bytes_per_token(dtype_bytes))
     return StepCost(float(flops), float(moved))
 
 
-def prefill_step(dims: ModelDims, prompt_lens: list[int], dtype_bytes: int) -> StepCost:
+def prefill_step(dims: ModelShape, prompt_lens: list[int], dtype_bytes: int) -> StepCost:
     """One prompt step: every token of every prompt goes through every weight, and attends to
     itself and the tokens before it (n(n+1)/2 pairs for a prompt of n). Bytes: the weights once
     and the KV written. Logits are computed for each prompt's last token only."""
@@ -125,7 +74,7 @@ def prefill_step(dims: ModelDims, prompt_lens: list[int], dtype_bytes: int) -> S
     pairs = sum(n * (n + 1) // 2 for n in prompt_lens)
     tokens = sum(prompt_lens)
     flops = (2 * body * tokens + 2 * head * len(prompt_lens)
-             + 4 * dims.num_layers * dims.num_heads * dims.head_dim * pairs)
+             + 4 * dims.num_layers * dims.num_heads * dims.head_size * pairs)
     moved = dims.weight_params * dtype_bytes + tokens * dims.kv_bytes_per_token(dtype_bytes)
     return StepCost(float(flops), float(moved))
 
@@ -228,12 +177,15 @@ def max_batch_size(kv_budget_bytes: int, kv_bytes_per_token: int, block_size: in
     return int(num_blocks // math.ceil(seq_len / block_size))
 
 
-def gpu_kv_budget(total_bytes: float, gpu_memory_utilization: float,
+def gpu_kv_budget(available_bytes: float, gpu_memory_utilization: float,
                   profiled_peak_bytes: float) -> float:
-    """What a GPU leaves for the KV pool: the share of its memory the engine may use, less the
-    peak a profiled forward pass of the largest step reached (weights and activations), as
-    ``worker/model_loader.profile_num_gpu_blocks`` computes it."""
-    return max(total_bytes * gpu_memory_utilization - profiled_peak_bytes, 0.0)
+    """What a GPU leaves for the KV pool: the share the engine may use of the memory this
+    process could take when the engine started (all of an empty card's), less the peak its
+    weights and a profiled forward pass of the largest step reached, as
+    ``worker/model_loader.profile_num_gpu_blocks`` computes it (``gpu_memory.kv_pool_bytes``)."""
+    from minipaged.worker.gpu_memory import kv_pool_bytes
+
+    return float(kv_pool_bytes(available_bytes, gpu_memory_utilization, profiled_peak_bytes))
 
 
 # ----------------------------------------------------------------------------------------------

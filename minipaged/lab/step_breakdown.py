@@ -1,15 +1,28 @@
 """Where one decode step's time goes, and how close it gets to the machine's matmul peak.
 
 Used by benchmarks/throughput.py and lesson 15 (performance). ``decode_step_breakdown`` fills
-the engine with ``num_seqs`` requests, computes their prompts, then times decode-only steps with
-the model's attention operations and linear layers instrumented:
+the engine with ``num_seqs`` requests, computes their prompts, then times decode-only steps by
+section:
 
-    attention   minipaged.kernels.ops calls made by the attention layers (cache writes included)
-    linear      every linear layer (nn.Linear and the tensor-parallel ones: the weight matmuls)
-                and the LM head, on the sampled rows only
-    other model norms, rotary embedding, activations, embedding lookup, glue
-    sample, schedule, prepare, update      the engine's own timers (EngineStats)
+    schedule    the scheduler's ``schedule()``
+    prepare     cache moves and the step's flat batch (``prepare_inputs``)
+    model       the worker's ``execute_model``, split when it runs eagerly into
+        attention   minipaged.kernels.ops calls made by the attention layers (cache writes too)
+        linear      every linear layer (nn.Linear and the tensor-parallel ones: the weight
+                    matmuls) and the LM head, on the sampled rows only
+        other model norms, rotary embedding, activations, embedding lookup, glue
+    sample      the sampler
+    update      appending tokens, stop checks, freeing finished groups
     python      the rest of the step (step wall time minus all of the above)
+
+NOTE: a GPU runs asynchronously: a call returns once its kernels are queued, and the work is
+waited for by whoever first reads a result on the host, usually the sampler. A clock read
+right after a call would credit the model's time to the sampler. So every section here starts
+and ends with a synchronisation (``torch.cuda.synchronize``; the ``sync`` argument), and a
+section is charged exactly the work it launched. Under CUDA graphs a decode step's model is one
+graph replay: nothing in Python runs inside it, so "model" is that one measured replay and the
+attention / linear / other split is None (not measured), never zero. Run with
+``enforce_eager=True`` to take the model apart.
 
 Useful FLOPs of a decode step are counted exactly: 2 * in * out * rows for each linear layer, and
 4 * context_len * num_heads * head_size per sequence and layer for attention (q.k and p.V). The
@@ -18,7 +31,9 @@ the same dtype and thread count.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Callable
 
 import torch
 
@@ -49,16 +64,18 @@ def cpu_capability_notes(dtype: torch.dtype) -> str:
     return note
 
 
-def _sync(device):
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """A function that waits until ``device`` has finished the work queued so far."""
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None  # the CPU runs each op before returning
 
 
 class _Instruments:
     """Timers around the attention ops and the linear layers, and their FLOP counts."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.device = device
+    def __init__(self, model: torch.nn.Module, sync: Callable[[], None]):
+        self.sync = sync
         self.time = {"attention": 0.0, "linear": 0.0}
         self.flops = {"attention": 0.0, "linear": 0.0}
         self._originals = {name: getattr(ops, name) for name in ATTENTION_OPS}
@@ -77,10 +94,10 @@ class _Instruments:
 
     def _timed(self, name, fn):
         def wrapper(*args, **kwargs):
-            _sync(self.device)
+            self.sync()
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            _sync(self.device)
+            self.sync()
             self.time["attention"] += time.perf_counter() - t0
             if name == "paged_attention":
                 query, context_lens = args[0], args[4]
@@ -90,21 +107,21 @@ class _Instruments:
         return wrapper
 
     def _linear_start(self, module, inputs):
-        _sync(self.device)
+        self.sync()
         self._started[id(module)] = time.perf_counter()
 
     def _linear_end(self, module, inputs, output):
-        _sync(self.device)
+        self.sync()
         self.time["linear"] += time.perf_counter() - self._started.pop(id(module))
         weight = module.weight  # (out, in) or, transposed, (in, out): in * out either way
         rows = output.numel() // output.shape[-1]
         self.flops["linear"] += 2.0 * rows * weight.numel()
 
     def _timed_logits(self, hidden):
-        _sync(self.device)
+        self.sync()
         t0 = time.perf_counter()
         logits = self._compute_logits(hidden)  # (R, vocab)
-        _sync(self.device)
+        self.sync()
         self.time["linear"] += time.perf_counter() - t0
         self.flops["linear"] += 2.0 * hidden.shape[0] * hidden.shape[1] * logits.shape[-1]
         return logits
@@ -117,50 +134,145 @@ class _Instruments:
         del self._model.compute_logits  # back to the class's method
 
 
-def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4) -> dict:
-    """Seconds per decode-only step of ``len(prompts)`` sequences, by part, and useful FLOPs."""
+@contextlib.contextmanager
+def _wrapped(obj, name: str, wrap: Callable):
+    """``obj.name`` replaced by ``wrap(original)`` for the duration, then put back."""
+    original = getattr(obj, name)
+    own = name in vars(obj)  # an instance attribute (not the class's method) to restore
+    setattr(obj, name, wrap(original))
+    try:
+        yield
+    finally:
+        if own:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
+
+
+class _Sections:
+    """Synchronised clock marks around the engine's seams: each section closes with a sync."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync = sync
+        self.marks: dict[str, float] = {}
+        self.total: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.sync()
+        self.marks[name] = time.perf_counter()
+
+    def around(self, section: str) -> Callable:
+        def wrap(fn):
+            def timed(*args, **kwargs):
+                self.mark(f"{section} start")
+                out = fn(*args, **kwargs)
+                self.mark(f"{section} end")
+                return out
+            return timed
+        return wrap
+
+    def add_step(self) -> None:
+        """Charge the step just marked to its sections."""
+        m = self.marks
+        spans = {"schedule": m["schedule end"] - m["schedule start"],
+                 "prepare": m["model start"] - m["schedule end"],
+                 "model": m["model end"] - m["model start"],
+                 "sample": m["sample end"] - m["sample start"],
+                 "update": m["step end"] - m["sample end"],
+                 "step": m["step end"] - m["step start"]}
+        for k, v in spans.items():
+            self.total[k] = self.total.get(k, 0.0) + v
+        self.marks = {}
+
+
+def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4,
+                          sync: Callable[[], None] | None = None) -> dict:
+    """Seconds per decode-only step of ``len(prompts)`` sequences, by section, and useful FLOPs.
+
+    Args:
+        llm: an ``LLM`` with one worker in this process (no tensor parallelism).
+        prompts: one prompt (token ids) per sequence.
+        num_steps: decode steps timed (after the prompts and one warm-up step).
+        sync: waits for the device's queued work (default: ``torch.cuda.synchronize`` on CUDA,
+            nothing on the CPU); every section is closed by it.
+
+    Returns:
+        seconds per step of "step", "schedule", "prepare", "model", "attention", "linear",
+        "other model" (these three None under CUDA graphs), "sample", "update", "python", and
+        "num_seqs", "flops" (useful FLOPs per step), "graphs" (whether the model replayed a
+        CUDA graph).
+    """
     engine = llm.llm_engine
+    sync = sync or device_sync(engine.device)
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"breakdown-{i}", None, params, prompt_token_ids=prompt)
     while engine.scheduler.waiting:
         engine.step()  # the prompt steps
     engine.step()  # one decode to warm up
-    parts = ("schedule", "prepare", "model", "sample", "update")
-    before = {p: getattr(engine.stats, f"time_{p}") for p in parts}
-    tools = _Instruments(engine.worker.model, engine.device)
+    graph_runner = getattr(engine.worker.model_runner, "graph_runner", None)
+    replays_before = graph_runner.replays if graph_runner is not None else 0
+    sections = _Sections(sync)
+    tools = _Instruments(engine.worker.model, sync)
     try:
-        t0 = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        wall = time.perf_counter() - t0
+        with _wrapped(engine.scheduler, "schedule", sections.around("schedule")), \
+                _wrapped(engine.worker, "execute_model", sections.around("model")), \
+                _wrapped(engine, "sampler", sections.around("sample")):
+            for _ in range(num_steps):
+                sections.mark("step start")
+                engine.step()
+                sections.mark("step end")
+                sections.add_step()
     finally:
         tools.remove()
     while engine.has_unfinished_requests():
         engine.step()
-    per = {p: (getattr(engine.stats, f"time_{p}") - before[p]) / num_steps for p in parts}
-    step = wall / num_steps
-    result = {
-        "num_seqs": len(prompts),
-        "step": step,
-        "attention": tools.time["attention"] / num_steps,
-        "linear": tools.time["linear"] / num_steps,
-        "flops": (tools.flops["attention"] + tools.flops["linear"]) / num_steps,
-    }
-    result["other model"] = per["model"] - result["attention"] - result["linear"]
-    for p in ("sample", "schedule", "prepare", "update"):
-        result[p] = per[p]
-    result["python"] = step - sum(per.values())
+    per = {k: v / num_steps for k, v in sections.total.items()}
+    graphs = (graph_runner is not None and graph_runner.capture
+              and graph_runner.replays - replays_before == num_steps)
+    result = {"num_seqs": len(prompts), "graphs": graphs, **per,
+              "flops": (tools.flops["attention"] + tools.flops["linear"]) / num_steps}
+    if graphs:  # one replay: nothing inside it was timed, and nothing is claimed
+        result.update({"attention": None, "linear": None, "other model": None})
+        result["flops"] = _decode_flops(engine, prompts, num_steps)
+    else:
+        result["attention"] = tools.time["attention"] / num_steps
+        result["linear"] = tools.time["linear"] / num_steps
+        result["other model"] = per["model"] - result["attention"] - result["linear"]
+    parts = ("schedule", "prepare", "model", "sample", "update")
+    result["python"] = per["step"] - sum(per[p] for p in parts)
     return result
 
 
+def _decode_flops(engine, prompts: list[list[int]], num_steps: int) -> float:
+    """Useful FLOPs per timed step, counted (``roofline.decode_step``) where nothing could be
+    instrumented (a graph replay). Timed step ``i`` attends to ``len(prompt) + 2 + i`` tokens:
+    the prompt, its first token and the warm-up step's, and the ``i`` steps before."""
+    from minipaged.lab.roofline import decode_step
+    from minipaged.model_shape import ModelShape
+
+    dims = ModelShape.from_hf(engine.hf_config)
+    total = sum(decode_step(dims, 1, len(p) + 2 + i, 4).flops
+                for p in prompts for i in range(num_steps))
+    return total / num_steps
+
+
 def format_decode_breakdown(b: dict, peak: float) -> str:
-    keys = ("attention", "linear", "other model", "sample", "schedule", "prepare", "update",
-            "python")
-    cells = ", ".join(f"{k} {1000 * b[k]:.1f} ms ({100 * b[k] / b['step']:.0f} %)" for k in keys)
+    """One paragraph: each section's milliseconds and share, and the FLOPs achieved."""
+    if b["graphs"]:
+        keys = ("model", "sample", "schedule", "prepare", "update", "python")
+    else:
+        keys = ("attention", "linear", "other model", "sample", "schedule", "prepare", "update",
+                "python")
+    names = {"model": "model (one CUDA graph replay)"}
+    cells = ", ".join(f"{names.get(k, k)} {1000 * b[k]:.1f} ms ({100 * b[k] / b['step']:.0f} %)"
+                      for k in keys)
     achieved = b["flops"] / b["step"]
+    how = ("the step's model is one graph replay, so it is not split (enforce_eager=True splits "
+           "it)" if b["graphs"] else "the timers synchronise around each linear layer and "
+           "attention op, so the instrumented step is a little slower than an untimed one")
     return (f"one decode step of {b['num_seqs']} sequences: {1000 * b['step']:.1f} ms = {cells}. "
             f"Useful work {b['flops'] / 1e9:.3g} GFLOP per step = {achieved / 1e9:.3g} GFLOP/s, "
             f"{100 * achieved / peak:.0f} % of the measured matmul peak ({peak / 1e9:.1f} GFLOP/s, "
-            f"one 2048x2048 matmul, same dtype and threads); the timers synchronise around each "
-            f"linear layer, so the instrumented step is a little slower than an untimed one.")
+            f"one 2048x2048 matmul, same dtype and threads). Each section ends with a device "
+            f"synchronisation, so it is charged the work it launched; {how}.")

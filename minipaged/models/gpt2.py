@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minipaged.model_shape import ModelShape
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
 from minipaged.models.parallel_layers import (ColumnParallelLinear, RowParallelLinear,
@@ -23,10 +24,11 @@ from minipaged.models.weights import load_checkpoint_weights
 class GPT2Attention(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
-        hidden = config.hidden_size
+        shape = ModelShape.from_hf(config)
+        hidden = shape.hidden_size
         world_size = get_tensor_parallel_state().world_size
-        self.num_heads = divide(config.num_attention_heads, world_size, "the attention heads")
-        self.head_size = hidden // config.num_attention_heads
+        self.num_heads = divide(shape.num_heads, world_size, "the attention heads")  # this rank's
+        self.head_size = shape.head_size
         scale = self.head_size ** -0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
@@ -45,7 +47,7 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        inner = config.n_inner or 4 * config.hidden_size
+        inner = ModelShape.from_hf(config).intermediate_size  # n_inner, or 4 x hidden
         self.c_fc = ColumnParallelLinear(config.hidden_size, inner, transposed=True)
         self.c_proj = RowParallelLinear(inner, config.hidden_size, transposed=True)
         from transformers.activations import ACT2FN  # here: a slow import LLaMA does not need
@@ -75,8 +77,9 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        shape = ModelShape.from_hf(config)
+        self.wpe = nn.Embedding(shape.max_positions, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(shape.num_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
     def forward(self, input_ids, positions, kv_caches, meta: InputMetadata) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipaged.model_shape import ModelShape
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
 from minipaged.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead,
@@ -40,10 +41,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         world_size = get_tensor_parallel_state().world_size
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_size = (getattr(config, "head_dim", None)
-                          or config.hidden_size // config.num_attention_heads)
+        shape = ModelShape.from_hf(config)
+        num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads  # of the whole model
+        self.head_size = shape.head_size
         self.num_heads = divide(num_heads, world_size, "the attention heads")  # this rank's
         self.num_kv_heads = divide(num_kv_heads, world_size, "the key/value heads")
         bias = getattr(config, "attention_bias", False)
@@ -52,7 +52,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
         self.v_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
         self.o_proj = RowParallelLinear(num_heads * D, hidden, bias=bias)
-        self.rotary = RotaryEmbedding(config, self.head_size, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config, self.head_size, shape.max_positions)
         self.attn = PagedAttention(self.num_heads, self.head_size, self.head_size ** -0.5,
                                    self.num_kv_heads)
 
@@ -70,7 +70,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner = config.hidden_size, ModelShape.from_hf(config).intermediate_size
         self.gate_proj = ColumnParallelLinear(hidden, inner, bias=bias)
         self.up_proj = ColumnParallelLinear(hidden, inner, bias=bias)
         self.down_proj = RowParallelLinear(inner, hidden, bias=bias)
@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
+                                    for _ in range(ModelShape.from_hf(config).num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.model_shape import ModelShape
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.sequence import Sequence
 from minipaged.worker import checkpoint
@@ -81,11 +82,9 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.model: cannot load the draft model "
                              f"{model!r}: {e}") from e
         self.runner = ModelRunner(self.model)
-        heads = hf.num_attention_heads
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        head_size = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        self.cache = CacheEngine(hf.num_hidden_layers, kv_heads, head_size, block_size,
-                                 num_gpu_blocks, 0, dtype, device)
+        shape = ModelShape.from_hf(hf)
+        self.cache = CacheEngine(shape.num_layers, shape.num_kv_heads, shape.head_size,
+                                 block_size, num_gpu_blocks, 0, dtype, device)
         self.block_size = block_size
         self.device = device
         # seq_id -> (positions of the draft's cache that hold valid KV, the blocks they are in)

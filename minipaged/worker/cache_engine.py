@@ -17,13 +17,6 @@ from minipaged.kernels import ops
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def cache_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_size: int,
-                      dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers: K and V, ``block_size`` tokens each."""
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * num_layers * num_kv_heads * head_size * block_size * element_size
-
-
 class CacheEngine:
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,

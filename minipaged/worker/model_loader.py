@@ -2,14 +2,16 @@
 
 The checkpoint's files are found and read by ``checkpoint.py``; here they become our model on a
 device (``build_model``), and a profiled forward pass says how much GPU memory is left for KV
-blocks (``profile_num_gpu_blocks``). Used by ``LocalWorker`` (``worker.py``), in the engine's
-process or in each tensor-parallel worker process (``mp_workers.py``, which builds its shard).
+blocks (``profile_num_gpu_blocks``, with ``gpu_memory.py``'s accounting). Used by
+``LocalWorker`` (``worker.py``), in the engine's process or in each tensor-parallel worker
+process (``mp_workers.py``, which builds its shard).
 """
 from __future__ import annotations
 
 import torch
 
 from minipaged.worker import checkpoint
+from minipaged.worker.gpu_memory import DeviceMemory, kv_pool_bytes
 from minipaged.models.registry import get_model_class
 
 
@@ -72,14 +74,18 @@ def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
 
 @torch.inference_mode()
 def profile_num_gpu_blocks(model, device: torch.device, num_tokens: int, max_len: int,
-                           gpu_memory_utilization: float, block_bytes: int) -> int:
+                           gpu_memory_utilization: float, block_bytes: int,
+                           at_start: DeviceMemory) -> int:
     """Run the largest step the scheduler allows, without a cache, and see what is left.
 
-    Under tensor parallelism each worker profiles its own GPU with its shard."""
+    The pool gets ``gpu_memory_utilization`` of what this process could still take when the
+    engine started (``at_start``, read before the weights loaded), less the engine's own peak:
+    its weights and this step's activations (``gpu_memory.kv_pool_bytes``). Another engine
+    alive in the same process is not counted as free. Under tensor parallelism each worker
+    profiles its own GPU with its shard."""
     from minipaged.models.input_metadata import InputMetadata
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats(device)
     prompt_lens = [max_len] * (num_tokens // max_len)
     if num_tokens % max_len:
         prompt_lens.append(num_tokens % max_len)
@@ -90,8 +96,8 @@ def profile_num_gpu_blocks(model, device: torch.device, num_tokens: int, max_len
                          torch.zeros(0, dtype=torch.int32, device=device), 0)
     hidden = model(ids, positions, None, meta)
     model.compute_logits(hidden[-min(num_tokens, 256):])
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    total = torch.cuda.mem_get_info()[1]
-    torch.cuda.empty_cache()
-    return max(int((total * gpu_memory_utilization - peak) // block_bytes), 0)
+    torch.cuda.synchronize(device)
+    engine_peak = torch.cuda.max_memory_allocated(device) - at_start.allocated
+    del hidden
+    torch.cuda.empty_cache()  # the activations' blocks go back before the pool is allocated
+    return kv_pool_bytes(at_start.available, gpu_memory_utilization, engine_peak) // block_bytes

@@ -25,11 +25,12 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from minipaged.config import DEFAULT_TIMEOUT_S  # (the worker_timeout setting's default)
+from minipaged.model_shape import ModelShape
 from minipaged.models.parallel_layers import tensor_parallel_state
 from minipaged.worker.worker import Worker
 
-DEFAULT_TIMEOUT_S = 120.0  # one step; loading the model may take STARTUP_FACTOR times longer
-STARTUP_FACTOR = 5
+STARTUP_FACTOR = 5  # loading the model may take this many times the step timeout
 
 
 class WorkerError(RuntimeError):
@@ -49,10 +50,8 @@ def check_tensor_parallel(hf_config, world_size, device: torch.device,
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {world_size!r}")
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    inner = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
-             or 4 * hf_config.hidden_size)
+    shape = ModelShape.from_hf(hf_config)
+    heads, kv_heads, inner = shape.num_heads, shape.num_kv_heads, shape.intermediate_size
     for what, total in (("the attention heads", heads), ("the key/value heads", kv_heads),
                         ("the MLP width", inner)):
         if total % world_size:

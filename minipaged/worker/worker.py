@@ -11,19 +11,26 @@ Everything that holds tensors of the model or of the KV cache sits behind a ``Wo
 
 The engine calls only the methods below, in this order: ``profile_num_gpu_blocks`` (may be
 skipped), ``init_cache`` once, then per step the cache operations and ``execute_model``, and
-``shutdown`` at the end. A new back-end implements these and nothing else.
+``shutdown`` at the end (``memory_report`` only to explain a pool that does not fit). A new
+back-end implements these and nothing else.
 """
 from __future__ import annotations
 
+import logging
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
 
 from minipaged.kernels.build import start_background_build
+from minipaged.worker import gpu_memory
+from minipaged.model_shape import kv_bytes_per_token
 from minipaged.worker.cache_engine import CacheEngine
 from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
 from minipaged.worker.model_runner import ModelRunner, PreparedInputs
+
+logger = logging.getLogger("minipaged")
 
 
 class Worker(ABC):
@@ -88,11 +95,19 @@ class Worker(ABC):
         """Bytes of weights and of the GPU KV pool, measured on the tensors, one dict a rank."""
 
     def shutdown(self) -> None:
-        """Release what the worker holds (processes, memory); nothing to do for one process."""
+        """Release what the worker holds (processes, memory); calling it twice does nothing."""
+
+    def memory_report(self) -> str:
+        """Who holds the GPU memory this worker could not get ("" where nobody profiles)."""
+        return ""
 
 
 class LocalWorker(Worker):
     """The model, its KV cache and its runner, in this process.
+
+    On CUDA it reads what this process may still take before the weights load (the KV pool is
+    sized from that, ``gpu_memory.py``), and it gives its memory back at ``shutdown()`` or when
+    it is collected (``del llm``).
 
     Args:
         hf_config, source, load_format: the model to build (``model_loader.build_model``).
@@ -100,26 +115,65 @@ class LocalWorker(Worker):
         device: where the model and the GPU pool live.
     """
 
+    _HOLDS_TENSORS = ("model", "model_runner", "cache_engine")
+
     def __init__(self, hf_config, source: str | None, load_format: str, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.device = device
         self.dtype = dtype
+        on_gpu = self._on_gpu()
+        self._memory_at_start = gpu_memory.DeviceMemory.read(device) if on_gpu else None
         # NOTE: before the weights load: the attention op for this device compiles in the
         # background meanwhile, so the first request does not wait for the compiler.
         start_background_build(device)
-        self.model = build_model(hf_config, source, load_format, dtype, device)
+        self.model = None
+        try:
+            self.model = build_model(hf_config, source, load_format, dtype, device)
+        except torch.OutOfMemoryError as e:  # say who holds the memory the weights did not get
+            raise torch.OutOfMemoryError(f"{e}\n{gpu_memory.holders_report(self)}") from None
         self.model_runner = ModelRunner(self.model)
         self.cache_engine: CacheEngine | None = None  # init_cache creates it
+        # NOTE: a finalizer, not __del__: it runs once, at shutdown() or at collection, and
+        # holds the attribute dict rather than the worker (gpu_memory.release says why).
+        self._finalizer = weakref.finalize(self, gpu_memory.release, self.__dict__,
+                                           self._HOLDS_TENSORS, on_gpu)
+        self._finalizer.atexit = False  # at exit the process gives everything back anyway
+        if on_gpu:
+            gpu_memory.register(self)
+
+    def _on_gpu(self) -> bool:
+        """Whether the model and the pool live on a CUDA device.
+
+        NOTE: the one place that decides it, so that the tests can run the GPU's pool sizing
+        on the CPU with a fake device (tests/worker/test_gpu_pool_fake_device.py)."""
+        return self.device.type == "cuda"
 
     def profile_num_gpu_blocks(self, max_num_batched_tokens: int, max_model_len: int,
                                gpu_memory_utilization: float, block_bytes: int) -> int | None:
-        if self.device.type != "cuda":
+        if not self._on_gpu():
             return None
+        others = gpu_memory.other_engines(self)
+        if others:
+            logger.warning(
+                "%d other engine(s) alive in this process hold %s of %s; this engine's KV pool "
+                "gets gpu_memory_utilization (%s) of what they leave. Shut them down "
+                "(llm.shutdown(), or del and gc.collect()) to give their memory back.",
+                len(others), gpu_memory.gib(sum(m["weights"] + m["kv_cache"] for m in others)),
+                self.device, gpu_memory_utilization)
         return profile_num_gpu_blocks(self.model, self.device, max_num_batched_tokens,
-                                      max_model_len, gpu_memory_utilization, block_bytes)
+                                      max_model_len, gpu_memory_utilization, block_bytes,
+                                      self._memory_at_start)
 
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        if self._on_gpu():  # a clear refusal rather than an out-of-memory error half-way
+            element_size = torch.tensor([], dtype=self.dtype).element_size()
+            need = num_gpu_blocks * block_size * kv_bytes_per_token(num_layers, num_kv_heads,
+                                                                    head_size, element_size)
+            if need > gpu_memory.DeviceMemory.read(self.device).available:
+                raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: the KV pool needs "
+                                 f"{gpu_memory.gib(need)} and this process cannot get it. "
+                                 + gpu_memory.holders_report(self, need))
         self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
 
@@ -157,7 +211,17 @@ class LocalWorker(Worker):
     def execute_model(self, inputs: PreparedInputs) -> torch.Tensor:
         return self.model_runner.execute_model(inputs, self.cache_engine.gpu_cache)
 
+    def shutdown(self) -> None:
+        """Drop the model, the KV and swap pools and the CUDA graphs; on CUDA hand torch's
+        cached blocks back to the device. Calling it again does nothing."""
+        self._finalizer()
+
+    def memory_report(self) -> str:
+        return gpu_memory.holders_report(self) if self._on_gpu() else ""
+
     def memory_per_rank(self) -> list[dict[str, int]]:
+        if self.model is None:  # shut down
+            return [{"weights": 0, "kv_cache": 0}]
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv_cache = (0 if self.cache_engine is None else
                     sum(t.numel() * t.element_size() for kv in self.cache_engine.gpu_cache

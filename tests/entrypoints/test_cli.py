@@ -4,13 +4,15 @@ engine, and `generate --stream` prints text as it is generated (lessons 08 and 1
 Slow (left out of `make test`): the streaming test (a subprocess that loads the embedded model),
 about 16 s on the 2-core machine (measured at load ~15).
 """
-import inspect
+import argparse
 import io
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
+from minipaged.config import EngineConfig
 from minipaged.entrypoints import cli
 from minipaged.engine.llm_engine import LLMEngine
 from serving_helpers import ROOT, save_tiny_model_with_tokenizer
@@ -32,24 +34,41 @@ def _help(command: str) -> str:
     return " ".join(run.stdout.split())  # argparse wraps lines: compare words, not lines
 
 
-def test_every_engine_keyword_is_a_flag():
-    # (speculative_config is a dict: --speculative-config JSON and its fields' flags, lesson 12)
-    keywords = set(inspect.signature(LLMEngine.__init__).parameters) - {
-        "self", "model", "hf_config", "speculative_config"}
-    assert {name for name, _, _ in cli.ENGINE_OPTIONS} == keywords
+def test_every_engine_setting_is_a_flag_with_the_configs_default():
+    settings = {f.name: f for f in fields(EngineConfig)}
+    options = {name: (kind, default) for name, kind, _, default, _ in cli.engine_options()}
+    assert set(options) == set(settings) - set(cli.NOT_FLAGS)
+    for name, (kind, default) in options.items():
+        assert default == settings[name].default
+        if default is not None:  # (None: the engine decides; a flag must be given a value)
+            assert isinstance(default, kind) or kind is str, name
+    # a flag given its default's text reaches the engine as that default
+    parser = argparse.ArgumentParser()
+    cli.add_engine_options(parser)
+    argv = []
+    for name, kind, _, default, _ in cli.engine_options():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            argv.append(flag if default else f"--no-{flag[2:]}")
+        elif default is not None:
+            argv += [flag, str(default)]
+    given = cli.engine_kwargs(parser.parse_args(argv))
+    assert given == {name: default for name, _, _, default, _ in cli.engine_options()
+                     if default is not None}
+    assert cli.engine_kwargs(parser.parse_args([])) == {}  # nothing given, nothing passed
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_help_lists_every_engine_flag_with_its_help_and_default(command):
     text = _help(command)
-    defaults = {n: p.default for n, p in inspect.signature(LLMEngine.__init__).parameters.items()}
-    for name, kind, help_text in cli.ENGINE_OPTIONS:
+    for name, kind, help_text, default, choices in cli.engine_options():
         flag = "--" + name.replace("_", "-")
         assert flag in text
         if kind is bool:
             assert f"{flag}, --no-{flag[2:]}" in text
-        described = help_text + (f" (default: {defaults[name]})"
-                                 if defaults[name] is not None else "")
+        if choices:
+            assert f"{flag} {{{','.join(choices)}}}" in text
+        described = help_text + (f" (default: {default})" if default is not None else "")
         assert " ".join(described.split()) in text
     for flag in ("--tensor-parallel-size", "--worker-timeout", "--no-enable-prefix-caching",
                  "--no-enable-chunked-prefill", "--num-gpu-blocks", "--preemption-mode"):

@@ -15,8 +15,8 @@ from repo_paths import ROOT
 
 
 # ---- plausible wrong answers -------------------------------------------------------------------
-def bytes_without_v(num_layers, num_kv_heads, head_dim, dtype_bytes):
-    return num_layers * num_kv_heads * head_dim * dtype_bytes  # forgot the value vectors
+def bytes_without_v(num_layers, num_kv_heads, head_size, dtype_bytes):
+    return num_layers * num_kv_heads * head_size * dtype_bytes  # forgot the value vectors
 
 
 def reservation_no_internal(request, num_tokens):

@@ -28,10 +28,17 @@ def combine_without_the_max(max_logits, exp_sums, outs):
     return exp_sums @ outs / exp_sums.sum()
 
 
+def combine_without_a_common_max(max_logits, exp_sums, outs):
+    """Right in exact arithmetic; float64's exp overflows past logits of about 709."""
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        weights = exp_sums * np.exp(max_logits)
+        return weights @ outs / weights.sum()
+
+
 CHECKS = [
     (lesson06.check_warp_blocks, S.warp_blocks, [blocks_ignoring_start, blocks_rounded_down]),
     (lesson06.check_combine_partitions, S.combine_partitions,
-     [combine_by_averaging, combine_without_the_max]),
+     [combine_by_averaging, combine_without_the_max, combine_without_a_common_max]),
 ]
 
 
@@ -84,3 +91,8 @@ def test_the_solutions_agree_with_the_real_kernels_loop():
             assert S.warp_blocks(warp, start, end, 16) == emu.warp_blocks(warp, start, end, 16)
     assert np.isfinite(S.combine_partitions(np.array([1.0, 900.0]), np.array([2.0, 3.0]),
                                             np.ones((2, 4)))).all()
+
+
+def test_combining_without_one_common_maximum_fails_on_logits_past_floats_range():
+    result = lesson06.check_combine_partitions(combine_without_a_common_max)
+    assert result.status == "failed" and "overflow" in result

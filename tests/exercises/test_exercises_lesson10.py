@@ -184,3 +184,23 @@ def test_hints_point_at_the_idea_without_stating_the_code():
             hint = "".join(part.value for part in ast.walk(node.value)
                            if isinstance(part, ast.Constant) and isinstance(part.value, str))
             assert not [c for c in code if c in hint], hint
+
+
+def test_top_p_one_is_decided_before_any_sum():
+    """The spec's one exception to 'rounding never matters': at top_p = 1 a float32 running sum
+    reaches 1 before the last tiny probabilities, so the drop rule alone loses tokens."""
+    import torch
+
+    from minipaged.exercises import lesson10
+
+    def rule_only(logits, top_p):
+        ordered, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(ordered, -1)
+        drop = (torch.cumsum(probs, -1) - probs) >= top_p
+        drop[0] = False
+        out = logits.clone()
+        out[order[drop]] = float("-inf")
+        return out
+
+    result = lesson10.check_top_p_filter(rule_only)
+    assert result.status == "failed" and "top_p=1.0" in result and "decide it first" in result

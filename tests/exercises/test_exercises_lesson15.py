@@ -9,7 +9,7 @@ pytestmark = pytest.mark.lesson15
 
 def intensity_weights_per_sequence(dims, batch_size, context_len, dtype_bytes):
     flops = batch_size * (2 * dims.weight_params
-                          + 4 * dims.num_layers * dims.num_heads * dims.head_dim * context_len)
+                          + 4 * dims.num_layers * dims.num_heads * dims.head_size * context_len)
     moved = batch_size * (dims.weight_params * dtype_bytes
                           + context_len * dims.kv_bytes_per_token(dtype_bytes))
     return flops / moved  # each sequence reads the weights again: intensity never grows
@@ -17,7 +17,7 @@ def intensity_weights_per_sequence(dims, batch_size, context_len, dtype_bytes):
 
 def intensity_without_kv(dims, batch_size, context_len, dtype_bytes):
     flops = batch_size * (2 * dims.weight_params
-                          + 4 * dims.num_layers * dims.num_heads * dims.head_dim * context_len)
+                          + 4 * dims.num_layers * dims.num_heads * dims.head_size * context_len)
     return flops / (dims.weight_params * dtype_bytes)
 
 

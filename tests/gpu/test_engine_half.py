@@ -78,13 +78,16 @@ def test_kv_pool_size_follows_gpu_memory_utilization(half_case):
     path, _, _ = half_case
     sizes = {}
     for util in (0.2, 0.4):
-        llm = LLM(path, dtype="float16", device="cuda", gpu_memory_utilization=util)
-        sizes[util] = llm.llm_engine.block_manager.num_total_gpu_blocks
-        block_bytes = llm.llm_engine.block_bytes
-        del llm
-        torch.cuda.empty_cache()
-    total = torch.cuda.mem_get_info()[1]
-    expected = 0.2 * total / block_bytes  # the extra 20 % of the card all goes to blocks
+        free = torch.cuda.mem_get_info()[0]  # (the previous engine gave everything back)
+        # NOTE: max_num_seqs far above what the memory holds, so that the pool is not capped
+        # at what max_num_seqs sequences could use; eager, so no graph has that many rows.
+        with LLM(path, dtype="float16", device="cuda", gpu_memory_utilization=util,
+                 max_num_seqs=1 << 20, enforce_eager=True) as llm:
+            sizes[util] = llm.llm_engine.block_manager.num_total_gpu_blocks
+            block_bytes = llm.llm_engine.block_bytes
+    # the pool gets a share of what the process could take at the start: the extra 20 % of it
+    # all goes to blocks
+    expected = 0.2 * free / block_bytes
     assert sizes[0.4] > sizes[0.2] > 0
     assert abs((sizes[0.4] - sizes[0.2]) - expected) / expected < 0.05
 

@@ -105,24 +105,28 @@ def test_a_failed_build_warns_once_or_raises_when_strict():
 def test_a_progress_line_only_when_a_compile_runs(tmp_path, monkeypatch, capsys):
     from torch.utils import cpp_extension
 
-    monkeypatch.setenv("MINIPAGED_EXT_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "op.cpp"
     source.write_text("// an op\n")
     loads = []
 
     def fake_load(name, sources, build_directory, **kwargs):
-        loads.append(build_directory)
-        (Path(build_directory) / f"{name}.so").write_text("lib")
-        return "module"
+        loads.append((build_directory, sources, kwargs))
+        library = Path(build_directory) / f"{name}.so"
+        library.write_text("lib")
+        return type("Module", (), {"__file__": str(library), "__name__": name})
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     job = build.JitBuild("the test op", "~1 s", lambda job: None)
-    assert build.compile_extension(job, "test_op", "cpu-TEST", [source]) == "module"
+    build.compile_extension(job, "test_op", "cpu-TEST", [source])
     err = capsys.readouterr().err
     assert "minipaged: building the test op (first use only, ~1 s)..." in err
     assert "the test op built in" in err
-    assert loads[0] == str(build.build_dir("cpu-TEST"))
-    assert build.build_dir("cpu-TEST").parent == tmp_path / "ext"
+    folder, sources, kwargs = loads[0]
+    assert Path(folder).parent == tmp_path / "cache" / "torch_ext"
+    assert Path(folder).name.startswith(f"cpu-TEST-torch{torch.__version__}-")
+    assert sources == [str(Path(folder) / "src" / "op.cpp")]  # compiled from the folder's copy
+    assert kwargs["extra_ldflags"][0] == build.SHARED_CXX_RUNTIME
     build.compile_extension(job, "test_op", "cpu-TEST", [source])  # cached library: silent
     assert capsys.readouterr().err == "" and len(loads) == 2
 

@@ -3,19 +3,20 @@ import pytest
 
 from minipaged import LLM
 from minipaged.lab import kv_memory as kv
+from minipaged.model_shape import kv_bytes_per_token
 
 pytestmark = pytest.mark.lesson01
 
 
 def test_bytes_per_token_of_the_named_model_shapes():
-    assert kv.bytes_per_token(num_layers=2, num_kv_heads=3, head_dim=4, dtype_bytes=2) == 96
+    assert kv_bytes_per_token(num_layers=2, num_kv_heads=3, head_size=4, element_size=2) == 96
     shapes = kv.MODEL_SHAPES
-    assert shapes["GPT-2"].bytes_per_token == 2 * 12 * 12 * 64 * 2
-    assert shapes["LLaMA-7B"].bytes_per_token == 512 * 1024  # 0.5 MiB per token
+    assert shapes["GPT-2"].kv_bytes_per_token(2) == 2 * 12 * 12 * 64 * 2
+    assert shapes["LLaMA-7B"].kv_bytes_per_token(2) == 512 * 1024  # 0.5 MiB per token
     # grouped-query attention: SmolLM2's 3 kv heads make its cache smaller than GPT-2's
-    assert shapes["SmolLM2-135M"].bytes_per_token < shapes["GPT-2"].bytes_per_token
+    assert shapes["SmolLM2-135M"].kv_bytes_per_token(2) < shapes["GPT-2"].kv_bytes_per_token(2)
     # the paper's example: one 2048-token LLaMA-13B sequence needs about 1.6 GB
-    assert 1.55e9 < shapes["LLaMA-13B"].sequence_bytes(2048) < 1.7e9
+    assert 1.55e9 < kv.sequence_bytes(shapes["LLaMA-13B"], 2048) < 1.7e9
 
 
 def test_request_trace_is_seeded_and_within_each_requests_max_length():

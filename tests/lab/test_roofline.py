@@ -7,17 +7,18 @@ import torch
 from minipaged.lab import roofline as rl
 from minipaged.lab.kv_memory import MODEL_SHAPES
 from minipaged.lab.step_breakdown import decode_step_breakdown
+from minipaged.model_shape import ModelShape
 
 pytestmark = pytest.mark.lesson15
 
-SMOL = rl.MODEL_DIMS["SmolLM2-135M"]
+SMOL = MODEL_SHAPES["SmolLM2-135M"]
 
 
 def test_weight_count_of_smollm2_is_its_parameter_count_less_norms():
     # 134,515,008 parameters in all; less 61 RMSNorm vectors of 576 = 134,479,872 (the
     # embedding is tied to the LM head, which is counted once as a matrix a step reads)
     assert SMOL.weight_params == 134_515_008 - 61 * 576
-    assert SMOL.kv_bytes_per_token(2) == MODEL_SHAPES["SmolLM2-135M"].bytes_per_token
+    assert SMOL.kv_bytes_per_token(2) == 2 * 30 * 3 * 64 * 2
 
 
 def test_decode_intensity_grows_with_the_batch_and_tends_to_half_a_flop_per_byte_at_one():
@@ -41,7 +42,7 @@ def test_roofline_and_step_time():
     assert m.step_seconds(rl.StepCost(flops=100.0, bytes=50.0)) == 5.0  # memory-bound
     assert rl.H100_SXM.ridge == pytest.approx(295, rel=0.01)
     # LLaMA-7B: 6.5 G weights read per step (its 6.7 G parameters less the embedding table)
-    assert rl.MODEL_DIMS["LLaMA-7B"].weight_params == pytest.approx(6.61e9, rel=0.01)
+    assert MODEL_SHAPES["LLaMA-7B"].weight_params == pytest.approx(6.61e9, rel=0.01)
 
 
 def test_max_batch_size_counts_whole_blocks():
@@ -64,7 +65,7 @@ def test_max_batch_size_agrees_with_the_engines_pool(tiny_llama):
     llm = LLM(tiny_llama_path, kv_cache_bytes=200_000, block_size=16, max_num_seqs=1000,
               num_cpu_blocks=0, max_model_len=64)
     engine = llm.llm_engine
-    dims = rl.ModelDims.from_hf_config(engine.hf_config)
+    dims = ModelShape.from_hf(engine.hf_config)
     per_token = dims.kv_bytes_per_token(4)
     assert engine.block_manager.get_num_free_gpu_blocks() == 200_000 // (16 * per_token)
     assert rl.max_batch_size(200_000, per_token, 16, 64) == (
@@ -83,7 +84,7 @@ def test_counted_flops_match_the_instrumented_engine(kind, tiny_llama, tiny_gpt2
 
     path = (tiny_llama if kind == "llama" else tiny_gpt2)[0]
     llm = LLM(path, num_gpu_blocks=64, num_cpu_blocks=0, max_model_len=128)
-    dims = rl.ModelDims.from_hf_config(llm.llm_engine.hf_config)
+    dims = ModelShape.from_hf(llm.llm_engine.hf_config)
     prompts = [[5, 6, 7, 8, 9]] * 3
     measured = decode_step_breakdown(llm, prompts, num_steps=2)
     # timed steps attend to 7 and 8 tokens: the mean is that of 7.5

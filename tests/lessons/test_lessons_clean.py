@@ -60,3 +60,20 @@ def test_file_listings_fit_without_being_cut(path):
     for file, start, end in _file_part_calls(code):
         lines = file_part(file, start, end).splitlines()
         assert len(lines) <= MAX_LINES, f"{file} from {start!r} to {end!r}: {len(lines)} lines"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name)
+def test_lesson_leaves_no_model_in_the_temp_folder(path):
+    """A lesson that saves a model (``save_pretrained``) saves it in a ``TemporaryDirectory``,
+    which is removed when the kernel stops, never in a ``mkdtemp`` folder that outlives every run
+    (lesson 09's 2-layer GPT-2 left 205 MB behind on each one)."""
+    notebook = json.loads(path.read_text())
+    code = "".join("".join(c["source"]) + "\n" for c in notebook["cells"]
+                   if c["cell_type"] == "code")
+    assert "mkdtemp" not in code, f"{path.name}: use tempfile.TemporaryDirectory, not mkdtemp"
+    temporary = set(re.findall(r"^(\w+) = tempfile\.TemporaryDirectory\(", code, re.M))
+    temp_dirs = {name for name, owner in re.findall(r"^(\w+) = (\w+)\.name$", code, re.M)
+                 if owner in temporary}
+    for target in re.findall(r"\.save_pretrained\((\w+)\)", code):
+        assert target in temp_dirs, (f"{path.name}: save_pretrained({target}) must write into "
+                                     f"a tempfile.TemporaryDirectory's .name")

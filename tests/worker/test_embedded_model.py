@@ -44,7 +44,8 @@ def reference():
 
 def test_embedded_config_is_the_documented_shape(llm):
     engine = llm.llm_engine
-    assert (engine.num_layers, engine.num_heads, engine.num_kv_heads, engine.head_size) == \
+    shape = engine.model_shape
+    assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_size) == \
         (30, 9, 3, 64)
     assert engine.hf_config.tie_word_embeddings
     assert engine.hf_config.rope_parameters["rope_theta"] == 100000.0
