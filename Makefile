@@ -1,11 +1,13 @@
 # minipaged: `make demo` runs the engine, `make test` passes the tests. Each sets itself up.
+# `make test` is the fast tier (under 5 minutes on two cores); `make test-all`, what CI runs, is
+# everything: the slow tests, full Hypothesis budgets and every lesson run headless.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-fast lab setup system-deps gpu-check cuda-ext-check ops-check bench clean sanitize
+.PHONY: demo test test-all lab setup system-deps gpu-check cuda-ext-check ops-check bench clean sanitize
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +27,7 @@ setup: $(STAMP)
 
 # The CUDA kernels compiled for the CPU, each variant (plain, traced, vLLM's shared load), so that
 # lessons 05 and 06 do not wait minutes for the compiler on their first run (`make lab`, `make
-# test`; `make demo` does not need them). The build cache notices changed sources by itself.
+# test-all`; `make demo` does not need them). The build cache notices changed sources by itself.
 KERNELS_ON_CPU := $(VENV)/.cuda_on_cpu_built
 $(KERNELS_ON_CPU): $(STAMP)
 	$(PY) -c 'from minipaged.kernels import cuda_on_cpu as c; [c.load(v) for v in c.VARIANTS]' \
@@ -44,15 +46,18 @@ system-deps:
 demo: $(STAMP)
 	$(PY) -m minipaged demo
 
-test: $(STAMP) $(KERNELS_ON_CPU) system-deps
+# The fast tier: no notebooks, nothing marked `slow`, a few examples per Hypothesis property
+# (tests/helpers/budgets.py). It needs no prebuilt CUDA-on-CPU kernels and no system packages.
+test: $(STAMP)
+	MINIPAGED_FAST_TESTS=1 $(PY) -m pytest -q tests -m "not slow" -p no:cacheprovider
+
+# Everything, as CI runs it (.ci/run): every test with its full budget, then every lesson.
+test-all: $(STAMP) $(KERNELS_ON_CPU) system-deps
 	$(PY) -m pytest -q tests lessons --nbmake -p no:cacheprovider
 
-# The CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer (also part of `test`).
+# The CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer (also part of `test-all`).
 sanitize: $(STAMP)
-	$(PY) -m pytest -q tests/test_cuda_on_cpu_sanitizers.py -p no:cacheprovider
-
-test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -x -m "not slow"
+	$(PY) -m pytest -q tests/kernels/test_cuda_on_cpu_sanitizers.py -p no:cacheprovider
 
 lab: $(STAMP) $(KERNELS_ON_CPU)
 	$(VENV)/bin/jupyter lab lessons/01_kv_cache.ipynb $$([ "$$(id -u)" = 0 ] && echo --allow-root)

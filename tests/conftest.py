@@ -1,11 +1,16 @@
+"""Shared by every test: the helper modules of tests/helpers/ importable by name (``from
+tiny_models import ...``) from any folder of tests/, and the tiny models as session fixtures."""
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
+from budgets import load_profile  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
+
+load_profile()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from repo_paths import ROOT
+
 PACKAGES = ("minipaged", "visualizer")
 
 # Who may import whom, by layer. A layer not named on the right of another's arrow is out of

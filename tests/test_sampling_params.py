@@ -3,6 +3,9 @@
 Each behaviour is checked against an independent reference (transformers logits in float64, or
 the tokenizer's own decoding), and where a plausible wrong implementation would still pass a
 plain check, the test first shows that the wrong implementation gives a different answer.
+
+Slow (left out of `make test`): the float64 penalty references and the two stop-string tests, about
+130 s together on the 2-core machine (measured at load ~15).
 """
 from __future__ import annotations
 
@@ -160,6 +163,7 @@ def _pick_penalty_prompts(model, count, steps, frequency, presence, seed):
     raise AssertionError("no prompt where the penalty matters")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frequency,presence", [(1.5, 0.0), (0.0, 2.0), (0.7, 0.8)])
 def test_penalised_greedy_matches_a_float64_reference(tiny_llama, frequency, presence):
     path, model = tiny_llama
@@ -307,6 +311,7 @@ def _stop_spanning_a_token_boundary(tokenizer, token_ids, start_token=4):
     raise AssertionError("no usable token boundary")
 
 
+@pytest.mark.slow
 def test_stop_string_ends_generation_and_is_not_returned(tokenizer_llm):
     llm, tokenizer = tokenizer_llm
     for prompt, full in zip(PROMPTS, _greedy_texts(llm)):
@@ -320,6 +325,7 @@ def test_stop_string_ends_generation_and_is_not_returned(tokenizer_llm):
         assert o.token_ids == full.token_ids[:needed]
 
 
+@pytest.mark.slow
 def test_the_earliest_of_several_stop_strings_wins(tokenizer_llm):
     llm, tokenizer = tokenizer_llm
     full = _greedy_texts(llm)[1]

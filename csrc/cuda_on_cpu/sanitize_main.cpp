@@ -1,6 +1,6 @@
 // The sanitizer program: small cases of every kernel in csrc/, built for the CPU with
 // -fsanitize=thread or -fsanitize=address (minipaged/kernels/cuda_on_cpu.py build_sanitizer_program,
-// run by tests/test_cuda_on_cpu_sanitizers.py). No Python and no torch in the process, so every
+// run by tests/kernels/test_cuda_on_cpu_sanitizers.py). No Python and no torch in the process, so every
 // report is about our code. Every buffer is allocated at its exact size, so a read past a cache,
 // a block table or shared memory is an AddressSanitizer error; every CUDA thread is a host
 // thread, so a missing __syncthreads is a ThreadSanitizer data race.

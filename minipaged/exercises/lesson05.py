@@ -18,7 +18,7 @@
 Expected answers: ``emulator.butterfly_reduce``; the shape of the cache engine's key
 blocks (``CacheEngine.key_block_shape``), flattened by NumPy; the lanes' loads of
 ``emulator.warp_key_load``, load after load; ``emulator.key_loads_per_block`` (which
-tests/test_kernel_trace.py checks against the real kernel's recorded loads).
+tests/kernels/test_kernel_trace.py checks against the real kernel's recorded loads).
 """
 from __future__ import annotations
 

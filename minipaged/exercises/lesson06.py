@@ -8,7 +8,7 @@
         normalised output, the attention output over the whole context
 
 Expected answers: ``emulator.warp_blocks`` (the loop the real kernel's recorded visits follow,
-tests/test_kernel_trace.py); for the partitions, softmax over the whole context times the
+tests/kernels/test_kernel_trace.py); for the partitions, softmax over the whole context times the
 values, computed in float64 by NumPy, on logits up to 1000 away from 0 (past float64's exp).
 """
 from __future__ import annotations

@@ -209,7 +209,7 @@ def key_loads_per_block(c: KernelShape, shared_group_load: bool = False) -> tupl
     """(load instructions one warp issues for the keys of one KV block in phase 2, bytes each
     lane loads per instruction): ours, each lane whole 16-byte chunks; vLLM's
     (``shared_group_load``, MINIPAGED_SHARED_GROUP_LOAD), the G lanes of a group 16 / G bytes
-    each of every chunk (lesson 05; tests/test_kernel_trace.py counts the real kernel's)."""
+    each of every chunk (lesson 05; tests/kernels/test_kernel_trace.py counts the real kernel's)."""
     if shared_group_load:
         return c.NUM_K_CHUNKS, 16 // c.G
     return c.K_CHUNKS_PER_LANE, 16

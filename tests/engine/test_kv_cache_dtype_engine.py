@@ -5,6 +5,9 @@ prefill, speculation, beam search and tensor parallelism change no token.
 Each comparison runs the same 8-bit cache twice, once with room to spare and once with the
 feature at work, so both read the same quantized keys. Prompts are kept only where the roomy
 run's greedy path has a clear gap between its two best tokens (``_clear_prompts``).
+
+slow: builds several tiny-model engines and runs preemption, beam search, prefix caching,
+speculation and two tensor-parallel ranks on each 8-bit cache, ~70-160 s on the 2-core machine.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import pytest
 from minipaged import LLM, SamplingParams
 from minipaged.config import EngineConfig
 
-pytestmark = pytest.mark.lesson18
+pytestmark = [pytest.mark.lesson18, pytest.mark.slow]
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 10

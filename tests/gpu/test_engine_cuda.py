@@ -2,7 +2,7 @@
 
 Tiny random GPT-2 and LLaMA models (head size 64, so the CUDA kernel is used rather than the
 fallback) are saved with save_pretrained; prompts are picked so that the float64 greedy path has
-a clear gap between the top two logits at every step (tests/tiny_models.py), so any correct
+a clear gap between the top two logits at every step (tests/helpers/tiny_models.py), so any correct
 float32 implementation must produce the same tokens.
 """
 import pytest

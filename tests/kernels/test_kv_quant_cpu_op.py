@@ -1,5 +1,8 @@
 """The C++ CPU op on an 8-bit cache (lesson 18): it writes the very bits the torch reference
-writes, reads them back to the reference's attention, and refuses scales that do not fit."""
+writes, reads them back to the reference's attention, and refuses scales that do not fit.
+
+slow: ~100 s on the 2-core machine when the C++ op must be built first, ~20 s after.
+"""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +10,7 @@ import torch
 
 from minipaged.kernels import build, kv_quant, reference
 
-pytestmark = pytest.mark.lesson18
+pytestmark = [pytest.mark.lesson18, pytest.mark.slow]
 
 KINDS = ["fp8", "int8"]
 

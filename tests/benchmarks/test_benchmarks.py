@@ -1,0 +1,84 @@
+"""The benchmark scripts run end to end (on a tiny dummy model, so CI stays fast).
+
+Slow: ~160 s on the 2-core machine (measured at load ~12): every script is a subprocess that loads
+torch and a model.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from repo_paths import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_throughput_benchmark_runs_on_dummy_weights():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--dummy", "tiny-llama", "--num-requests",
+         "10", "--prompt-len", "4", "40", "--output-len", "4", "20", "--trace", "sharegpt",
+         "--max-total", "60", "--static-batch", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "| minipaged |" in out and "transformers static batches of 4" in out
+    assert "transformers continuous batching" in out  # ran, or said why it did not
+    assert "step-time breakdown" in out
+
+
+def test_serving_benchmark_runs_on_a_tiny_model(tmp_path):
+    from tiny_models import save_tiny_model
+
+    save_tiny_model("llama", tmp_path, vocab_size=1000)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/serving.py", "--model", str(tmp_path), "--rates", "20",
+         "--num-requests", "6", "--prompt-len", "4", "12", "--output-len", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 20 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "6" and float(cells[4]) > 0  # all 6 answered, tokens/s measured
+
+
+def test_chunked_prefill_benchmark_runs_on_a_tiny_model(tiny_llama, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import chunked_prefill
+
+    assert chunked_prefill.main(["--model", tiny_llama[0], "--budget", "16", "--num-decoders",
+                                 "2", "--decode-tokens", "12", "--num-long", "2", "--long-len",
+                                 "60", "90", "--every", "3", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| chunked, budget 16 |" in out and "p99 TPOT" in out
+
+
+def test_speculative_benchmark_runs_on_a_tiny_model(tiny_llama, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import speculative
+
+    assert speculative.main(["--model", tiny_llama[0], "--quick"]) == 0  # outputs identical
+    out = capsys.readouterr().out
+    assert "| copying | 1 |" in out and "| open-ended chat | 2 |" in out
+    assert "greedy outputs identical with and without speculation" in out
+
+
+def test_kernel_benchmark_rotates_past_twice_the_l2_and_warns_when_capped():
+    """benchmarks/kernel.py needs a GPU to time anything; --help and the rotation rule do not."""
+    import importlib.util
+
+    proc = subprocess.run([sys.executable, "benchmarks/kernel.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--quick" in proc.stdout, proc.stderr[-2000:]
+    spec = importlib.util.spec_from_file_location(
+        "kernel_benchmark", os.path.join(ROOT, "benchmarks", "kernel.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    l2 = 50 * 2**20  # an H100
+    for batch, context in [(1, 128), (8, 512), (64, 1024), (256, 16384)]:
+        per_copy = bench.kv_bytes(batch, context)
+        copies, warning = bench.rotation_copies(per_copy, l2)
+        assert warning is None and copies * per_copy > 2 * l2
+        assert copies == 1 or (copies - 1) * per_copy <= 2 * l2  # no more copies than needed
+    assert bench.rotation_copies(bench.kv_bytes(1, 128), l2)[0] > 16  # the old cap was 16
+    copies, warning = bench.rotation_copies(2**20, l2, max_bytes=8 * 2**20)
+    assert copies == 8 and "warning" in warning and "L2" in warning
