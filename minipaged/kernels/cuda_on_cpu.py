@@ -14,7 +14,7 @@ whose methods take CPU tensors::
 
 Three builds of the same sources (``VARIANTS``): ``load()`` is the kernel as a GPU runs it;
 ``load("traced")`` defines ``MINIPAGED_TRACE``, so that the kernel's ``MP_TRACE`` calls record
-its loops (``minipaged.kernels.kernel_trace.run_traced`` reads them); ``load("shared_load")``
+its loops (``minipaged.lab.kernel_trace.run_traced`` reads them); ``load("shared_load")``
 also defines ``MINIPAGED_SHARED_GROUP_LOAD``, vLLM's way of loading keys (lesson 05).
 
 This is for tests, sanitizers and the lessons, not for speed: a decode step of a small model takes
