@@ -4,7 +4,7 @@ memory bandwidth of the GPU?
 Decode attention reads every cached key and value once and does little arithmetic on them, so
 its speed limit is memory bandwidth. For each batch size and context length this script times
 
-  v1, v2    our CUDA kernels (minipaged.kernels.cuda_op), reading K/V through block tables: V1 one
+  v1, v2    our CUDA kernels (minipaged.kernels.cuda_kernels), reading K/V through block tables: V1 one
             CUDA block per (head, sequence), V2 also split into 512-token partitions; `auto`
             is the one the launcher picks for that batch
   gather    the torch reference idea: gather the blocks into dense tensors, then SDPA

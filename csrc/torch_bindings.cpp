@@ -1,7 +1,7 @@
 // The one torch-facing file: it checks tensors, finds the current CUDA stream and calls the
 // plain-CUDA launchers of paged_attention.cu and cache_kernels.cu (which know nothing of torch).
 // minipaged/kernels/build.py builds this file with torch.utils.cpp_extension and
-// minipaged/kernels/cuda_op.py wraps it.
+// minipaged/kernels/cuda_kernels.py wraps it.
 //
 // The same file binds the CPU build of the kernels (minipaged/kernels/cuda_on_cpu.py, with
 // MINIPAGED_CUDA_ON_CPU defined): there the "device" tensors are CPU tensors, there are no

@@ -40,8 +40,8 @@ from typing import Callable
 
 from minipaged.kernels.build_cache import (build_folder, build_key, build_lock, copy_sources,
                                            prune_siblings, toolchain_identity)
-from minipaged.kernels.cpu_op import CpuKernels
-from minipaged.kernels.cuda_op import CudaKernels
+from minipaged.kernels.cpu_kernels import CpuKernels
+from minipaged.kernels.cuda_kernels import CudaKernels
 from minipaged.kernels.library_check import verify
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"

@@ -5,7 +5,7 @@
 disk) against ``csrc/cuda_on_cpu/cuda_on_cpu.h``, a small CUDA runtime in which every CUDA
 thread is a host thread: ``__syncthreads`` is a real barrier of the block, ``__shfl_xor_sync`` a
 real exchange among the 32 lanes of a warp, shared memory is sized as on an sm_90 GPU, fp16/bf16
-round as on the GPU. It returns a ``CudaKernels`` object (see ``minipaged.kernels.cuda_op``)
+round as on the GPU. It returns a ``CudaKernels`` object (see ``minipaged.kernels.cuda_kernels``)
 whose methods take CPU tensors::
 
     kernels = cuda_on_cpu.load()
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from minipaged.cache_paths import extensions_root
 from minipaged.kernels.build import CSRC, CUDA_PROBE, JitBuild, compile_extension
-from minipaged.kernels.cuda_op import CudaKernels
+from minipaged.kernels.cuda_kernels import CudaKernels
 
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
 CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu")

@@ -2,9 +2,9 @@
 
 Each function here decides, in this one place, which back-end runs it:
 
-- CUDA tensors: our CUDA kernels (``minipaged.kernels.cuda_op``), unless ``MINIPAGED_CUDA_OP=0``
+- CUDA tensors: our CUDA kernels (``minipaged.kernels.cuda_kernels``), unless ``MINIPAGED_CUDA_OP=0``
   is set, the build failed, or the kernel was not built for the shape;
-- CPU tensors: the C++ CPU op (``minipaged.kernels.cpu_op``) for the operations it has, unless
+- CPU tensors: the C++ CPU op (``minipaged.kernels.cpu_kernels``) for the operations it has, unless
   ``MINIPAGED_CPU_OP=0`` is set or the build failed;
 - everywhere else: the plain torch reference (``minipaged.kernels.reference``).
 
@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from minipaged.kernels import build, reference
-from minipaged.kernels.cuda_op import (SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES,
+from minipaged.kernels.cuda_kernels import (SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES,
                                        xformers_prefill)
 
 calls: collections.Counter = collections.Counter()  # (operation, back-end) -> number of calls
