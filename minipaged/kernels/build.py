@@ -269,6 +269,9 @@ CPU_OP_PROBE = ("m.reshape_and_cache(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4),
 CUDA_PROBE = ("m.copy_blocks([torch.zeros(6, 1, 1, 16, 4)], [torch.zeros(6, 1, 4, 16)], "
               "torch.tensor([[0, 9]]))", r"block numbers must be in \[0, 6\)")
 CUDA_SOURCES = ("torch_bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
+# NOTE: every header beside them, so that a new one is copied into the build folder and part of
+# its digest without anyone having to list it (a build compiles from that copy).
+CUDA_HEADERS = tuple(sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cuh")]))
 
 
 def _make_cuda_op(job: JitBuild) -> CudaKernels | None:
@@ -291,7 +294,7 @@ def compile_cuda_extension(job: JitBuild, arch: str):
     # own headers need (the .cu files are plain C++17 and build with either).
     return compile_extension(
         job, name=f"minipaged_cuda_sm{arch}", tag=f"cuda{torch.version.cuda}-sm{arch}",
-        sources=[CSRC / s for s in CUDA_SOURCES], depends=[CSRC / "kernels.h"],
+        sources=[CSRC / s for s in CUDA_SOURCES], depends=CUDA_HEADERS,
         probe=CUDA_PROBE, extra_cflags=["-O2"],
         extra_cuda_cflags=["-O2", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 

@@ -40,7 +40,7 @@ import subprocess
 from pathlib import Path
 
 from minipaged.cache_paths import extensions_root
-from minipaged.kernels.build import CSRC, CUDA_PROBE, JitBuild, compile_extension
+from minipaged.kernels.build import CSRC, CUDA_HEADERS, CUDA_PROBE, JitBuild, compile_extension
 from minipaged.kernels.cuda_kernels import CudaKernels
 
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
@@ -116,7 +116,7 @@ def _make(job: JitBuild, variant: str) -> CudaKernels:
     module = compile_extension(
         job, name=name, tag=tag, generated=rewritten_sources(), probe=CUDA_PROBE,
         sources=[CSRC / "torch_bindings.cpp", *(RUNTIME_DIR / s for s in RUNTIME_SOURCES)],
-        depends=[CSRC / "kernels.h", RUNTIME_DIR / "cuda_on_cpu.h",
+        depends=[*CUDA_HEADERS, RUNTIME_DIR / "cuda_on_cpu.h",
                  *sorted(p for p in (RUNTIME_DIR / "include").rglob("*") if p.is_file())],
         extra_include_paths=[str(RUNTIME_DIR / "include"), str(CSRC)],
         extra_cflags=["-O2", "-DMINIPAGED_CUDA_ON_CPU", *macros, *FLAGS[1:]],
@@ -222,7 +222,7 @@ def build_sanitizer_program(sanitizer: str, drop_barrier: str | None = None,
     """
     flags = [*FLAGS, "-O1", "-g", "-DMINIPAGED_FEW_INSTANCES", *SANITIZERS[sanitizer],
              f"-I{RUNTIME_DIR / 'include'}", f"-I{CSRC}"]
-    headers = b"".join(p.read_bytes() for p in [RUNTIME_DIR / "cuda_on_cpu.h", CSRC / "kernels.h"])
+    headers = b"".join(p.read_bytes() for p in [RUNTIME_DIR / "cuda_on_cpu.h", *CUDA_HEADERS])
     root = extensions_root() / "sanitize" / sanitizer
     rewritten = write_rewritten_sources(root / f"src-{_digest(drop_barrier or '')}", drop_barrier)
     sources = [*rewritten, *(RUNTIME_DIR / s for s in RUNTIME_SOURCES), RUNTIME_DIR / "sanitize_main.cpp"]
