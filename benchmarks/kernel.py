@@ -5,8 +5,9 @@ Decode attention reads every cached key and value once and does little arithmeti
 its speed limit is memory bandwidth. For each batch size and context length this script times
 
   v1, v2    our CUDA kernels (minipaged.kernels.cuda_kernels), reading K/V through block tables: V1 one
-            CUDA block per (head, sequence), V2 also split into 512-token partitions; `auto`
-            is the one the launcher picks for that batch
+            CUDA block per (head, sequence), V2 also split into 512-token partitions
+  auto      what the launcher runs for that batch (version 0): V1, or V2 with partitions of 64
+            to 512 tokens (shorter when few sequences run); `plan` names it (V2/64: 64 tokens)
   gather    the torch reference idea: gather the blocks into dense tensors, then SDPA
   sdpa      torch SDPA over a contiguous (unpaged) cache of the same size: what paging costs
 
@@ -16,12 +17,18 @@ Before timing, each kernel's output is checked against minipaged.kernels.referen
 sequences of the batch (the script stops on a mismatch: a fast wrong kernel is no result).
 
 Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
-physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up. Every case
+physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up, of a CUDA
+graph that replays 10 calls (as the engine replays its decode step): a call's host-side work
+(argument checks, the launch) would otherwise be timed too, and at batch 1 it takes longer than
+the kernel. --eager times plain calls instead. Every case
 rotates through enough copies of its inputs that one pass over them touches more than twice the
 GPU's L2 cache (its size as torch reports it, else the 50 MB of an H100), so that no case, however
 small, is served from L2; a case whose copies would not fit in memory is capped, with a warning.
 
-    PYTHONPATH=. python3 benchmarks/kernel.py [--quick]
+    PYTHONPATH=. python3 benchmarks/kernel.py [--quick] [--eager] [--partitions]
+
+--partitions adds a table for small batches: V2 with each forced partition size (64 to 512
+tokens) next to the automatic plan.
 """
 from __future__ import annotations
 
@@ -50,11 +57,41 @@ MAX_ROTATION_BYTES = 8 * 2**30  # at most this much K/V in one case's copies (th
 BASELINE_LIMIT = 4 * 2**30  # skip the gather baseline above this many K/V bytes (it copies them)
 
 
+USE_GRAPHS = True  # --eager sets False
+
+
 def time_ms(fn, num_inputs: int, rounds: int = 15, calls_per_round: int = 10) -> float:
-    """Median time of one call, in milliseconds; ``fn(i)`` runs on input copy ``i``."""
+    """Median time of one call, in milliseconds; ``fn(i)`` runs on input copy ``i``.
+
+    With ``USE_GRAPHS`` the calls are captured once in a CUDA graph (``calls_per_round`` calls
+    over the input copies) and the graph is replayed, so that host-side overheads are not timed.
+    """
     for i in range(3):  # warm-up (and the first call's one-time work)
         fn(i % num_inputs)
     torch.cuda.synchronize()
+    if USE_GRAPHS:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(0)  # one more warm-up on the capture stream
+            stream.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                for k in range(calls_per_round):
+                    fn(k % num_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls_per_round)
+        del graph
+        return statistics.median(times)
     times = []
     call = 0
     for _ in range(rounds):
@@ -105,7 +142,7 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
+def time_paged(kernels, batch: int, context: int, copies: int, sweep_sizes=()) -> dict:
     """Our kernel, and gather + SDPA, on a shuffled pool of `copies` independent batches."""
     x = 16 // torch.tensor([], dtype=DTYPE).element_size()
     blocks_per_seq = -(-context // BLOCK_SIZE)
@@ -122,7 +159,7 @@ def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
     out = torch.empty_like(queries[0])
 
     times = {}
-    for version in (1, 2):
+    for version in (1, 2, 0):
         verify(kernels, queries[0], key_cache, value_cache, tables[0], context_lens, scale,
                version)
 
@@ -131,9 +168,21 @@ def time_paged(kernels, batch: int, context: int, copies: int) -> dict:
                                     scale, context, out=out, version=version)
 
         times[f"v{version}_ms"] = time_ms(paged, copies)
-    chosen = kernels.paged_attention_plan(batch, NUM_HEADS, HEAD_SIZE, context)[0]
-    times["chosen"] = chosen
-    times["paged_ms"] = times[f"v{chosen}_ms"]
+    chosen, _, partition_size = kernels.paged_attention_plan(batch, NUM_HEADS, HEAD_SIZE, context)
+    times["chosen"] = f"V{chosen}" + (f"/{partition_size}" if chosen == 2 else "")
+    times["paged_ms"] = times["v0_ms"]
+    for size in sweep_sizes:
+        kernels.force_partition_size(size)
+        try:
+            verify(kernels, queries[0], key_cache, value_cache, tables[0], context_lens, scale, 2)
+
+            def forced(i):
+                kernels.paged_attention(queries[i], key_cache, value_cache, tables[i],
+                                        context_lens, scale, context, out=out, version=2)
+
+            times[f"p{size}_ms"] = time_ms(forced, copies)
+        finally:
+            kernels.force_partition_size(0)
     if 2 * kv_bytes(batch, context) <= BASELINE_LIMIT:
         from minipaged.kernels.reference import gather_kv
 
@@ -158,7 +207,7 @@ def verify(kernels, query, key_cache, value_cache, tables, context_lens, scale, 
                                     context_lens[:n], scale)
     err = ((out.double() - ref.double()).flatten(1).norm(dim=1)
            / ref.double().flatten(1).norm(dim=1)).max().item()
-    if not err < 2e-3:
+    if not err < 2e-3:  # (NaN fails too)
         raise SystemExit(f"V{version} disagrees with the reference: relative error {err:.2e}")
 
 
@@ -183,13 +232,13 @@ def kv_bytes(batch: int, context: int) -> int:
     return batch * context * kv_bytes_per_token(1, NUM_KV_HEADS, HEAD_SIZE, DTYPE.itemsize)
 
 
-def bench_one(kernels, batch: int, context: int, l2_bytes: int) -> dict:
+def bench_one(kernels, batch: int, context: int, l2_bytes: int, sweep_sizes=()) -> dict:
     copies, warning = rotation_copies(kv_bytes(batch, context), l2_bytes)
     if warning:
         print(f"batch {batch}, context {context}: {warning}", flush=True)
     row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(batch, context),
            "copies": copies}
-    row.update(time_paged(kernels, batch, context, copies))
+    row.update(time_paged(kernels, batch, context, copies, sweep_sizes))
     torch.cuda.empty_cache()  # each helper's tensors are gone once it returns
     row.update(time_contiguous(batch, context, copies))
     torch.cuda.empty_cache()
@@ -199,7 +248,13 @@ def bench_one(kernels, batch: int, context: int, l2_bytes: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--eager", action="store_true",
+                        help="time plain calls, not replays of a CUDA graph")
+    parser.add_argument("--partitions", action="store_true",
+                        help="also sweep V2's partition size for small batches")
     args = parser.parse_args()
+    global USE_GRAPHS
+    USE_GRAPHS = not args.eager
     if not torch.cuda.is_available():
         print("benchmarks/kernel.py: CUDA is required (no GPU visible to torch); nothing to do.")
         return 0
@@ -218,9 +273,11 @@ def main() -> int:
           f"(read + write); L2 {l2_bytes / 1e6:.0f} MB ({l2_source}): each case rotates through "
           f"enough input copies to touch more than {L2_FACTOR} x L2 per pass")
     print(f"decode attention, fp16, head size {HEAD_SIZE}, {NUM_HEADS} heads / {NUM_KV_HEADS} "
-          f"kv heads, block size {BLOCK_SIZE}; times in microseconds (median)")
+          f"kv heads, block size {BLOCK_SIZE}; times in microseconds (median, "
+          f"{'CUDA graph replays' if USE_GRAPHS else 'eager calls'})")
     header = (f"{'batch':>5} {'context':>7} {'K/V MB':>8} {'copies':>6} {'v1':>9} {'v2':>9} "
-              f"{'auto':>4} {'gather':>9} {'sdpa':>9} {'auto TB/s':>10} {'of copy':>8}")
+              f"{'auto':>9} {'plan':>7} {'gather':>9} {'sdpa':>9} {'auto TB/s':>10} "
+              f"{'of copy':>8}")
     print(header)
     print("-" * len(header))
     goal = []
@@ -231,19 +288,41 @@ def main() -> int:
             fraction = bw / copy_bw
 
             us = [f"{row[k] * 1e3:9.1f}" if k in row else f"{'-':>9}"
-                  for k in ("v1_ms", "v2_ms")]
+                  for k in ("v1_ms", "v2_ms", "v0_ms")]
             base = [f"{row[k] * 1e3:9.1f}" if k in row else f"{'-':>9}"
                     for k in ("gather_ms", "sdpa_ms")]
             print(f"{batch:5d} {context:7d} {row['kv_bytes'] / 1e6:8.1f} {row['copies']:6d} "
                   f"{' '.join(us)} "
-                  f"{'V' + str(row['chosen']):>4} {' '.join(base)} {bw / 1e12:10.2f} "
+                  f"{row['chosen']:>7} {' '.join(base)} {bw / 1e12:10.2f} "
                   f"{fraction:8.0%}", flush=True)
             if batch >= 64 and context >= 1024:
                 goal.append(fraction)
     if goal:
         print(f"\nbatch >= 64 and context >= 1024: paged attention reaches {min(goal):.0%} to "
               f"{max(goal):.0%} of copy bandwidth (goal: at least 70%)")
+    if args.partitions:
+        partition_sweep(kernels, copy_bw, l2_bytes)
     return 0
+
+
+SWEEP_SIZES = (64, 128, 256, 512)
+
+
+def partition_sweep(kernels, copy_bw: float, l2_bytes: int) -> None:
+    """Small batches: V2 with each partition size forced, next to V1 and the automatic plan."""
+    print(f"\nsmall batches, V2 by partition size (us; % of copy for auto)")
+    header = (f"{'batch':>5} {'context':>7} {'v1':>9} "
+              + " ".join(f"{'v2/' + str(s):>9}" for s in SWEEP_SIZES)
+              + f" {'auto':>9} {'plan':>7} {'of copy':>8}")
+    print(header)
+    print("-" * len(header))
+    for batch in (1, 4, 16):
+        for context in (256, 1024, 4096, 16384):
+            row = bench_one(kernels, batch, context, l2_bytes, SWEEP_SIZES)
+            fraction = row["kv_bytes"] / (row["v0_ms"] * 1e-3) / copy_bw
+            cells = " ".join(f"{row[f'p{s}_ms'] * 1e3:9.1f}" for s in SWEEP_SIZES)
+            print(f"{batch:5d} {context:7d} {row['v1_ms'] * 1e3:9.1f} {cells} "
+                  f"{row['v0_ms'] * 1e3:9.1f} {row['chosen']:>7} {fraction:8.0%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 extern "C" {
 int minipaged_paged_attention_plan(int num_seqs, int num_heads, int head_size,
                                    int max_context_len, int version, int* chosen_version,
-                                   int64_t* workspace_bytes);
+                                   int* partition_size, int64_t* workspace_bytes);
+int minipaged_force_partition_size(int tokens);
 int minipaged_paged_attention(void* out, const void* query, const void* key_cache,
                               const void* value_cache, const int* block_tables,
                               const int* context_lens, int num_seqs, int num_heads,

@@ -50,6 +50,7 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 #include <mutex>
@@ -560,9 +561,17 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
 // V2: one CUDA block per (head, sequence, partition), then one per (head, sequence) to combine
 // ----------------------------------------------------------------------------------------------
 constexpr int PARTITION_SIZE = 512;  // tokens per partition: 2 KiB of logits, a multiple of 32
+// When few sequences run, 512-token partitions leave most of the GPU idle (batch 1, 32 heads and
+// 4,096 tokens: 256 CUDA blocks for 132 SMs). The automatic plan then halves the partition, down
+// to MIN_PARTITION_SIZE tokens, until the grid has V2_BLOCKS_PER_SM CUDA blocks per SM: more,
+// shorter partitions, as FlashDecoding does. The reduce kernel's work grows with the number of
+// partitions, but it reads 4 + 4 + 4 * head_size bytes per partition, against a partition's
+// 2 * 64 * head_size * sizeof(T) bytes of cache.
+constexpr int MIN_PARTITION_SIZE = 64;
+constexpr int V2_BLOCKS_PER_SM = 8;
 
-// Partition p of a sequence covers tokens [p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE) of its
-// context. Writes, for partition p, max_logits[seq, head, p], exp_sums[seq, head, p] and the
+// Partition p of a sequence covers tokens [p * partition_size, (p + 1) * partition_size) of its
+// context (partition_size: PARTITION_SIZE or a power-of-two fraction of it, >= MIN_PARTITION_SIZE). Writes, for partition p, max_logits[seq, head, p], exp_sums[seq, head, p] and the
 // partition's own softmax-weighted values tmp_out[seq, head, p, :] (fp32).
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename C = T>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
@@ -570,8 +579,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
     float* __restrict__ exp_sums,         // [num_seqs, num_heads, max_partitions]
     float* __restrict__ tmp_out,          // [num_seqs, num_heads, max_partitions, HEAD_SIZE]
     const T* __restrict__ query, const C* __restrict__ key_cache,
-    const C* __restrict__ value_cache, const KernelArgs a) {
-  static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "a partition is whole KV blocks");
+    const C* __restrict__ value_cache, const KernelArgs a, const int partition_size) {
+  static_assert(MIN_PARTITION_SIZE % BLOCK_SIZE == 0, "a partition is whole KV blocks");
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   const int head = blockIdx.x;
   const int num_heads = gridDim.x;
@@ -580,13 +589,13 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
   const int max_partitions = gridDim.z;
   const int kv_head = head / (num_heads / a.num_kv_heads);
   const int context_len = a.context_lens[seq];
-  const int start = partition * PARTITION_SIZE;
+  const int start = partition * partition_size;
   // This sequence has fewer partitions than the longest one (or an empty context, for which the
   // reduce kernel writes zeros): nothing to do. Uniform over the CUDA block.
   if (start >= context_len) return;
-  const int end = context_len - start < PARTITION_SIZE ? context_len : start + PARTITION_SIZE;
+  const int end = context_len - start < partition_size ? context_len : start + partition_size;
 
-  __shared__ float logits[PARTITION_SIZE];
+  __shared__ float logits[PARTITION_SIZE];  // the largest partition's
   __shared__ __align__(16) float q_smem[HEAD_SIZE];
   __shared__ float red_smem[2 * NUM_WARPS];
   __shared__ float out_smem[NUM_WARPS * HEAD_SIZE];
@@ -613,14 +622,14 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE]
     const float* __restrict__ max_logits, const float* __restrict__ exp_sums,
     const float* __restrict__ tmp_out, const int* __restrict__ context_lens,
-    int max_partitions) {
+    int max_partitions, int partition_size) {
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   const int head = blockIdx.x;
   const int num_heads = gridDim.x;
   const int seq = blockIdx.y;
   const int context_len = context_lens[seq];
   T* out_row = out + ((int64_t)seq * num_heads + head) * HEAD_SIZE;
-  const int num_partitions = (context_len + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  const int num_partitions = (context_len + partition_size - 1) / partition_size;
 
   extern __shared__ float weights[];  // [max_partitions]
   __shared__ float red_smem[2 * NUM_WARPS];
@@ -671,41 +680,88 @@ enum ErrorCode {
   WORKSPACE_TOO_SMALL = -7,
   BAD_HEAD_COUNTS = -8,          // num_heads is not a multiple of num_kv_heads
   BAD_VERSION = -9,
+  BAD_PARTITION_SIZE = -10,      // a forced partition size that is no power of two in [64, 512]
 };
 
 // V1 for short contexts, or when the batch alone has enough CUDA blocks to fill the GPU;
 // V2 (partitions) otherwise. `requested` 1 or 2 forces a version (tests, benchmarks).
 inline int choose_version(int num_seqs, int num_heads, int max_context_len, int requested) {
   if (requested == 1 || requested == 2) return requested;
-  if (max_context_len <= PARTITION_SIZE) return 1;  // one partition: nothing to split
+  if (max_context_len <= MIN_PARTITION_SIZE) return 1;  // one partition at most: nothing to split
   if (max_context_len <= V1_MAX_CONTEXT && (int64_t)num_seqs * num_heads >= V1_MIN_BLOCKS) return 1;
   return 2;
 }
 
-inline int num_partitions(int max_context_len) {
-  return (max_context_len + PARTITION_SIZE - 1) / PARTITION_SIZE;
-}
-
-// V2's scratch: max_logits and exp_sums [num_seqs, num_heads, P] then tmp_out [..., P, head_size].
-inline int64_t workspace_floats(int num_seqs, int num_heads, int head_size, int max_context_len) {
-  return (int64_t)num_seqs * num_heads * num_partitions(max_context_len) * (2 + head_size);
+// A partition size every caller may force (benchmarks): 0 = the plan's own choice.
+inline std::atomic<int>& forced_partition_size() {
+  static std::atomic<int> size{0};
+  return size;
 }
 
 // Device facts, queried once per device rather than on every call.
 constexpr int MAX_DEVICES = 64;
 struct DeviceLimits {
   int error = 0;
-  int smem_optin = 0;  // shared memory one block may use after opting in
+  int smem_optin = 0;        // shared memory one block may use after opting in
+  int multiprocessors = 0;   // SMs
 };
 inline const DeviceLimits& device_limits(int device) {
   static DeviceLimits limits[MAX_DEVICES];
   static std::once_flag once[MAX_DEVICES];
   std::call_once(once[device], [device] {
-    limits[device].error = (int)cudaDeviceGetAttribute(
-        &limits[device].smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    DeviceLimits& l = limits[device];
+    l.error = (int)cudaDeviceGetAttribute(&l.smem_optin,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (!l.error) {
+      l.error = (int)cudaDeviceGetAttribute(&l.multiprocessors,
+                                            cudaDevAttrMultiProcessorCount, device);
+    }
   });
   return limits[device];
 }
+
+// What runs for a batch: the version and, for V2, the partition size and count.
+struct Plan {
+  int error = 0;
+  int version = 1;
+  int partition_size = 0;  // tokens (V2)
+  int partitions = 0;      // of the longest context (V2)
+};
+
+inline Plan make_plan(int num_seqs, int num_heads, int max_context_len, int requested) {
+  Plan plan;
+  plan.version = choose_version(num_seqs, num_heads, max_context_len, requested);
+  if (plan.version == 1) return plan;
+  int size = forced_partition_size().load();
+  if (size == 0) {
+    size = PARTITION_SIZE;
+    if (requested == 0) {  // forced V2 keeps the textbook 512 tokens (lesson 06)
+      int device = 0;
+      plan.error = (int)cudaGetDevice(&device);
+      if (!plan.error && (device < 0 || device >= MAX_DEVICES)) {
+        plan.error = (int)cudaErrorInvalidDevice;
+      }
+      if (plan.error) return plan;
+      const DeviceLimits& limits = device_limits(device);
+      if ((plan.error = limits.error)) return plan;
+      const int64_t target = (int64_t)V2_BLOCKS_PER_SM * limits.multiprocessors;
+      const int64_t rows = (int64_t)num_seqs * num_heads;
+      while (size > MIN_PARTITION_SIZE &&
+             rows * ((max_context_len + size - 1) / size) < target) {
+        size /= 2;
+      }
+    }
+  }
+  plan.partition_size = size;
+  plan.partitions = (max_context_len + size - 1) / size;
+  return plan;
+}
+
+// V2's scratch: max_logits and exp_sums [num_seqs, num_heads, P] then tmp_out [..., P, head_size].
+inline int64_t workspace_floats(int num_seqs, int num_heads, int head_size, int partitions) {
+  return (int64_t)num_seqs * num_heads * partitions * (2 + head_size);
+}
+
 
 // Static shared memory of a kernel, and permission to use all the rest dynamically (a kernel
 // must opt in above 48 KiB of static + dynamic shared memory). Done once per kernel and device.
@@ -746,7 +802,8 @@ struct AttentionArgs {
   const void* query;
   const void* key_cache;
   const void* value_cache;
-  int num_seqs, num_heads, head_size, max_context_len, version;
+  int num_seqs, num_heads, head_size, max_context_len;
+  Plan plan;
   float* workspace;
   int64_t workspace_floats;
   cudaStream_t stream;
@@ -777,10 +834,9 @@ int launch_v1(const AttentionArgs& a) {
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename C = T>
 int launch_v2(const AttentionArgs& a) {
-  const int partitions = num_partitions(a.max_context_len);
+  const int partitions = a.plan.partitions;
   if (partitions > MAX_GRID_Y) return TOO_MANY_SEQUENCES;
-  if (a.workspace_floats < workspace_floats(a.num_seqs, a.num_heads, HEAD_SIZE,
-                                            a.max_context_len)) {
+  if (a.workspace_floats < workspace_floats(a.num_seqs, a.num_heads, HEAD_SIZE, partitions)) {
     return WORKSPACE_TOO_SMALL;
   }
   const int64_t stats = (int64_t)a.num_seqs * a.num_heads * partitions;
@@ -798,11 +854,13 @@ int launch_v2(const AttentionArgs& a) {
   clear_stale_error();
   kernel<<<dim3(a.num_heads, a.num_seqs, partitions), NUM_THREADS, 0, a.stream>>>(
       max_logits, exp_sums, tmp_out, static_cast<const T*>(a.query),
-      static_cast<const C*>(a.key_cache), static_cast<const C*>(a.value_cache), a.k);
+      static_cast<const C*>(a.key_cache), static_cast<const C*>(a.value_cache), a.k,
+      a.plan.partition_size);
   int err = launch_error();
   if (err) return err;
   reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, weights_smem, a.stream>>>(
-      static_cast<T*>(a.out), max_logits, exp_sums, tmp_out, a.k.context_lens, partitions);
+      static_cast<T*>(a.out), max_logits, exp_sums, tmp_out, a.k.context_lens, partitions,
+      a.plan.partition_size);
   return launch_error();
 }
 
@@ -900,17 +958,34 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 
 }  // namespace minipaged
 
-// Which kernel runs for this batch (1 or 2) and the bytes of device workspace the caller must
-// pass to minipaged_paged_attention (0 for V1). version: 0 = choose by context length, 1, 2.
+// Which kernel runs for this batch (1 or 2), V2's partition size in tokens (0 for V1) and the
+// bytes of device workspace the caller must pass to minipaged_paged_attention (0 for V1).
+// version: 0 = choose (version and partition size), 1, 2 (512-token partitions unless forced).
 extern "C" int minipaged_paged_attention_plan(int num_seqs, int num_heads, int head_size,
                                               int max_context_len, int version,
-                                              int* chosen_version, int64_t* workspace_bytes) {
+                                              int* chosen_version, int* partition_size,
+                                              int64_t* workspace_bytes) {
   if (version < 0 || version > 2) return minipaged::BAD_VERSION;
-  const int chosen = minipaged::choose_version(num_seqs, num_heads, max_context_len, version);
-  *chosen_version = chosen;
-  *workspace_bytes = chosen == 1 ? 0
-                                 : (int64_t)sizeof(float) * minipaged::workspace_floats(
-                                       num_seqs, num_heads, head_size, max_context_len);
+  const minipaged::Plan plan =
+      minipaged::make_plan(num_seqs, num_heads, max_context_len, version);
+  if (plan.error) return plan.error;
+  *chosen_version = plan.version;
+  *partition_size = plan.partition_size;
+  *workspace_bytes = plan.version == 1
+                         ? 0
+                         : (int64_t)sizeof(float) * minipaged::workspace_floats(
+                               num_seqs, num_heads, head_size, plan.partitions);
+  return 0;
+}
+
+// Force V2's partition size for every later call (benchmarks): a power of two from
+// MIN_PARTITION_SIZE to PARTITION_SIZE tokens, or 0 to let the plan choose again.
+extern "C" int minipaged_force_partition_size(int tokens) {
+  if (tokens != 0 && (tokens < minipaged::MIN_PARTITION_SIZE ||
+                      tokens > minipaged::PARTITION_SIZE || (tokens & (tokens - 1)))) {
+    return minipaged::BAD_PARTITION_SIZE;
+  }
+  minipaged::forced_partition_size().store(tokens);
   return 0;
 }
 
@@ -933,16 +1008,18 @@ extern "C" int minipaged_paged_attention(
       (v_block_stride * element) % 16 || (v_head_stride * element) % 16) {
     return minipaged::MISALIGNED;
   }
+  const minipaged::Plan plan =
+      minipaged::make_plan(num_seqs, num_heads, max_context_len, version);
+  if (plan.error) return plan.error;
   const minipaged::AttentionArgs a{
-      out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len,
-      minipaged::choose_version(num_seqs, num_heads, max_context_len, version),
+      out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len, plan,
       static_cast<float*>(workspace), workspace_bytes / (int64_t)sizeof(float), stream,
       minipaged::KernelArgs{block_tables, context_lens, max_blocks_per_seq, num_kv_heads,
                             q_seq_stride, q_head_stride, k_block_stride, k_head_stride,
                             v_block_stride, v_head_stride, scale}};
   return minipaged::dispatch(dtype, head_size, block_size, [&](auto type, auto head, auto block) {
     using T = typename decltype(type)::type;
-    return a.version == 1 ? minipaged::launch_v1<T, decltype(head)::value, decltype(block)::value>(a)
+    return a.plan.version == 1 ? minipaged::launch_v1<T, decltype(head)::value, decltype(block)::value>(a)
                           : minipaged::launch_v2<T, decltype(head)::value, decltype(block)::value>(a);
   });
 }
@@ -990,16 +1067,18 @@ extern "C" int minipaged_paged_attention_8bit(
                           v_block_stride, v_head_stride, scale};
   k.k_scales = key_scales;
   k.v_scales = value_scales;
+  const minipaged::Plan plan =
+      minipaged::make_plan(num_seqs, num_heads, max_context_len, version);
+  if (plan.error) return plan.error;
   const minipaged::AttentionArgs a{
-      out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len,
-      minipaged::choose_version(num_seqs, num_heads, max_context_len, version),
+      out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len, plan,
       static_cast<float*>(workspace), workspace_bytes / (int64_t)sizeof(float), stream, k};
   return minipaged::dispatch_8bit(
       dtype, cache_dtype, head_size, block_size, [&](auto type, auto code, auto head, auto block) {
         using T = typename decltype(type)::type;
         using C = typename decltype(code)::type;
         constexpr int H = decltype(head)::value, B = decltype(block)::value;
-        return a.version == 1 ? minipaged::launch_v1<T, H, B, C>(a)
+        return a.plan.version == 1 ? minipaged::launch_v1<T, H, B, C>(a)
                               : minipaged::launch_v2<T, H, B, C>(a);
       });
 }

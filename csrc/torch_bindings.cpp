@@ -66,6 +66,7 @@ void check_code(int code, const std::string& what) {
     case -7: why = "the workspace is too small"; break;
     case -8: why = "num_heads must be a multiple of num_kv_heads"; break;
     case -9: why = "version must be 0 (choose), 1 or 2"; break;
+    case -10: why = "a forced partition size must be 0 or a power of two from 64 to 512"; break;
     default:
       why = code > 0 ? std::string("CUDA error: ") +
                            cudaGetErrorString(static_cast<cudaError_t>(code)) + error_detail()
@@ -198,11 +199,14 @@ bool check_decode_batch(const torch::Tensor& out, const torch::Tensor& query,
 }
 
 // The kernel version that runs for a decode batch (*chosen) and V2's workspace on the device.
+// (The kernel call then gets the same `version` and makes the same plan.)
 torch::Tensor plan_decode(const torch::Tensor& query, int64_t max_context_len, int64_t version,
                           int* chosen, int64_t* workspace_bytes) {
+  int partition_size = 0;
   check_code(minipaged_paged_attention_plan((int)query.size(0), (int)query.size(1),
                                             (int)query.size(2), (int)max_context_len,
-                                            (int)version, chosen, workspace_bytes),
+                                            (int)version, chosen, &partition_size,
+                                            workspace_bytes),
              "paged_attention");
   return torch::empty({(*workspace_bytes + 3) / 4}, query.options().dtype(torch::kFloat));
 }
@@ -227,15 +231,15 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
 
   int chosen = 0;
   int64_t workspace_bytes = 0;
+  const DeviceGuard guard(device);  // (the plan reads the current device's SM count)
   const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
-  const DeviceGuard guard(device);
   const int code = minipaged_paged_attention(
       out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
       block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
       (int)num_kv_heads, (int)head_size, (int)block_size, (int)block_tables.size(1),
       query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
       value_cache.stride(0), value_cache.stride(1), (float)scale, (int)max_context_len, dtype,
-      chosen, workspace.data_ptr(), workspace_bytes, current_stream());
+      (int)version, workspace.data_ptr(), workspace_bytes, current_stream());
   if (code == -4 && chosen == 1) {
     int64_t static_bytes = 0, longest = 0;
     minipaged_paged_attention_v1_limits((int)head_size, (int)block_size, dtype, &static_bytes,
@@ -248,16 +252,17 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
   return chosen;
 }
 
-// (version that would run, workspace bytes) for a batch; version 0 = choose by context length.
+// (version that would run, workspace bytes, V2's partition size) for a batch on the current
+// device; version 0 = choose.
 std::vector<int64_t> paged_attention_plan(int64_t num_seqs, int64_t num_heads, int64_t head_size,
                                           int64_t max_context_len, int64_t version) {
-  int chosen = 0;
+  int chosen = 0, partition_size = 0;
   int64_t workspace_bytes = 0;
   check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
                                             (int)max_context_len, (int)version, &chosen,
-                                            &workspace_bytes),
+                                            &partition_size, &workspace_bytes),
              "paged_attention_plan");
-  return {chosen, workspace_bytes};
+  return {chosen, workspace_bytes, partition_size};
 }
 
 // (static shared bytes, longest context) of V1 on the current device; dtype as dtype_code.
@@ -459,8 +464,8 @@ int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tens
   const auto device = query.device();
   int chosen = 0;
   int64_t workspace_bytes = 0;
+  const DeviceGuard guard(device);  // (the plan reads the current device's SM count)
   const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
-  const DeviceGuard guard(device);
   check_code(minipaged_paged_attention_8bit(
                  out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  key_scales.data_ptr<float>(), value_scales.data_ptr<float>(),
@@ -469,7 +474,8 @@ int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tens
                  (int)block_tables.size(1), query.stride(0), query.stride(1),
                  key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
                  value_cache.stride(1), (float)scale, (int)max_context_len, dtype_code(query),
-                 cache_dtype, chosen, workspace.data_ptr(), workspace_bytes, current_stream()),
+                 cache_dtype, (int)version, workspace.data_ptr(), workspace_bytes,
+                 current_stream()),
              "paged_attention_8bit (8-bit caches: head sizes 64, 128; block sizes 16, 32)");
   return chosen;
 }
@@ -502,7 +508,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out; returns the version that ran (1 or 2)");
   m.def("paged_attention_plan", &paged_attention_plan,
         "paged_attention_plan(num_seqs, num_heads, head_size, max_context_len, version) -> "
-        "[version that runs, workspace bytes]");
+        "[version that runs, workspace bytes, V2's partition size]");
+  m.def("force_partition_size",
+        [](int64_t tokens) { check_code(minipaged_force_partition_size((int)tokens),
+                                        "force_partition_size"); },
+        "force_partition_size(tokens): V2's partition size from now on (64, 128, 256 or 512), "
+        "0 = the plan chooses (benchmarks)");
   m.def("paged_attention_v1_limits", &paged_attention_v1_limits,
         "paged_attention_v1_limits(head_size, block_size, dtype_code) -> [static shared bytes, "
         "longest context V1 takes]");

@@ -1,6 +1,6 @@
 """The embedded SmolLM2-135M-Instruct on a GPU: the engine's greedy text against transformers'.
 
-Stage 7 of ``scripts/gpu_check.sh``, once the GGUF file has been carried to the machine and
+Stage 6 of ``scripts/gpu_check.sh``, once the GGUF file has been carried to the machine and
 reassembled (``scripts/carry_embedded.sh``). For fp16 and bf16, the same chat prompts run through
 ``LLM`` (paged KV cache, our CUDA kernels, CUDA graphs) and through transformers' ``generate``
 (its own attention), greedy, and the token ids are compared.

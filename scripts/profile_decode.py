@@ -1,12 +1,18 @@
-"""One decode step at batch 64 under torch.profiler: where a GPU step's time goes (lesson 15).
+"""One decode step at batch 64: where a GPU step's time goes, against its floor (lesson 15).
 
-Stage 6 of ``scripts/gpu_check.sh``. A LLaMA-7B-shaped model with dummy weights (no model hub
-needed), fp16, eager (``enforce_eager=True``: a CUDA graph replay would hide the kernels from the
-profiler), 64 sequences of 512-token prompts. Prints the step's time next to the floor set by
-reading every weight once at the measured device-to-device copy bandwidth, and the top 20 ops by
-GPU time. With ``$OUT`` set, the Chrome trace is written to ``$OUT/profile_decode.json``.
+Stage 5 of ``scripts/gpu_check.sh``. A LLaMA-7B-shaped model with dummy weights (no model hub
+needed), fp16, 64 sequences of 128-token prompts (``--prompt-len``). It prints
 
-    python3 scripts/profile_decode.py [--batch 64] [--prompt-len 512] [--layers 32]
+1. the floor: reading every weight once, and every cached key and value once, at the read
+   bandwidth measured here (half of a device-to-device copy's read + write);
+2. the engine's decode step with CUDA graphs (as it serves), the median of ``--steps`` steps,
+   each closed by a synchronisation, as a multiple of the weight-read floor and of the whole floor;
+3. the same steps by section (``lab/step_breakdown.py``: schedule, prepare, the model's one graph
+   replay, sample, update; each section closed by a synchronisation);
+4. an eager step under torch.profiler (a graph replay would hide the kernels from it): the top 20
+   ops by GPU time. With ``$OUT`` set, its Chrome trace goes to ``$OUT/profile_decode.json``.
+
+    python3 scripts/profile_decode.py [--batch 64] [--prompt-len 128] [--layers 32] [--steps 8]
 
 ``--device cpu --hidden 256 --layers 1 --batch 2 --prompt-len 16`` (float32) runs the same code
 on a CPU, small: how the script itself is tested (tests/entrypoints/test_gpu_check_script.py).
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -23,6 +30,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
+from minipaged.lab.step_breakdown import decode_step_breakdown  # noqa: E402
+from minipaged.model_shape import ModelShape, kv_bytes_per_token  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -45,13 +54,44 @@ def copy_bandwidth(device: str, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / best
 
 
+def build(config, args, eager: bool):
+    max_len = args.prompt_len + args.steps + 16
+    blocks = args.batch * -(-max_len // 16)
+    dtype = "float16" if args.device == "cuda" else "float32"
+    return LLM(None, hf_config=config, load_format="dummy", dtype=dtype, device=args.device,
+               max_num_seqs=args.batch, max_model_len=max_len, num_gpu_blocks=blocks,
+               num_cpu_blocks=0, enforce_eager=eager)
+
+
+def fill(engine, args, params) -> None:
+    for i in range(args.batch):
+        engine.add_request(f"p{i}-{time.monotonic_ns()}", None, params,
+                           prompt_token_ids=[(7 * i + j) % 31000 + 100
+                                             for j in range(args.prompt_len)])
+    while engine.scheduler.waiting:
+        engine.step()  # the prompts
+
+
+def timed_steps(engine, device: str, num_steps: int) -> list[float]:
+    times = []
+    for _ in range(num_steps):
+        sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--layers", type=int, default=32, help="LLaMA-7B has 32")
     ap.add_argument("--hidden", type=int, default=4096, help="LLaMA-7B's; heads of 128")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--no-profile", action="store_true", help="skip the eager profile")
     args = ap.parse_args(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -64,36 +104,56 @@ def main(argv=None) -> int:
                          num_hidden_layers=args.layers, num_attention_heads=heads,
                          num_key_value_heads=heads, vocab_size=32000, max_position_embeddings=2048,
                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    bandwidth = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 26))
-    max_len = args.prompt_len + 16
-    blocks = args.batch * -(-max_len // 16)
-    dtype = "float16" if device == "cuda" else "float32"
-    llm = LLM(None, hf_config=config, load_format="dummy", dtype=dtype, device=device,
-              max_num_seqs=args.batch, max_model_len=max_len, num_gpu_blocks=blocks,
-              num_cpu_blocks=0, enforce_eager=True)
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), None, params,
-                           prompt_token_ids=[(7 * i + j) % 31000 + 100
-                                             for j in range(args.prompt_len)])
-    while engine.scheduler.waiting:
-        engine.step()  # the prompts
-    for _ in range(2):
-        engine.step()  # warm-up decode steps
-    sync(device)
-    t0 = time.perf_counter()
-    engine.step()
-    sync(device)
-    step = time.perf_counter() - t0
-    weights = engine.worker.memory_per_rank()[0]["weights"]
-    floor = weights / (bandwidth / 2)  # reading only: half of the copy's read + write
+    read_bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 26)) / 2
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"{name}: copy {bandwidth / 1e12:.2f} TB/s (read + write); "
-          f"decode step of {args.batch} sequences at ~{args.prompt_len} tokens: "
-          f"{1e3 * step:.2f} ms; reading the {weights / 1e9:.1f} GB of weights once takes "
-          f"{1e3 * floor:.2f} ms: {step / floor:.1f}x the floor", flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10 * args.steps + 16, ignore_eos=True)
 
+    # 1-2. CUDA graphs (eager on the CPU): the step as the engine serves it
+    llm = build(config, args, eager=device != "cuda")
+    engine = llm.llm_engine
+    fill(engine, args, params)
+    timed_steps(engine, device, 2)  # warm-up (and graph capture)
+    steps = timed_steps(engine, device, args.steps)
+    step = statistics.median(steps)
+    weights = engine.worker.memory_per_rank()[0]["weights"]
+    shape = ModelShape.from_hf(config)
+    context = args.prompt_len + 3 + args.steps // 2  # the timed steps' median context
+    kv = args.batch * context * kv_bytes_per_token(
+        shape.num_layers, shape.num_kv_heads, shape.head_size, 2 if device == "cuda" else 4)
+    weight_floor, floor = weights / read_bw, (weights + kv) / read_bw
+    graphs = getattr(engine.worker.model_runner, "graph_runner", None) is not None
+    print(f"{name}: read bandwidth {read_bw / 1e9:.0f} GB/s (half a copy's read + write); "
+          f"decode step of {args.batch} sequences at ~{context} tokens "
+          f"({'CUDA graphs' if graphs and device == 'cuda' else 'eager'}): {1e3 * step:.2f} ms "
+          f"(median of {len(steps)}, {1e3 * min(steps):.2f} to {1e3 * max(steps):.2f}); "
+          f"reading the {weights / 1e9:.2f} GB of weights once takes {1e3 * weight_floor:.2f} ms: "
+          f"{step / weight_floor:.2f}x the weight floor; with the {kv / 1e9:.2f} GB of K/V, "
+          f"{1e3 * floor:.2f} ms: {step / floor:.2f}x the floor", flush=True)
+
+    # 3. the same steps by section (on fresh requests)
+    for request_id in [g.request_id for g in engine.scheduler.running]:
+        engine.abort_request(request_id)
+    b = decode_step_breakdown(llm, [[(5 * i + j) % 31000 + 100 for j in range(args.prompt_len)]
+                                    for i in range(args.batch)], num_steps=args.steps)
+    print("by section (ms per step, each closed by a synchronisation): "
+          + ", ".join(f"{k} {1e3 * b[k]:.2f}" for k in
+                      ("step", "schedule", "prepare", "model", "sample", "update", "python")
+                      if b.get(k) is not None), flush=True)
+    host = b["step"] - b["model"]
+    print(f"the model: {1e3 * b['model']:.2f} ms = {b['model'] / weight_floor:.2f}x the weight "
+          f"floor; everything else (host work, the sampler): {1e3 * host:.2f} ms", flush=True)
+    llm.shutdown()
+    del llm, engine
+    if args.no_profile:
+        return 0
+
+    # 4. eager, under the profiler
+    llm = build(config, args, eager=True)
+    engine = llm.llm_engine
+    fill(engine, args, params)
+    timed_steps(engine, device, 2)
+    eager = statistics.median(timed_steps(engine, device, 3))
+    print(f"eager decode step: {1e3 * eager:.2f} ms", flush=True)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -91,10 +91,10 @@ void attention_case(int version, std::vector<int> lens, double tolerance) {
   std::vector<T> out(query.size(), from_f<T>(NAN));
   const float scale = 1.f / std::sqrt((float)head_size);
 
-  int chosen = 0;
+  int chosen = 0, partition_size = 0;
   int64_t workspace_bytes = 0;
   minipaged_paged_attention_plan(num_seqs, num_heads, head_size, max_len, version, &chosen,
-                                 &workspace_bytes);
+                                 &partition_size, &workspace_bytes);
   std::vector<float> workspace(workspace_bytes / sizeof(float));
   const int code = minipaged_paged_attention(
       out.data(), query.data(), key_cache.data(), value_cache.data(), tables.data(), lens.data(),

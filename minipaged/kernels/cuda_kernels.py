@@ -51,9 +51,10 @@ class CudaKernels:
     ):
         """Decode attention into ``out`` (allocated if None); returns ``out``.
 
-        ``version`` 0 lets the kernel choose by context length (``paged_attention_plan``):
-        V1, one CUDA block per (head, sequence), or V2, which also splits the context into
-        512-token partitions. 1 or 2 forces one (tests, benchmarks).
+        ``version`` 0 lets the kernel choose (``paged_attention_plan``): V1, one CUDA block per
+        (head, sequence), or V2, which also splits the context into partitions of 64 to 512
+        tokens (shorter ones when few sequences run). 1 or 2 forces one (tests, benchmarks;
+        a forced V2 has 512-token partitions).
 
         Every context must hold at least one token (the query's own). ``context_lens`` on the
         host is checked here, for free, before it is copied to the GPU; lengths already on the
@@ -123,10 +124,21 @@ class CudaKernels:
                 and query.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
     def paged_attention_plan(self, num_seqs, num_heads, head_size, max_context_len, version=0):
-        """The kernel version (1 or 2) that runs for such a batch, and its workspace bytes."""
-        chosen, workspace = self.module.paged_attention_plan(num_seqs, num_heads, head_size,
-                                                             max_context_len, version)
-        return chosen, workspace
+        """(version, workspace bytes, partition size) for such a batch on the current device.
+
+        The version (1 or 2) that runs; V2's workspace in bytes and its partition size in tokens
+        (0 for V1). With ``version=0`` the plan also shrinks V2's partitions from 512 tokens
+        down to 64 while the grid has fewer than 8 CUDA blocks per SM (few sequences, long
+        contexts: batch 1 at 4,096 tokens); a forced ``version=2`` keeps 512 tokens.
+        """
+        chosen, workspace, partition_size = self.module.paged_attention_plan(
+            num_seqs, num_heads, head_size, max_context_len, version)
+        return chosen, workspace, partition_size
+
+    def force_partition_size(self, tokens: int) -> None:
+        """Every later V2 call uses ``tokens``-token partitions (64, 128, 256 or 512); 0 lets
+        the plan choose again. For benchmarks that compare partition sizes."""
+        self.module.force_partition_size(int(tokens))
 
     def v1_limits(self, head_size, block_size, dtype):
         """(static shared bytes, longest context) of the V1 kernel on the current device."""

@@ -37,7 +37,7 @@ def test_the_plan_fits_eight_minutes_in_the_stage_order(tmp_path):
     rows = summary_rows(done.stdout)
     names = [r[1] for r in rows]
     assert names == ["compiled-ops", "tests-gpu", "kernel-bench", "throughput-gpt2",
-                     "throughput-llama7b", "profile-decode", "embedded-vs-hf"]
+                     "profile-decode", "embedded-vs-hf"]
     limits = [int(r[2]) for r in rows]
     assert sum(limits) + GRACE_S * len(limits) <= 8 * 60
     for r in rows:  # each stage logged under $OUT, where the device runner fetches it
@@ -68,13 +68,13 @@ def test_a_failing_or_overrunning_stage_does_not_stop_the_next(tmp_path):
 
 
 def test_only_runs_the_stages_named(tmp_path):
-    done = run("--dry-run", "--only", "3,6", env={"GPU_CHECK_LOGS": str(tmp_path)})
+    done = run("--dry-run", "--only", "3,5", env={"GPU_CHECK_LOGS": str(tmp_path)})
     assert [r[1] for r in summary_rows(done.stdout)] == ["kernel-bench", "profile-decode"]
     assert re.search(r"unknown argument", run("--bogus").stderr)
 
 
 def test_the_decode_profile_runs_small_on_the_cpu():
-    """Stage 6's script, on a CPU and a 1-layer model: the step, the floor and the top-20 table."""
+    """Stage 5's script, on a CPU and a 1-layer model: the step, the floor and the top-20 table."""
     import sys
 
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode.py"),
@@ -82,5 +82,7 @@ def test_the_decode_profile_runs_small_on_the_cpu():
                            "--prompt-len", "16"], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"decode step of 2 sequences at ~16 tokens: [\d.]+ ms", done.stdout)
-    assert "x the floor" in done.stdout and "aten::mm" in done.stdout
+    assert re.search(r"decode step of 2 sequences at ~\d+ tokens \(eager\): [\d.]+ ms",
+                     done.stdout)
+    assert "x the weight floor" in done.stdout and "aten::mm" in done.stdout
+    assert re.search(r"by section .*schedule [\d.]+, prepare [\d.]+, model [\d.]+", done.stdout)

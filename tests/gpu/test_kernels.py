@@ -117,10 +117,33 @@ def test_v1_just_over_48k_of_static_plus_dynamic_shared_memory(kernels):
 
 
 def test_v2_takes_over_by_context_length(kernels):
-    assert kernels.paged_attention_plan(4, 8, 128, 512)[0] == 1
-    assert kernels.paged_attention_plan(4, 8, 128, 513)[0] == 2
+    assert kernels.paged_attention_plan(4, 8, 128, 64)[0] == 1
+    assert kernels.paged_attention_plan(4, 8, 128, 65)[0] == 2
     assert kernels.paged_attention_plan(64, 8, 128, 8192)[0] == 1
     assert kernels.paged_attention_plan(64, 8, 128, 8193)[0] == 2
+
+
+def test_small_batches_get_shorter_partitions_until_the_gpu_is_full(kernels):
+    """8 CUDA blocks per SM wanted: batch 1 of 32 heads at 4,096 tokens gets 64-token ones on
+    a GPU of more than 64 SMs; a batch that fills the GPU keeps 512."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    version, _, size = kernels.paged_attention_plan(1, 32, 128, 4096)
+    assert version == 2
+    assert 32 * (4096 // size) >= 8 * sms or size == 64
+    assert kernels.paged_attention_plan(64, 8, 128, 8193)[2] == 512
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("size", [0, 64, 128, 256, 512])
+def test_every_partition_size_matches_the_reference(kernels, dtype, size):
+    """0: the automatic plan; else forced. Contexts end inside partitions and on their edges."""
+    inputs = make_inputs(128, 16, dtype, 8, 2, [4096, 64, 65, 1000, 1, 2049], seed=size + 3)
+    try:
+        kernels.force_partition_size(size)
+        out = run_kernel(kernels, inputs, version=0 if size == 0 else 2)
+    finally:
+        kernels.force_partition_size(0)
+    assert per_sequence_err(out, expected(inputs)) < TOLERANCE[dtype]
 
 
 def test_ops_dispatches_to_the_kernel(kernels):

@@ -155,15 +155,61 @@ def test_4096_token_context(kernels, dtype, version):
 
 def test_v2_takes_over_from_v1_by_context_length(kernels):
     plan = kernels.paged_attention_plan
-    # a small batch (num_seqs * num_heads < 512 CUDA blocks): V2 as soon as there are 2 partitions
-    assert plan(4, 8, 128, 512)[0] == 1
-    assert plan(4, 8, 128, 513)[0] == 2
+    # a small batch (num_seqs * num_heads < 512 CUDA blocks): V1 only while one shortest
+    # partition (64 tokens) holds the context, V2 after that
+    assert plan(4, 8, 128, 64)[0] == 1
+    assert plan(4, 8, 128, 65)[0] == 2
     # a batch that fills the GPU: V1 up to 8192 tokens, then V2
     assert plan(64, 8, 128, 8192)[0] == 1
     assert plan(64, 8, 128, 8193)[0] == 2
-    # V2's workspace: max, sum and an fp32 output row per (sequence, head, partition)
-    assert plan(4, 8, 128, 513) == (2, 4 * 8 * 2 * (2 + 128) * 4)
     assert plan(4, 8, 128, 100, 2)[0] == 2  # forced
+
+
+def test_v2_partitions_shrink_until_the_grid_fills_the_gpu(kernels):
+    """The emulated H100 has 132 SMs: the plan wants 8 CUDA blocks per SM (1,056)."""
+    plan = kernels.paged_attention_plan
+    # batch 1, 32 heads, 4,096 tokens: 512-token partitions give 256 CUDA blocks, 128 give
+    # 1,024 (still short), 64 give 2,048
+    assert plan(1, 32, 128, 4096) == (2, 1 * 32 * 64 * (2 + 128) * 4, 64)
+    # a batch that already fills the GPU keeps 512-token partitions
+    assert plan(64, 8, 128, 8193) == (2, 64 * 8 * 17 * (2 + 128) * 4, 512)
+    # 8 sequences of 32 heads, 4,096 tokens: 512-token partitions give 2,048 CUDA blocks
+    assert plan(8, 32, 128, 4096)[2] == 512
+    # 4 sequences: 4 * 32 * 4 = 512 at 512 tokens, 1,024 at 256, 2,048 at 128
+    assert plan(4, 32, 128, 2048)[2] == 128
+    # a forced V2 keeps the textbook 512 tokens (lesson 06)
+    assert plan(1, 32, 128, 4096, 2) == (2, 1 * 32 * 8 * (2 + 128) * 4, 512)
+
+
+def test_forced_partition_size_is_used_and_checked(kernels):
+    try:
+        kernels.force_partition_size(128)
+        assert kernels.paged_attention_plan(1, 32, 128, 4096)[2] == 128
+        assert kernels.paged_attention_plan(1, 32, 128, 4096, 2)[2] == 128
+        for bad in (32, 100, 1024, -64):
+            with pytest.raises(RuntimeError, match="power of two from 64 to 512"):
+                kernels.force_partition_size(bad)
+    finally:
+        kernels.force_partition_size(0)
+    assert kernels.paged_attention_plan(1, 32, 128, 4096)[2] == 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_automatic_plan_with_short_partitions_matches_the_reference(kernels, dtype):
+    """Version 0 on a small batch: 64-token partitions (64 of them for 4,096 tokens)."""
+    assert kernels.paged_attention_plan(2, 2, 128, 4096)[2] == 64
+    check(kernels, 128, 16, dtype, 2, 1, [4096, 5], 0, seed=11)
+
+
+@pytest.mark.parametrize("partition_size", [64, 128, 256, 512])
+def test_every_partition_size_matches_the_reference(kernels, partition_size):
+    """Several sequences, GQA, contexts that end inside a partition and on its edge."""
+    try:
+        kernels.force_partition_size(partition_size)
+        check(kernels, 64, 16, DTYPES[0], 4, 2, [1, 63, 64, 65, 700, 1024, 1100], 2,
+              seed=partition_size)
+    finally:
+        kernels.force_partition_size(0)
 
 
 # ----------------------------------------------------------------------------------------------
