@@ -18,7 +18,7 @@ sequences of the batch (the script stops on a mismatch: a fast wrong kernel is n
 
 Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
 physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up, of a CUDA
-graph that replays 10 calls (as the engine replays its decode step): a call's host-side work
+graph that replays one call per input copy (at least 10; as the engine replays its decode step): a call's host-side work
 (argument checks, the launch) would otherwise be timed too, and at batch 1 it takes longer than
 the kernel. --eager times plain calls instead. Every case
 rotates through enough copies of its inputs that one pass over them touches more than twice the
@@ -60,6 +60,29 @@ BASELINE_LIMIT = 4 * 2**30  # skip the gather baseline above this many K/V bytes
 USE_GRAPHS = True  # --eager sets False
 
 
+def capture(fn, num_inputs: int, calls: int):
+    """A CUDA graph of ``calls`` calls of ``fn`` over the input copies, or None (with a note)
+    when something in ``fn`` cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            fn(0)  # one more warm-up on the capture stream
+            stream.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                for k in range(calls):
+                    fn(k % num_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph
+    except RuntimeError as error:
+        torch.cuda.synchronize()
+        print(f"(not capturable, timed eagerly: {str(error).splitlines()[0][:100]})", flush=True)
+        return None
+
+
 def time_ms(fn, num_inputs: int, rounds: int = 15, calls_per_round: int = 10) -> float:
     """Median time of one call, in milliseconds; ``fn(i)`` runs on input copy ``i``.
 
@@ -69,19 +92,10 @@ def time_ms(fn, num_inputs: int, rounds: int = 15, calls_per_round: int = 10) ->
     for i in range(3):  # warm-up (and the first call's one-time work)
         fn(i % num_inputs)
     torch.cuda.synchronize()
-    if USE_GRAPHS:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn(0)  # one more warm-up on the capture stream
-            stream.synchronize()
-            with torch.cuda.graph(graph, stream=stream):
-                for k in range(calls_per_round):
-                    fn(k % num_inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
+    # one replay calls fn on every input copy at least once: it touches more than 2 x L2
+    calls = max(calls_per_round, num_inputs)
+    graph = capture(fn, num_inputs, calls) if USE_GRAPHS else None
+    if graph is not None:
         times = []
         for _ in range(rounds):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -89,7 +103,7 @@ def time_ms(fn, num_inputs: int, rounds: int = 15, calls_per_round: int = 10) ->
             graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / calls_per_round)
+            times.append(start.elapsed_time(end) / calls)
         del graph
         return statistics.median(times)
     times = []
