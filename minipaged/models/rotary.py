@@ -43,8 +43,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: (T, H, D), k: (T, KVH, D), positions: (T,)
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
+        if self.cos_cache.dtype != q.dtype:
+            # once: rounding the table, then gathering, gives the same numbers as gathering, then
+            # rounding, without a cast per layer and step
+            self.cos_cache = self.cos_cache.to(q.dtype)
+            self.sin_cache = self.sin_cache.to(q.dtype)
+        cos = self.cos_cache[positions][:, None, :]  # (T, 1, D)
+        sin = self.sin_cache[positions][:, None, :]  # (T, 1, D)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
