@@ -118,26 +118,37 @@ def run_minipaged(llm: LLM, trace) -> dict:
 
 @torch.inference_mode()
 def run_hf_static(model, trace, batch_size: int, pad_id: int, device) -> dict:
-    """Static batching: pad each batch to its longest prompt, run to its longest output."""
+    """Static batching: pad each batch to its longest prompt, run to its longest output.
+
+    The padded prompt plus the longest output may pass the model's position limit (GPT-2: 1024)
+    even when every request fits on its own: the batch then stops at the limit (on a GPU,
+    running past it was a device-side assert in the position embedding, 2026-11-26), and only
+    the tokens generated count."""
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    generated = 0
 
     def one_batch(batch):
+        nonlocal generated
         width = max(len(p) for p, _ in batch)
+        new_tokens = min(max(o for _, o in batch), limit - width)
+        generated += sum(min(o, new_tokens) for _, o in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, (p, _) in enumerate(batch):  # left padding, as decoder-only generation needs
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         model.generate(ids.to(device), attention_mask=mask.to(device),
-                       max_new_tokens=max(o for _, o in batch), min_new_tokens=None,
+                       max_new_tokens=new_tokens, min_new_tokens=None,
                        do_sample=False, eos_token_id=None, pad_token_id=pad_id)
 
     one_batch(trace[:2])  # warm-up
     sync(device)
+    generated = 0
     t0 = time.perf_counter()
     for i in range(0, len(trace), batch_size):
         one_batch(trace[i:i + batch_size])
     sync(device)
-    return {"time": time.perf_counter() - t0, "tokens": sum(o for _, o in trace)}
+    return {"time": time.perf_counter() - t0, "tokens": generated}
 
 
 def run_hf_continuous(model, trace, device) -> dict:
