@@ -301,12 +301,9 @@ class Scheduler:
         while self.waiting:
             seq_group = self.waiting[0]
             _, shared_len, identical = self.block_manager.prompt_layout(seq_group)
-            first_chunk = (seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len()
-                           if identical else self._shortest_waiting_len(seq_group) - 1)
-            if first_chunk > step.budget:
-                # Tokens found in the prefix cache are not computed (lesson 11).
-                first_chunk -= self._num_cached_first_chunk(seq_group, identical)
-            if step.budget < (1 if self.config.enable_chunked_prefill else first_chunk):
+            # With chunked prefill any room will do: the prompt is cut to what is left.
+            if step.budget < (1 if self.config.enable_chunked_prefill
+                              else self._first_chunk_len(seq_group)):
                 break
             num_new = seq_group.get_max_num_running_seqs()
             if self._num_running_seqs() + num_new > self.config.max_num_seqs:
@@ -367,17 +364,16 @@ class Scheduler:
         self.block_manager.cache_blocks(chunk.seq, chunk.end)  # computed in this step
         return chunk.num_tokens
 
-    def _num_cached_first_chunk(self, seq_group: SequenceGroup, identical: bool) -> int:
-        """How many tokens of the group's first chunk the prefix cache already holds."""
+    def _first_chunk_len(self, seq_group: SequenceGroup) -> int:
+        """Tokens the waiting group's first prefill chunk computes: its prompt, or after a
+        recompute the shortest sequence's tokens but the last (computed by its first decode);
+        less the tokens found in the prefix cache (lesson 11)."""
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        _, _, identical = self.block_manager.prompt_layout(seq_group)
         cached = self.block_manager.cached_prefix(seq_group)
-        if identical:
-            return len(next(iter(cached.values()))) * self.block_manager.block_size
-        leader = prefix_leader(seq_group.get_seqs(SequenceStatus.WAITING))
-        return len(cached[leader.seq_id]) * self.block_manager.block_size
-
-    @staticmethod
-    def _shortest_waiting_len(seq_group: SequenceGroup) -> int:
-        return min(s.get_len() for s in seq_group.get_seqs(SequenceStatus.WAITING))
+        leader = seqs[0] if identical else prefix_leader(seqs)  # (the shortest)
+        num_cached = len(cached[leader.seq_id]) * self.block_manager.block_size
+        return leader.get_len() - (0 if identical else 1) - num_cached
 
     def _append_slots(self, seq_group: SequenceGroup, blocks_to_copy: dict) -> None:
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):

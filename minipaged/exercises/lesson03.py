@@ -249,15 +249,37 @@ _EVENT_METHOD = {"allocate": "allocate", "append": "append_slot",
 
 
 class _Lockstep:
-    """A model-free engine (``DryRun``) whose scheduler holds ``manager_class``'s manager."""
+    """A model-free engine (``DryRun``) whose scheduler is ``scheduler_class`` holding a
+    ``manager_class`` manager (one of the pair a checker runs side by side; lessons 03, 04, 09)."""
 
-    def __init__(self, manager_class, block_size, num_gpu, num_cpu, watermark, config):
+    def __init__(self, block_size, num_gpu, num_cpu, watermark, config,
+                 manager_class=BlockSpaceManager, scheduler_class=Scheduler):
         self.run = DryRun(block_size, num_gpu, num_cpu, watermark=watermark)
         self.bm = manager_class(block_size, num_gpu, num_cpu, watermark)
         self.run.block_manager = self.bm
-        self.run.scheduler = Scheduler(config, self.bm)
+        self.run.scheduler = scheduler_class(config, self.bm)
         self.events: list[dict] = []
         self.bm.add_listener(self.events.append)
+
+    def arrive(self, prompt: list[int], n: int) -> None:
+        self.run.add_request(prompt, n=n)
+
+    def after_model(self, outs) -> None:
+        """The step's sampled tokens (a fixed function of the sequence: both runs agree)."""
+        self.run.sampled(outs, lambda seq: 100 + (7 * seq.seq_id + seq.get_len()) % 50)
+
+
+def _arrivals(rng, block_size: int) -> list[tuple[list[int], int]]:
+    """A step's new requests: (prompt, n), n > 1 for parallel sampling."""
+    return [([rng.randrange(1000) for _ in range(rng.randint(1, 3 * block_size))],
+             rng.choice([1, 1, 2, 3])) for _ in range(rng.choice([0, 0, 1, 2]))]
+
+
+def _to_finish(rng, lock: _Lockstep, block_size: int) -> list[int]:
+    """Running sequences that stop now (at random, and any grown past 6 blocks)."""
+    return [s.seq_id for g in lock.run.scheduler.running if not g.pending_chunks
+            for s in g.get_seqs(SequenceStatus.RUNNING)
+            if rng.random() < 0.12 or s.get_len() > 6 * block_size]
 
 
 def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
@@ -274,7 +296,7 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
                                  max_num_batched_tokens=rng.choice([4096, 6]))
         pool = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size} tokens, watermark "
                 f"{watermark}, preemption {mode or 'by group size'}")
-        theirs, mine = (_Lockstep(cls, block_size, num_gpu, num_cpu, watermark, config)
+        theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config, cls)
                         for cls in (BlockSpaceManager, candidate))
 
         def compare(step: int, call: str, outs=None) -> None:
@@ -307,28 +329,25 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
             mine.events.clear()
 
         for step in range(rng.randint(4, 24)):
-            for _ in range(rng.choice([0, 0, 1, 2])):
-                prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 3 * block_size))]
-                n = rng.choice([1, 1, 2, 3])
+            for prompt, n in _arrivals(rng, block_size):
                 for lock in (theirs, mine):
-                    lock.run.add_request(prompt, n=n)
+                    lock.arrive(prompt, n)
             outs = [lock.run.scheduler.schedule() for lock in (theirs, mine)]
             ops = sorted({e["op"] for e in theirs.events}) or ["nothing"]
             compare(step, f"schedule() ({', '.join(ops)})",
                     (outs[1].blocks_to_copy, outs[0].blocks_to_copy))
             for lock, out in zip((theirs, mine), outs):
-                lock.run.sampled(out, lambda seq: 100 + (7 * seq.seq_id + seq.get_len()) % 50)
+                lock.after_model(out)
             running = [s for g in theirs.run.scheduler.running if not g.pending_chunks
                        for s in g.get_seqs(SequenceStatus.RUNNING)]
             if running and rng.random() < 0.3:  # a beam continues from another (lesson 03)
                 parent = rng.choice(running).seq_id
                 children = [lock.run.fork(lock.run.seq(parent)) for lock in (theirs, mine)]
                 compare(step, f"fork(seq {parent} -> seq {children[0].seq_id})")
-            for seq in running:
-                if rng.random() < 0.12 or seq.get_len() > 6 * block_size:
-                    for lock in (theirs, mine):
-                        lock.run.finish(lock.run.seq(seq.seq_id))
-                    compare(step, f"the sequence finished: free(seq {seq.seq_id})")
+            for seq_id in _to_finish(rng, theirs, block_size):
+                for lock in (theirs, mine):
+                    lock.run.finish(lock.run.seq(seq_id))
+                compare(step, f"the sequence finished: free(seq {seq_id})")
     return num_cases
 
 
