@@ -248,6 +248,6 @@ register(Component(
     # where the block manager builds its plain GPU pool and its CPU pool
     slots=("minipaged.core.block_manager:FreeListAllocator",),
     check=_check_free_list_allocator,
-    solution="minipaged.exercises.answers.lesson02:FreeListAllocator",
+    solution="minipaged.exercises.answers.lesson02:MyFreeListAllocator",
     preamble="from minipaged.exercises.lesson02 import *",
 ))

@@ -356,6 +356,6 @@ register(Component(
     # where the engine's scheduler (Scheduler.with_pools) and the model-free DryRun build it
     slots=("minipaged.core.scheduler:BlockSpaceManager", "minipaged.lab.dry_run:BlockSpaceManager"),
     check=_check_block_space_manager,
-    solution="minipaged.exercises.answers.lesson03:BlockSpaceManager",
+    solution="minipaged.exercises.answers.lesson03:MyBlockSpaceManager",
     preamble="from minipaged.exercises.lesson03 import *",
 ))

@@ -308,6 +308,6 @@ register(Component(
     # where the engine's cache setup and the model-free DryRun build their scheduler
     slots=("minipaged.engine.cache_setup:Scheduler", "minipaged.lab.dry_run:Scheduler"),
     check=_check_scheduler,
-    solution="minipaged.exercises.answers.lesson04:Scheduler",
+    solution="minipaged.exercises.answers.lesson04:MyScheduler",
     preamble="from minipaged.exercises.lesson04 import *",
 ))

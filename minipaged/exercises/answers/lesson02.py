@@ -9,7 +9,7 @@ from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.allocator import NoCacheAllocator
 
 
-class FreeListAllocator(NoCacheAllocator):
+class MyFreeListAllocator(NoCacheAllocator):
     """Every block of one pool, the free ones on a stack, each with its reference count."""
 
     def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:

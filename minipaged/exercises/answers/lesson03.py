@@ -7,11 +7,11 @@ track, it behaves as the package's ``BlockSpaceManager`` (without prefix caching
 from __future__ import annotations
 
 from minipaged.block import Device
-from minipaged.core import block_manager as package
+from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.sequence import Sequence, SequenceGroup
 
 
-class BlockSpaceManager(package.BlockSpaceManager):
+class MyBlockSpaceManager(BlockSpaceManager):
     """Block tables over a pool without a prefix cache: sharing by reference counts, and a
     private copy of a shared block before the first write into it."""
 

@@ -6,14 +6,13 @@ track, it behaves as the package's ``Scheduler`` under lesson 04's checker.
 """
 from __future__ import annotations
 
-from minipaged.core import scheduler as package
 from minipaged.core.lookahead import drop_lookahead, fit_lookahead
-from minipaged.core.scheduler import PreemptionMode
+from minipaged.core.scheduler import PreemptionMode, Scheduler
 from minipaged.core.scheduler_outputs import StepPlan
 from minipaged.sequence import SequenceGroup, SequenceStatus
 
 
-class Scheduler(package.Scheduler):
+class MyScheduler(Scheduler):
     """Serves the running groups (preempting the newest when the pool is full) and brings
     swapped groups back; admission (lesson 09) and prefill chunks stay the package's."""
 
