@@ -176,8 +176,9 @@ _ADMISSION_HINTS = {
             "behind it is admitted in this step",
     "max_num_seqs": "max_num_seqs bounds the sequences running at once, and a group brings "
                     "all of its sequences",
-    "fewer": "a group is admitted when the budget has room for its first chunk, the sequence "
-             "limit allows, and the block manager can allocate it",
+    "fits": "a group is admitted only when the budget has room for its first chunk (one token "
+            "with chunked prefill, all of it without), the sequence limit allows, and the "
+            "block manager can allocate it",
     "chunks": "an admitted group's prompt work is plan_prefill's chunks, taken as far as the "
               "budget allows (_take_chunks); a group left with chunks spends the budget",
 }
@@ -193,8 +194,8 @@ def _admission_hint(theirs, mine, got: dict, want: dict, before_waiting: list[st
             return _ADMISSION_HINTS["max_num_seqs"]
     if got_in != before_waiting[:len(got_in)]:
         return _ADMISSION_HINTS["fcfs"]
-    if len(got_in) < len(want_in):
-        return _ADMISSION_HINTS["fewer"]
+    if len(got_in) != len(want_in):
+        return _ADMISSION_HINTS["fits"]
     return _ADMISSION_HINTS["chunks"]
 
 
