@@ -140,7 +140,8 @@ class SchedulerThatForgetsTheSwappedQueue(a04.MyScheduler):
 
 class SchedulerThatAlwaysSwaps(a04.MyScheduler):
     def _preempt(self, seq_group, blocks_to_swap_out):
-        forced, self.forced_mode = self.forced_mode, self.forced_mode or lesson04.PreemptionMode.SWAP
+        forced = self.forced_mode
+        self.forced_mode = forced or lesson04.PreemptionMode.SWAP
         try:
             return super()._preempt(seq_group, blocks_to_swap_out)
         finally:
