@@ -3,7 +3,8 @@
 ``BlockAllocator`` is the one interface the block manager talks to. It has two implementations:
 
 - ``FreeListAllocator`` (here): a free list and nothing else. Its caching operations are
-  documented no-ops, so a block manager over it behaves as if no block were ever cached.
+  documented no-ops (``NoCacheAllocator``), so a block manager over it behaves as if no block
+  were ever cached.
 - ``PrefixCachingAllocator`` (``prefix_caching_allocator.py``): the same free list, plus full
   blocks named by their tokens that later prompts can take back (lesson 11).
 
@@ -114,7 +115,37 @@ class BlockAllocator(ABC):
         """Cached blocks nobody holds (they count as free), next to be evicted first."""
 
 
-class FreeListAllocator(BlockAllocator):
+class NoCacheAllocator(BlockAllocator):
+    """The caching operations of a pool without a prefix cache: nothing is ever found, named or
+    evicted, so a block manager over it behaves as if no block were ever cached. What is left
+    to write is the free list itself (``FreeListAllocator``; the learner's own in lesson 02)."""
+
+    def longest_cached_prefix(self, token_ids, max_blocks) -> list[PhysicalTokenBlock]:
+        return []  # nothing is cached
+
+    def name_blocks(self, blocks, token_ids) -> None:
+        pass  # no names: nothing will be looked up
+
+    def copy_contents(self, src, dst) -> None:
+        pass  # no names to carry
+
+    def find_equal(self, copy) -> PhysicalTokenBlock | None:
+        return None  # swapping in always copies
+
+    def adopt(self, block, copy) -> None:
+        pass  # no names to take back
+
+    def block_hash_of(self, block) -> int | None:
+        return None
+
+    def is_cached(self, block) -> bool:
+        return False
+
+    def evictable_block_numbers(self) -> list[int]:
+        return []
+
+
+class FreeListAllocator(NoCacheAllocator):
     """A pool's blocks on a free list (lesson 02); no cache.
 
     ``allocate`` pops a block from the free list with ref count 1; ``free`` drops one reference
@@ -154,36 +185,11 @@ class FreeListAllocator(BlockAllocator):
         if block.ref_count == 0:
             self.free_blocks.append(block)
 
+    def acquire(self, block: PhysicalTokenBlock) -> None:
+        block.ref_count += 1
+
     def get_num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
     def free_block_numbers(self) -> list[int]:
         return [b.block_number for b in reversed(self.free_blocks)]
-
-    # -- no cache: nothing is ever found, named or evicted ---------------------------------------
-    def longest_cached_prefix(self, token_ids, max_blocks) -> list[PhysicalTokenBlock]:
-        return []  # nothing is cached
-
-    def acquire(self, block: PhysicalTokenBlock) -> None:
-        block.ref_count += 1
-
-    def name_blocks(self, blocks, token_ids) -> None:
-        pass  # no names: nothing will be looked up
-
-    def copy_contents(self, src, dst) -> None:
-        pass  # no names to carry
-
-    def find_equal(self, copy) -> PhysicalTokenBlock | None:
-        return None  # swapping in always copies
-
-    def adopt(self, block, copy) -> None:
-        pass  # no names to take back
-
-    def block_hash_of(self, block) -> int | None:
-        return None
-
-    def is_cached(self, block) -> bool:
-        return False
-
-    def evictable_block_numbers(self) -> list[int]:
-        return []

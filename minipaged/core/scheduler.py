@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.lookahead import drop_lookahead, fit_lookahead
 from minipaged.core.prefill_plan import PrefillChunk, plan_prefill, prefix_leader
-from minipaged.core.scheduler_outputs import PoolCounts, SchedulerOutputs, queue_badge
+from minipaged.core.scheduler_outputs import PoolCounts, SchedulerOutputs, StepPlan, queue_badge
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.step_record import SequenceRun
 
@@ -210,57 +210,68 @@ class Scheduler:
 
     # -- the decision ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutputs:
-        blocks_to_swap_in: dict[int, int] = {}
-        blocks_to_swap_out: dict[int, int] = {}
-        blocks_to_copy: dict[int, list[int]] = {}
-        preempted_log: list[tuple[str, str]] = []
-        budget = self.config.max_num_batched_tokens  # tokens this step may still take
-
+        step = StepPlan(budget=self.config.max_num_batched_tokens)
         # 1. Running groups first, oldest first; each decoding sequence takes one token.
+        self._schedule_running(step)
+        # 2. Prefill chunks of running groups that were admitted with more work than fit.
+        for seq_group in self.running:
+            if seq_group.pending_chunks and not step.stalled:
+                step.budget = self._take_chunks(seq_group, step.budget, step.chunks)
+                # FCFS: nothing younger may take the budget before this group is done.
+                step.stalled = bool(seq_group.pending_chunks)
+        # 3. Swapped groups come back before anything new is admitted.
+        self._resume_swapped(step)
+        # 4. New requests, while the budget and the pool last.
+        self._admit_waiting(step)
+
+        prompt_groups = list({id(c.seq_group): c.seq_group for c in step.chunks}.values())
+        return SchedulerOutputs(
+            scheduled_seq_groups=prompt_groups + step.decode_groups,
+            prompt_run=[True] * len(prompt_groups) + [False] * len(step.decode_groups),
+            num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
+            blocks_to_swap_in=step.blocks_to_swap_in, blocks_to_swap_out=step.blocks_to_swap_out,
+            blocks_to_copy=step.blocks_to_copy, preempted=step.preempted,
+            prefill_chunks=step.chunks, decode_seq_groups=step.decode_groups,
+            seq_runs=self._seq_runs(step.chunks, step.decode_groups))
+
+    def _schedule_running(self, step: StepPlan) -> None:
+        """Step 1 (lesson 04): every running group that decodes gets the slots for its new
+        tokens, oldest first; when the pool is full, the newest groups are preempted."""
         # NOTE: they already hold blocks and have made progress; serving them first keeps a
         # request's latency bounded and frees their memory soonest.
         self.running.sort(key=lambda g: g.arrival_time)
         running: list[SequenceGroup] = []
-        decode_groups: list[SequenceGroup] = []
         while self.running:
             seq_group = self.running.pop(0)
             if seq_group.pending_chunks:  # still prefilling: no new slot, no token to decode
                 running.append(seq_group)
                 continue
             seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-            fit_lookahead(seqs, budget)  # speculative decoding's proposals (lesson 12)
+            fit_lookahead(seqs, step.budget)  # speculative decoding's proposals (lesson 12)
             while not self.block_manager.can_append_slot(seq_group):
                 if drop_lookahead(seqs):
                     continue  # without its proposals it may fit: better than preempting any
                 if self.running:
                     # Take memory from the latest arrival (lowest priority).
                     victim = self.running.pop(-1)
-                    preempted_log.append(self._preempt(victim, blocks_to_swap_out))
+                    step.preempted.append(self._preempt(victim, step.blocks_to_swap_out))
                 else:
                     # Nothing left to take from: this group itself goes. (A request that fits
                     # the pool alone never gets here: validate_request refuses the others.)
-                    preempted_log.append(self._preempt(seq_group, blocks_to_swap_out))
+                    step.preempted.append(self._preempt(seq_group, step.blocks_to_swap_out))
                     break
             else:
-                self._append_slots(seq_group, blocks_to_copy)
+                self._append_slots(seq_group, step.blocks_to_copy)
                 running.append(seq_group)
-                decode_groups.append(seq_group)
-                budget -= sum(1 + seq.num_lookahead_slots for seq in seqs)
+                step.decode_groups.append(seq_group)
+                step.budget -= sum(1 + seq.num_lookahead_slots for seq in seqs)
         self.running = running
-        preempted = bool(preempted_log)
 
-        # 2. Prefill chunks of running groups that were admitted with more work than fit.
-        chunks: list[PrefillChunk] = []
-        stalled = False
-        for seq_group in self.running:
-            if seq_group.pending_chunks and not stalled:
-                budget = self._take_chunks(seq_group, budget, chunks)
-                # FCFS: nothing younger may take the budget before this group is done.
-                stalled = bool(seq_group.pending_chunks)
-
-        # 3. Swapped groups come back before anything new is admitted.
+    def _resume_swapped(self, step: StepPlan) -> None:
+        """Step 3 (lesson 04): swapped groups come back, oldest first, while they fit; not in a
+        step that preempted, nor while a prompt waits for the budget."""
         self.swapped.sort(key=lambda g: g.arrival_time)
-        while self.swapped and not preempted and not stalled:
+        while self.swapped and not step.preempted and not step.stalled:
             seq_group = self.swapped[0]
             if not self.block_manager.can_swap_in(seq_group):
                 break
@@ -268,60 +279,46 @@ class Scheduler:
             if self._num_running_seqs() + num_new > self.config.max_num_seqs:
                 break
             decodes = not seq_group.pending_chunks
-            if decodes and num_new > budget and not self.config.enable_chunked_prefill:
+            if decodes and num_new > step.budget and not self.config.enable_chunked_prefill:
                 break  # (with chunking, decodes never wait for the budget)
             self.swapped.pop(0)
-            blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
+            step.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
             for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
             self.running.append(seq_group)
             if decodes:
-                self._append_slots(seq_group, blocks_to_copy)
-                decode_groups.append(seq_group)
-                budget -= num_new
+                self._append_slots(seq_group, step.blocks_to_copy)
+                step.decode_groups.append(seq_group)
+                step.budget -= num_new
 
-        # 4. Admit waiting groups, only while nothing is swapped out, was just preempted, or
-        # waits for the budget.
-        if not self.swapped and not preempted and not stalled:
-            self.waiting.sort(key=lambda g: g.arrival_time)
-            while self.waiting:
-                seq_group = self.waiting[0]
-                _, shared_len, identical = self.block_manager.prompt_layout(seq_group)
-                first_chunk = (seq_group.get_seqs(SequenceStatus.WAITING)[0].get_len()
-                               if identical else self._shortest_waiting_len(seq_group) - 1)
-                if first_chunk > budget:
-                    # Tokens found in the prefix cache are not computed (lesson 11).
-                    first_chunk -= self._num_cached_first_chunk(seq_group, identical)
-                if budget < (1 if self.config.enable_chunked_prefill else first_chunk):
-                    break
-                num_new = seq_group.get_max_num_running_seqs()
-                if self._num_running_seqs() + num_new > self.config.max_num_seqs:
-                    break
-                if not self.block_manager.can_allocate(seq_group):
-                    break
-                self.waiting.pop(0)
-                cached = self.block_manager.allocate(seq_group)
-                for seq in seq_group.get_seqs(SequenceStatus.WAITING):
-                    seq.status = SequenceStatus.RUNNING
-                seq_group.pending_chunks = plan_prefill(seq_group, shared_len, identical, cached)
-                self.running.append(seq_group)
-                budget = self._take_chunks(seq_group, budget, chunks)
-                if seq_group.pending_chunks:
-                    break  # the budget is spent: younger groups wait (FCFS)
-
-        prompt_groups = list({id(c.seq_group): c.seq_group for c in chunks}.values())
-        return SchedulerOutputs(
-            scheduled_seq_groups=prompt_groups + decode_groups,
-            prompt_run=[True] * len(prompt_groups) + [False] * len(decode_groups),
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            blocks_to_swap_in=blocks_to_swap_in,
-            blocks_to_swap_out=blocks_to_swap_out,
-            blocks_to_copy=blocks_to_copy,
-            preempted=preempted_log,
-            prefill_chunks=chunks,
-            decode_seq_groups=decode_groups,
-            seq_runs=self._seq_runs(chunks, decode_groups),
-        )
+    def _admit_waiting(self, step: StepPlan) -> None:
+        """Step 4 (lesson 09): waiting groups, first come first served, while the budget, the
+        sequence limit and the pool allow; only while nothing is swapped out, was just
+        preempted, or waits for the budget."""
+        if self.swapped or step.preempted or step.stalled:
+            return
+        self.waiting.sort(key=lambda g: g.arrival_time)
+        while self.waiting:
+            seq_group = self.waiting[0]
+            _, shared_len, identical = self.block_manager.prompt_layout(seq_group)
+            # With chunked prefill any room will do: the prompt is cut to what is left.
+            if step.budget < (1 if self.config.enable_chunked_prefill
+                              else self._first_chunk_len(seq_group)):
+                break
+            num_new = seq_group.get_max_num_running_seqs()
+            if self._num_running_seqs() + num_new > self.config.max_num_seqs:
+                break
+            if not self.block_manager.can_allocate(seq_group):
+                break
+            self.waiting.pop(0)
+            cached = self.block_manager.allocate(seq_group)
+            for seq in seq_group.get_seqs(SequenceStatus.WAITING):
+                seq.status = SequenceStatus.RUNNING
+            seq_group.pending_chunks = plan_prefill(seq_group, shared_len, identical, cached)
+            self.running.append(seq_group)
+            step.budget = self._take_chunks(seq_group, step.budget, step.chunks)
+            if seq_group.pending_chunks:
+                break  # the budget is spent: younger groups wait (FCFS)
 
     def _seq_runs(self, chunks: list[PrefillChunk],
                   decode_groups: list[SequenceGroup]) -> list[SequenceRun]:
@@ -367,17 +364,16 @@ class Scheduler:
         self.block_manager.cache_blocks(chunk.seq, chunk.end)  # computed in this step
         return chunk.num_tokens
 
-    def _num_cached_first_chunk(self, seq_group: SequenceGroup, identical: bool) -> int:
-        """How many tokens of the group's first chunk the prefix cache already holds."""
+    def _first_chunk_len(self, seq_group: SequenceGroup) -> int:
+        """Tokens the waiting group's first prefill chunk computes: its prompt, or after a
+        recompute the shortest sequence's tokens but the last (computed by its first decode);
+        less the tokens found in the prefix cache (lesson 11)."""
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        _, _, identical = self.block_manager.prompt_layout(seq_group)
         cached = self.block_manager.cached_prefix(seq_group)
-        if identical:
-            return len(next(iter(cached.values()))) * self.block_manager.block_size
-        leader = prefix_leader(seq_group.get_seqs(SequenceStatus.WAITING))
-        return len(cached[leader.seq_id]) * self.block_manager.block_size
-
-    @staticmethod
-    def _shortest_waiting_len(seq_group: SequenceGroup) -> int:
-        return min(s.get_len() for s in seq_group.get_seqs(SequenceStatus.WAITING))
+        leader = seqs[0] if identical else prefix_leader(seqs)  # (the shortest)
+        num_cached = len(cached[leader.seq_id]) * self.block_manager.block_size
+        return leader.get_len() - (0 if identical else 1) - num_cached
 
     def _append_slots(self, seq_group: SequenceGroup, blocks_to_copy: dict) -> None:
         for seq in seq_group.get_seqs(SequenceStatus.RUNNING):

@@ -2,8 +2,9 @@
 
 ``SchedulerOutputs`` is one step: the groups scheduled, the cache moves the worker makes before
 the model runs, the preemptions, and ``seq_runs``, the step as plain data for the worker
-(``step_record.py``). ``PoolCounts`` and ``queue_badge`` are what stats, checks and the
-visualizer read of the pools and of the queues.
+(``step_record.py``); ``StepPlan`` is the same step while ``schedule()`` decides it.
+``PoolCounts`` and ``queue_badge`` are what stats, checks and the visualizer read of the pools
+and of the queues.
 """
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ class SchedulerOutputs:
     def is_empty(self) -> bool:
         return (not self.scheduled_seq_groups and not self.blocks_to_swap_in
                 and not self.blocks_to_swap_out and not self.blocks_to_copy)
+
+
+@dataclass
+class StepPlan:
+    """A step while ``Scheduler.schedule()`` decides it: the budget left and what is taken."""
+
+    budget: int  # tokens the step may still take
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)  # src -> its copies
+    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request_id, mode)
+    chunks: list[PrefillChunk] = field(default_factory=list)  # prompt work, in order
+    decode_groups: list[SequenceGroup] = field(default_factory=list)
+    stalled: bool = False  # a prompt's chunks wait for the budget: nothing younger starts
 
 
 @dataclass(frozen=True)

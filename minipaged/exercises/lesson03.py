@@ -9,12 +9,22 @@
         copy-on-write) or "in place" (the last block is this sequence's alone)
 
 Expected answers: a real ``BlockSpaceManager`` driven through random forks and appends.
+
+The build track's component (``workbench``): ``BlockSpaceManager``, whose ``can_allocate``,
+``allocate``, ``append_slot`` (copy-on-write), ``fork`` and ``free`` the learner writes from the
+stub ``MyBlockSpaceManager``; its checker runs the real scheduler on random traffic with parallel
+sampling, forks, preemption and finishes, next to the package's manager.
 """
 from __future__ import annotations
 
+from minipaged.block import Device
 from minipaged.sampling_params import SamplingParams
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.core.scheduler import Scheduler, SchedulerConfig
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
+                                          rng_for)
+from minipaged.exercises.workbench import Component, register
+from minipaged.lab.dry_run import DryRun
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -121,3 +131,231 @@ def check_append_action(fn, num_cases: int = 80, seed: int | None = 0) -> CheckR
                     hint = "the last block has room and nobody else holds it: write in place"
                 fail(learner.name, case, inputs, got, expected, hint)
     return passed(learner, checked)
+
+
+# -- the build track: the block manager ---------------------------------------------------------
+class MyBlockSpaceManager(BlockSpaceManager):
+    """The block manager's own methods; the package keeps the rest (swapping, snapshots,
+    ``can_append_slot``, ``reserve_slot``, the prefix cache of lesson 11: with it on, yours
+    simply takes no cached block).
+
+    What you have: ``self.gpu_allocator`` and ``self.cpu_allocator`` (lesson 02: ``allocate``,
+    ``free``, ``acquire``, ``get_num_free_blocks``), ``self.block_size``,
+    ``self.watermark_blocks``, and ``self.prompt_layout(seq_group)``. What you keep up to date:
+    ``self.block_tables`` (seq_id -> list of ``PhysicalTokenBlock``), ``self.seqs`` (seq_id ->
+    sequence) and ``self.seq_request`` (seq_id -> request id), for every sequence holding blocks.
+    Each method tells the listeners what it did (the lesson's pictures replay these events):
+    the ``self._emit(...)`` line is in its docstring.
+    """
+
+    def can_allocate(self, seq_group: SequenceGroup) -> bool:
+        """Are there enough free GPU blocks for the group's prompt, with
+        ``self.watermark_blocks`` of them still free afterwards?
+
+        ``seqs, shared_len, identical = self.prompt_layout(seq_group)``: a fresh group's
+        sequences hold the same tokens (``identical``) and share all of their blocks; after a
+        preemption by recompute they differ, and share only their first ``shared_len`` tokens
+        (whole blocks).
+        """
+        not_done()  # <- your code here
+
+    def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
+        """Block tables for the group's waiting sequences (``prompt_layout``'s ``seqs``): the
+        shared blocks are held by every one of them (one reference each), the rest are their
+        own. Returns ``{seq_id: 0}`` for each (no token comes from a cache here).
+
+        Then: ``self._emit("allocate", request_id=seq_group.request_id, seq_ids=[...the
+        sequences' ids], blocks=[...the first sequence's block numbers], cached=[])``
+        """
+        not_done()  # <- your code here
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make room in the cache for the sequence's newest token (copy-on-write). Returns
+        ``(src, dst)`` block numbers when a block had to be copied first, else None.
+
+        Then one of: ``self._emit("append", seq_id=seq.seq_id, block=<its block number>,
+        new_block=<True for a block just taken>)`` or ``self._emit("copy_on_write",
+        seq_id=seq.seq_id, src=<number>, dst=<number>)``
+        """
+        not_done()  # <- your code here
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child continues from the parent: it holds the same blocks (no data is copied).
+
+        Then: ``self._emit("fork", parent=parent.seq_id, child=child.seq_id, blocks=[...the
+        child's block numbers])``
+        """
+        not_done()  # <- your code here
+
+    def free(self, seq: Sequence) -> None:
+        """The sequence lets go of its blocks, last block first (they may be GPU or CPU blocks:
+        ``self._allocator_of(block)`` is the pool of a block). Nothing to do for a sequence
+        that holds none.
+
+        Then: ``self._emit("free", seq_id=seq.seq_id, blocks=[...its block numbers]))``
+        """
+        not_done()  # <- your code here
+
+
+def _manager_state(bm) -> dict:
+    """What must be the same in the learner's manager and the package's after every call."""
+    return {"block tables": {i: [b.block_number for b in t] for i, t in
+                             sorted(bm.block_tables.items())},
+            "free GPU blocks": bm.gpu_allocator.free_block_numbers(),
+            "free CPU blocks": bm.cpu_allocator.free_block_numbers(),
+            "sequences held": sorted(bm.seqs), "their requests": dict(sorted(
+                bm.seq_request.items()))}
+
+
+def _broken_invariant(bm) -> str | None:
+    """The package's invariants: a block's ref count is the number of tables holding it, and a
+    free block is held by nobody."""
+    holders: dict[tuple, int] = {}
+    for table in bm.block_tables.values():
+        for block in table:
+            key = (block.device.value, block.block_number)
+            holders[key] = holders.get(key, 0) + 1
+    for allocator in (bm.gpu_allocator, bm.cpu_allocator):
+        free = set(allocator.free_block_numbers())
+        for block in allocator.blocks:
+            held = holders.get((block.device.value, block.block_number), 0)
+            if block.ref_count != held:
+                return (f"{block.device.value} block {block.block_number} has ref count "
+                        f"{block.ref_count}, but {held} block tables hold it")
+            if held and block.block_number in free:
+                return (f"{block.device.value} block {block.block_number} is on the free "
+                        f"list while {held} block tables hold it")
+    return None
+
+
+_MANAGER_HINTS = {
+    "can_allocate": "count the blocks the prompt needs (a block the sequences share counts "
+                    "once) and keep watermark_blocks free: the scheduler admits exactly when "
+                    "can_allocate says yes",
+    "allocate": "every waiting sequence of the group gets a table; the blocks they share are "
+                "held once per sequence (ref counts), the others are private; prompt_layout "
+                "says how many tokens they share",
+    "append_slot": "before writing the newest token into the last block: who else holds that "
+                   "block? writing into a shared block would change the other sequences' "
+                   "cache, so the writer needs a block of its own first",
+    "fork": "fork copies the block TABLE, not the blocks: the child's list is its own, and "
+            "every block in it is held by one table more",
+    "free": "each block of the table loses one reference; only the ones nobody else holds go "
+            "back to the free list; and the sequence holds nothing afterwards",
+}
+# which of the learner's methods made an event
+_EVENT_METHOD = {"allocate": "allocate", "append": "append_slot",
+                 "copy_on_write": "append_slot", "fork": "fork", "free": "free"}
+
+
+class _Lockstep:
+    """A model-free engine (``DryRun``) whose scheduler is ``scheduler_class`` holding a
+    ``manager_class`` manager (one of the pair a checker runs side by side; lessons 03, 04, 09)."""
+
+    def __init__(self, block_size, num_gpu, num_cpu, watermark, config,
+                 manager_class=BlockSpaceManager, scheduler_class=Scheduler):
+        self.run = DryRun(block_size, num_gpu, num_cpu, watermark=watermark)
+        self.bm = manager_class(block_size, num_gpu, num_cpu, watermark)
+        self.run.block_manager = self.bm
+        self.run.scheduler = scheduler_class(config, self.bm)
+        self.events: list[dict] = []
+        self.bm.add_listener(self.events.append)
+
+    def arrive(self, prompt: list[int], n: int) -> None:
+        self.run.add_request(prompt, n=n)
+
+    def after_model(self, outs) -> None:
+        """The step's sampled tokens (a fixed function of the sequence: both runs agree)."""
+        self.run.sampled(outs, lambda seq: 100 + (7 * seq.seq_id + seq.get_len()) % 50)
+
+
+def _arrivals(rng, block_size: int) -> list[tuple[list[int], int]]:
+    """A step's new requests: (prompt, n), n > 1 for parallel sampling."""
+    return [([rng.randrange(1000) for _ in range(rng.randint(1, 3 * block_size))],
+             rng.choice([1, 1, 2, 3])) for _ in range(rng.choice([0, 0, 1, 2]))]
+
+
+def _to_finish(rng, lock: _Lockstep, block_size: int) -> list[int]:
+    """Running sequences that stop now (at random, and any grown past 6 blocks)."""
+    return [s.seq_id for g in lock.run.scheduler.running if not g.pending_chunks
+            for s in g.get_seqs(SequenceStatus.RUNNING)
+            if rng.random() < 0.12 or s.get_len() > 6 * block_size]
+
+
+def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
+    """Random traffic through the real scheduler (parallel sampling, forks, preemption by
+    recompute and by swap, finishes) on the learner's manager and the package's, in lockstep;
+    the managers are compared after every call."""
+    name = "BlockSpaceManager"
+    for case in range(num_cases):
+        block_size = rng.choice([1, 2, 4])
+        num_gpu, num_cpu = rng.randint(6, 16), rng.choice([0, 8, 32])
+        mode = "recompute" if num_cpu == 0 else rng.choice([None, "swap", "recompute"])
+        watermark = rng.choice([0.0, 0.0, 0.15])
+        config = SchedulerConfig(preemption_mode=mode,
+                                 max_num_batched_tokens=rng.choice([4096, 6]))
+        pool = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size} tokens, watermark "
+                f"{watermark}, preemption {mode or 'by group size'}")
+        theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config, cls)
+                        for cls in (BlockSpaceManager, candidate))
+
+        def compare(step: int, call: str, outs=None) -> None:
+            inputs = f"{pool}; step {step}: {call}"
+            if theirs.events != mine.events:
+                at = next((i for i, (a, b) in enumerate(zip(theirs.events, mine.events))
+                           if a != b), min(len(theirs.events), len(mine.events)))
+                want = theirs.events[at] if at < len(theirs.events) else None
+                got = mine.events[at] if at < len(mine.events) else None
+                op = (want or got)["op"]
+                method = _EVENT_METHOD.get(op, "allocate")
+                if want and got is None and op == "allocate" or want is None and op == "allocate":
+                    method = "can_allocate"  # one admitted the group, the other did not
+                fail(name, case, f"{inputs}; the listeners heard", got, want,
+                     _MANAGER_HINTS[method])
+            method = next((_EVENT_METHOD[e["op"]] for e in theirs.events
+                           if e["op"] in _EVENT_METHOD), "allocate")
+            broken = _broken_invariant(mine.bm)
+            if broken:
+                fail(name, case, inputs, broken, "ref counts = tables holding each block",
+                     _MANAGER_HINTS[method])
+            got, want = _manager_state(mine.bm), _manager_state(theirs.bm)
+            if outs is not None:
+                got["blocks_to_copy"], want["blocks_to_copy"] = outs
+            if got != want:
+                differs = [k for k in want if got[k] != want[k]]
+                fail(name, case, inputs, {k: got[k] for k in differs},
+                     {k: want[k] for k in differs}, _MANAGER_HINTS[method])
+            theirs.events.clear()
+            mine.events.clear()
+
+        for step in range(rng.randint(4, 24)):
+            for prompt, n in _arrivals(rng, block_size):
+                for lock in (theirs, mine):
+                    lock.arrive(prompt, n)
+            outs = [lock.run.scheduler.schedule() for lock in (theirs, mine)]
+            ops = sorted({e["op"] for e in theirs.events}) or ["nothing"]
+            compare(step, f"schedule() ({', '.join(ops)})",
+                    (outs[1].blocks_to_copy, outs[0].blocks_to_copy))
+            for lock, out in zip((theirs, mine), outs):
+                lock.after_model(out)
+            running = [s for g in theirs.run.scheduler.running if not g.pending_chunks
+                       for s in g.get_seqs(SequenceStatus.RUNNING)]
+            if running and rng.random() < 0.3:  # a beam continues from another (lesson 03)
+                parent = rng.choice(running).seq_id
+                children = [lock.run.fork(lock.run.seq(parent)) for lock in (theirs, mine)]
+                compare(step, f"fork(seq {parent} -> seq {children[0].seq_id})")
+            for seq_id in _to_finish(rng, theirs, block_size):
+                for lock in (theirs, mine):
+                    lock.run.finish(lock.run.seq(seq_id))
+                compare(step, f"the sequence finished: free(seq {seq_id})")
+    return num_cases
+
+
+register(Component(
+    name="BlockSpaceManager", lesson="03",
+    # where the engine's scheduler (Scheduler.with_pools) and the model-free DryRun build it
+    slots=("minipaged.core.scheduler:BlockSpaceManager", "minipaged.lab.dry_run:BlockSpaceManager"),
+    check=_check_block_space_manager,
+    solution="minipaged.exercises.answers.lesson03:MyBlockSpaceManager",
+    preamble="from minipaged.exercises.lesson03 import *",
+))

@@ -16,13 +16,25 @@ prompt_blocks)``: a new request and the blocks its prompt needs. Lists are oldes
 
 Expected answers: the decisions of the real ``Scheduler`` (preemption by swap, no watermark) on
 random traffic.
+
+The build track's component (``workbench``): ``Scheduler``, whose step 1 (``_schedule_running``),
+preemption (``_preempt``) and step 3 (``_resume_swapped``) the learner writes from the stub
+``MyScheduler``; its checker runs it next to the package's scheduler on random traffic in tiny
+pools (both preemption modes) and compares every step.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.core.lookahead import drop_lookahead, fit_lookahead
+from minipaged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
+from minipaged.core.scheduler_outputs import StepPlan
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
+                                          rng_for)
+from minipaged.exercises.lesson03 import _arrivals, _Lockstep, _to_finish
+from minipaged.exercises.workbench import Component, register
 from minipaged.lab.dry_run import RandomTraffic
+from minipaged.sequence import SequenceGroup, SequenceStatus
 
 
 class GroupState(NamedTuple):
@@ -118,3 +130,184 @@ def check_resume_and_admit(fn, num_cases: int = 300, seed: int | None = 0) -> Ch
                  f"num_free={num_free}", got, expected, hint)
         checked += 1
     return passed(learner, checked)
+
+
+# -- the build track: the scheduler's step -------------------------------------------------------
+class MyScheduler(Scheduler):
+    """The running and swapped parts of ``schedule()``; the package keeps the rest (prefill
+    chunks, admitting new requests: lesson 09).
+
+    ``schedule()`` calls your methods in order with ``step``, the ``StepPlan`` of this step:
+    ``step.budget`` (tokens left), ``step.blocks_to_swap_in`` / ``blocks_to_swap_out`` /
+    ``blocks_to_copy``, ``step.preempted`` (a list of ``(request_id, mode)``),
+    ``step.decode_groups`` (the groups decoding this step, in the order served) and
+    ``step.stalled`` (a prompt waits for the budget). What you have: the queues
+    ``self.running``, ``self.swapped``, ``self.waiting`` (lists of ``SequenceGroup``),
+    ``self.config`` (``max_num_seqs``, ``enable_chunked_prefill``), ``self.forced_mode`` (a
+    ``PreemptionMode`` or None), ``self.block_manager`` (lesson 03) and
+    ``self._append_slots(seq_group, step.blocks_to_copy)``.
+    """
+
+    def _schedule_running(self, step: StepPlan) -> None:
+        """Step 1: serve the running groups, oldest first (``arrival_time``).
+
+        A group still prefilling (``seq_group.pending_chunks``) stays running and decodes
+        nothing. Every other group needs a slot for the newest token of each running sequence
+        (``self.block_manager.can_append_slot(seq_group)``); when there is no room, the newest
+        group not yet served is preempted, again until it fits; if none is left, the group
+        itself is preempted. A served group gets its slots (``_append_slots``), decodes this
+        step and takes one token of the budget per running sequence.
+        (Speculative decoding, lesson 12: call ``fit_lookahead(seqs, step.budget)`` before
+        asking for room, try ``drop_lookahead(seqs)`` before preempting, and count
+        ``seq.num_lookahead_slots`` more tokens; without speculation they change nothing.)
+        """
+        not_done()  # <- your code here
+
+    def _preempt(self, seq_group: SequenceGroup, blocks_to_swap_out: dict) -> tuple[str, str]:
+        """Take the group's GPU blocks back, by recompute or by swap; returns
+        ``(request_id, mode.value)``.
+
+        The mode: ``self.forced_mode`` if set; otherwise a group of one sequence
+        (``get_max_num_running_seqs()``) is recomputed and a larger one swapped; a swap needs
+        room in the CPU pool (``block_manager.can_swap_out``), else it is a recompute.
+        Recompute: free each running sequence's blocks, ``seq.reset_for_recompute()``, drop
+        its ``pending_chunks``, and put it first in the waiting queue. Swap: the block
+        manager's ``swap_out`` (its moves go into ``blocks_to_swap_out``), the sequences become
+        ``SequenceStatus.SWAPPED``, the group joins the swapped queue. Either way, tell the
+        listeners: ``self.block_manager.record_preemption(seq_group, mode.value)``.
+        """
+        not_done()  # <- your code here
+
+    def _resume_swapped(self, step: StepPlan) -> None:
+        """Step 3: bring swapped groups back, oldest first, but not in a step that preempted
+        or while a prompt waits for the budget (``step.stalled``).
+
+        Stop at the first group that does not fit: the pool (``block_manager.can_swap_in``),
+        ``max_num_seqs`` sequences running at once (``self._num_running_seqs()``), and without
+        chunked prefill the budget for its decodes. A group coming back is swapped in
+        (``block_manager.swap_in``: its moves go into ``step.blocks_to_swap_in``), its
+        sequences run again, and unless it is still prefilling it decodes this step, as in
+        step 1.
+        """
+        not_done()  # <- your code here
+
+
+def _scheduler_state(lock: _Lockstep) -> dict:
+    sched, bm = lock.run.scheduler, lock.bm
+    by_arrival = lambda queue: [g.request_id for g in sorted(queue, key=lambda g: g.arrival_time)]
+    return {"waiting": by_arrival(sched.waiting), "running": by_arrival(sched.running),
+            "swapped": by_arrival(sched.swapped),
+            "free GPU blocks": bm.get_num_free_gpu_blocks(),
+            "free CPU blocks": bm.get_num_free_cpu_blocks()}
+
+
+def _step_record(lock: _Lockstep, outs) -> dict:
+    """A step as the checkers of lessons 04 and 09 compare it, in the order they look."""
+    return {"preempted": outs.preempted, "blocks_to_swap_out": outs.blocks_to_swap_out,
+            "blocks_to_swap_in": outs.blocks_to_swap_in,
+            "scheduled": [(g.request_id, "prompt" if p else "decode")
+                          for g, p in zip(outs.scheduled_seq_groups, outs.prompt_run)],
+            "prefill chunks": [(c.seq_group.request_id, c.start, c.end)
+                               for c in outs.prefill_chunks],
+            "blocks_to_copy": outs.blocks_to_copy,
+            "num_batched_tokens": outs.num_batched_tokens, **_scheduler_state(lock)}
+
+
+def _random_configs(rng):
+    """Tiny pools (so that preemption happens), either preemption mode, budgets and sequence
+    limits small and large, chunked prefill on and off."""
+    block_size = rng.choice([1, 2, 4])
+    num_cpu = rng.choice([0, 6, 40])
+    config = SchedulerConfig(
+        max_num_seqs=rng.choice([256, 256, 4]),
+        max_num_batched_tokens=rng.choice([4096, 4096, 5, 12]),
+        preemption_mode="recompute" if num_cpu == 0 else rng.choice([None, "swap", "recompute"]),
+        enable_chunked_prefill=rng.random() < 0.8)
+    return block_size, rng.randint(6, 14), num_cpu, rng.choice([0.0, 0.0, 0.1]), config
+
+
+def _lockstep_steps(candidate_class, rng, num_cases: int):
+    """(case, description, the queues before the step, the package's run, the learner's run,
+    their outputs) for every step of random traffic, the two schedulers side by side."""
+    for case in range(num_cases):
+        block_size, num_gpu, num_cpu, watermark, config = _random_configs(rng)
+        about = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size}, watermark {watermark}, "
+                 f"preemption {config.preemption_mode or 'by group size'}, max_num_seqs "
+                 f"{config.max_num_seqs}, max_num_batched_tokens "
+                 f"{config.max_num_batched_tokens}, chunked prefill "
+                 f"{'on' if config.enable_chunked_prefill else 'off'}")
+        theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config,
+                                  scheduler_class=cls) for cls in (Scheduler, candidate_class))
+        for step in range(rng.randint(4, 24)):
+            for prompt, n in _arrivals(rng, block_size):
+                for lock in (theirs, mine):
+                    lock.arrive(prompt, n)
+            before = _scheduler_state(theirs)
+            outs = [lock.run.scheduler.schedule() for lock in (theirs, mine)]
+            yield case, f"{about}; step {step}, before it: {before}", before, theirs, mine, outs
+            for lock, out in zip((theirs, mine), outs):
+                lock.after_model(out)
+            for seq_id in _to_finish(rng, theirs, block_size):
+                for lock in (theirs, mine):
+                    lock.run.finish(lock.run.seq(seq_id))
+
+
+_SCHEDULER_HINTS = {
+    "blocks_to_swap_in": "swapped groups come back, oldest first, before anything new is "
+                         "admitted, as soon as the pool has room for them and the sequence "
+                         "limit allows; but not in a step that preempted",
+    "scheduled": "every running group that is not prefilling decodes this step, in the order "
+                 "served (step.decode_groups); a group coming back from swap decodes too",
+    "prefill chunks": "a group still prefilling stays running (the package takes its chunks "
+                      "after your step 1); and a step that preempted or resumed differently "
+                      "leaves a different budget and pool for the prompts",
+    "blocks_to_copy": "each decoding sequence needs the slot for its newest token before the "
+                      "model runs, whether it was running or has just come back from swap",
+    "num_batched_tokens": "each decoding sequence takes one token of step.budget",
+    "waiting": "a group preempted by recompute waits again, first in line, its blocks freed "
+               "and its tokens to compute again",
+    "running": "a group that was served or came back runs on; a preempted one does not",
+    "swapped": "a group preempted by swap waits in the swapped queue until it fits again",
+    "free GPU blocks": "what was freed, swapped or appended differs: compare the queues",
+    "free CPU blocks": "a swap moves a group's blocks to the CPU pool, and back",
+}
+
+
+def _preemption_hint(got: list, expected: list) -> str:
+    if len(got) < len(expected):
+        return ("when a group's next tokens do not fit (can_append_slot), memory is taken "
+                "from the newest group still waiting to be served, again until it fits; "
+                "with none left, the group itself is preempted")
+    if [r for r, _ in got] == [r for r, _ in expected]:
+        return ("the right groups, the wrong mode: a forced mode wins; otherwise one sequence "
+                "is recomputed and a group of several swapped, if the CPU pool has room")
+    if len(got) > len(expected):
+        return "preempt only while the group's slots do not fit, and only as many as needed"
+    return ("the victim is the newest group (latest arrival) not yet served, not the group "
+            "that needs the room")
+
+
+def _check_scheduler(candidate, rng, num_cases: int) -> int:
+    """The learner's scheduler next to the package's on random traffic (parallel sampling,
+    tiny pools, both preemption modes), every step compared."""
+    steps = _lockstep_steps(candidate, rng, num_cases)
+    for case, about, _, theirs, mine, (want_outs, got_outs) in steps:
+        got, want = _step_record(mine, got_outs), _step_record(theirs, want_outs)
+        if got != want:
+            key = next(k for k in want if got[k] != want[k])
+            if key in ("preempted", "blocks_to_swap_out"):
+                hint = _preemption_hint(got["preempted"], want["preempted"])
+            else:
+                hint = _SCHEDULER_HINTS[key]
+            fail("Scheduler", case, about, {key: got[key]}, {key: want[key]}, hint)
+    return num_cases
+
+
+register(Component(
+    name="Scheduler", lesson="04",
+    # where the engine's cache setup and the model-free DryRun build their scheduler
+    slots=("minipaged.engine.cache_setup:Scheduler", "minipaged.lab.dry_run:Scheduler"),
+    check=_check_scheduler,
+    solution="minipaged.exercises.answers.lesson04:MyScheduler",
+    preamble="from minipaged.exercises.lesson04 import *",
+))

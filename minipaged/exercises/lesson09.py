@@ -14,11 +14,21 @@ time to a prompt's first token.
 Expected answers: the real ``Scheduler`` (``max_num_batched_tokens=budget``, chunked prefill on,
 a pool large enough for every request) on random traffic; a request of ``n`` sequences (parallel
 sampling) computes its prompt once and then decodes ``n`` tokens a step.
+
+The build track's component (``workbench``): ``admit_waiting``, step 4 of ``schedule()``
+(``Scheduler._admit_waiting``: new requests under the token budget and ``max_num_seqs``, first
+come first served), written from the stub of the same name; its checker runs the scheduler with
+it next to the package's on random traffic and compares every step.
 """
 from __future__ import annotations
 
+from minipaged.core.prefill_plan import plan_prefill
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
-from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.core.scheduler_outputs import StepPlan
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
+                                          rng_for)
+from minipaged.exercises.lesson04 import _lockstep_steps, _step_record
+from minipaged.exercises.workbench import Component, register
 from minipaged.lab.dry_run import DryRun
 from minipaged.sequence import SequenceStatus
 
@@ -132,3 +142,84 @@ def check_first_token_steps(fn, num_cases: int = 150, seed: int | None = 0) -> C
             fail(learner.name, case, f"budget={budget}, num_decodes={decodes}, "
                  f"prompt_lens={lens}", got, expected, hint)
     return passed(learner, num_cases)
+
+
+# -- the build track: admission under the token budget -------------------------------------------
+def admit_waiting(self, step: StepPlan) -> None:
+    """Step 4 of ``schedule()`` (a method of ``Scheduler``): admit waiting groups, oldest first
+    (``arrival_time``), while they fit; stop at the first that does not (first come, first
+    served). Nothing is admitted while a group is swapped out (``self.swapped``), in a step
+    that preempted (``step.preempted``), or while a prompt waits for the budget
+    (``step.stalled``): they came first.
+
+    A group fits when: the budget has room for its first chunk (with
+    ``self.config.enable_chunked_prefill`` one token is enough, the prompt is cut to what is
+    left; without it the whole first chunk must fit: ``self._first_chunk_len(seq_group)``
+    tokens),
+    its sequences (``seq_group.get_max_num_running_seqs()``) keep ``self._num_running_seqs()``
+    within ``self.config.max_num_seqs``, and ``self.block_manager.can_allocate(seq_group)``.
+
+    Admitting: ``cached = self.block_manager.allocate(seq_group)``; its waiting sequences run;
+    its prompt work is ``seq_group.pending_chunks = plan_prefill(seq_group, shared_len,
+    identical, cached)`` (``_, shared_len, identical = self.block_manager.prompt_layout(
+    seq_group)``, asked before allocating); it joins ``self.running``, and takes what the
+    budget allows: ``step.budget = self._take_chunks(seq_group, step.budget, step.chunks)``.
+    A group whose chunks did not all fit spends the budget: nobody after it starts.
+    """
+    not_done()  # <- your code here
+
+
+_ADMISSION_HINTS = {
+    "swapped": "nothing new is admitted while a group is swapped out, in a step that "
+               "preempted, or while a prompt waits for the budget: they came first",
+    "fcfs": "first come, first served: when the oldest waiting group does not fit, nobody "
+            "behind it is admitted in this step",
+    "max_num_seqs": "max_num_seqs bounds the sequences running at once, and a group brings "
+                    "all of its sequences",
+    "fits": "a group is admitted only when the budget has room for its first chunk (one token "
+            "with chunked prefill, all of it without), the sequence limit allows, and the "
+            "block manager can allocate it",
+    "chunks": "an admitted group's prompt work is plan_prefill's chunks, taken as far as the "
+              "budget allows (_take_chunks); a group left with chunks spends the budget",
+}
+
+
+def _admission_hint(theirs, mine, got: dict, want: dict, before_waiting: list[str]) -> str:
+    admitted = lambda record: [r for r in before_waiting if r not in record["waiting"]]
+    got_in, want_in = admitted(got), admitted(want)
+    if len(got_in) > len(want_in):
+        if theirs.run.scheduler.swapped or want["preempted"]:
+            return _ADMISSION_HINTS["swapped"]
+        if mine.run.scheduler._num_running_seqs() > mine.run.scheduler.config.max_num_seqs:
+            return _ADMISSION_HINTS["max_num_seqs"]
+    if got_in != before_waiting[:len(got_in)]:
+        return _ADMISSION_HINTS["fcfs"]
+    if len(got_in) != len(want_in):
+        return _ADMISSION_HINTS["fits"]
+    return _ADMISSION_HINTS["chunks"]
+
+
+def _check_admit_waiting(candidate, rng, num_cases: int) -> int:
+    """The scheduler with the learner's step 4 next to the package's on random traffic (budgets
+    small and large, chunked prefill on and off, parallel sampling, preemption), every step
+    compared."""
+    learner_class = type("SchedulerWithYourAdmission", (Scheduler,),
+                         {"_admit_waiting": candidate})
+    steps = _lockstep_steps(learner_class, rng, num_cases)
+    for case, about, before, theirs, mine, (want_outs, got_outs) in steps:
+        got, want = _step_record(mine, got_outs), _step_record(theirs, want_outs)
+        if got != want:
+            key = next(k for k in want if got[k] != want[k])
+            fail("admit_waiting", case, about, {key: got[key]}, {key: want[key]},
+                 _admission_hint(theirs, mine, got, want, before["waiting"]))
+    return num_cases
+
+
+register(Component(
+    name="admit_waiting", lesson="09",
+    # a method: plugged in, the Scheduler class itself uses it (every scheduler made after)
+    slots=("minipaged.core.scheduler:Scheduler._admit_waiting",),
+    check=_check_admit_waiting,
+    solution="minipaged.exercises.answers.lesson09:admit_waiting",
+    preamble="from minipaged.exercises.lesson09 import *",
+))

@@ -35,6 +35,7 @@ def test_lesson_09_titles_fit_the_drawings():
     from minipaged import SamplingParams
     from minipaged.core.block_manager import BlockSpaceManager
     from minipaged.core.scheduler import Scheduler, SchedulerConfig
+    from minipaged.exercises.workbench import plugged_in
     from minipaged.lab.dry_run import apply_step
     from minipaged.sequence import Sequence, SequenceGroup
     from minipaged.worker.model_runner import prepare_inputs
@@ -43,7 +44,7 @@ def test_lesson_09_titles_fit_the_drawings():
     ns = dict(BlockSpaceManager=BlockSpaceManager, Scheduler=Scheduler,
               SchedulerConfig=SchedulerConfig, SequenceGroup=SequenceGroup, Sequence=Sequence,
               SamplingParams=SamplingParams, apply_step=apply_step, prepare_inputs=prepare_inputs,
-              torch=torch, render_flat_batch=render_flat_batch, SVG=SVG,
+              torch=torch, render_flat_batch=render_flat_batch, SVG=SVG, plugged_in=plugged_in,
               names={0: "a", 1: "b", 2: "c"})
     shown = run_cell("09_continuous_batching", "budget 4, step", ns)
     assert len(shown) == 3

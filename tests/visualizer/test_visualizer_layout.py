@@ -124,7 +124,7 @@ def test_show_source_keeps_listings_to_40_lines(monkeypatch):
     monkeypatch.setattr("IPython.display.display", shown.append)
     source.show_source(Scheduler.schedule, end="# 2.")
     source.show_source(Scheduler.schedule, start="# 3.")
-    source.show_source(Scheduler.schedule)  # whole: cut at 40 lines, with a note
+    source.show_source(Scheduler._schedule_running, max_lines=20)  # cut, with a note
     lengths = [len(code.data.splitlines()) for code in shown]
     assert all(n <= source.MAX_LINES + 2 for n in lengths), lengths
     assert "more lines" in shown[-1].data
