@@ -217,9 +217,11 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
                                     ("value", caches[1][1], caches[0][1])):
             if not torch.equal(mine, package):
                 slot = _first_slot_that_differs(mine, package, meta.slot_mapping, name == "key")
+                token = meta.slot_mapping.tolist().index(slot) if slot is not None else None
                 fail("Attention", case, inputs + f"; the {name} cache at slot {slot}",
-                     "not this token's " + name, f"token {meta.slot_mapping.tolist().index(slot)}"
-                     f"'s {name}" if slot is not None else "unchanged", _CACHE_HINT)
+                     _Said(f"not token {token}'s {name}"), _Said(f"token {token}'s {name}")
+                     if slot is not None else _Said("what was there before the step"),
+                     _CACHE_HINT)
         error = (got - expected).abs().amax(dim=-1) / expected.abs().amax().clamp(min=1.0)  # (T,)
         if not torch.isfinite(error).all() or error.max() > 1e-4:
             row = int(torch.nonzero(~(error <= 1e-4))[0])
@@ -229,6 +231,13 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
                  f"first values", [round(v, 4) for v in got[row, :4].tolist()],
                  [round(v, 4) for v in expected[row, :4].tolist()], _PART_HINTS[part])
     return num_cases
+
+
+class _Said(str):
+    """Words in the checker's message, printed without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _first_slot_that_differs(mine, package, slot_mapping, is_key):
