@@ -11,6 +11,10 @@
 
 Expected answers: ``reference.paged_prefill_attention`` on a paged cache (the mask is read out
 of what it attends to) and ``models.rotary.RotaryEmbedding`` (as LLaMA layers call it).
+
+The build track's component (``workbench``): ``Attention``, the forward of the paged attention
+layer (``MyAttention``, a ``PagedAttention`` whose ``forward`` the learner writes), checked on
+random mixed steps against the package's layer and plugged in where GPT-2 and LLaMA build it.
 """
 from __future__ import annotations
 
@@ -18,9 +22,15 @@ import types
 
 import torch
 
-from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
-from minipaged.kernels import reference
+from minipaged.exercises import workbench
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
+                                          rng_for)
+from minipaged.exercises.random_steps import describe, random_step
+from minipaged.kernels import kv_quant, ops, reference
+from minipaged.models.attention import PagedAttention
+from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.rotary import RotaryEmbedding, rope_inv_freq
+from minipaged.worker.model_runner import prepare_inputs as package_prepare_inputs
 
 
 def package_chunk_mask(context_len: int, num_new: int, block_size: int = 4,
@@ -131,3 +141,117 @@ def check_rotate(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
                  [round(v, 3) for v in got[:6].tolist()] if got.numel() else got.tolist(),
                  [round(v, 3) for v in expected[:6].tolist()], hint + " (first 6 values shown)")
     return passed(learner, num_cases)
+
+
+# -- the build track: the attention layer's forward ----------------------------------------------
+class MyAttention(PagedAttention):
+    """The paged attention layer; ``__init__`` is the package's (num_heads, head_size, scale,
+    num_kv_heads), only ``forward`` is yours."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, ...] | None, meta: InputMetadata) -> torch.Tensor:
+        """Attention of the step's ``T`` tokens, (T, num_heads * head_size).
+
+        Args:
+            query: (T, num_heads * head_size); key, value: (T, num_kv_heads * head_size).
+            kv_cache: this layer's ``(key_cache, value_cache)`` (or None: prompts only); an
+                8-bit cache (lesson 18) adds ``(key_scales, value_scales)``, which the ops take
+                as ``kv_scales``.
+            meta: the batch's layout: fresh prompts, then chunks, then decode tokens.
+
+        First write every token's key and value into its slot (``ops.reshape_and_cache`` with
+        ``meta.slot_mapping``), then run each part through its path: ``ops.prefill_attention``,
+        ``ops.paged_prefill_attention``, ``ops.paged_attention``.
+        """
+        not_done()  # <- your code here
+
+
+_CACHE_HINT = ("write this step's keys and values into their slots (ops.reshape_and_cache with "
+               "meta.slot_mapping) before any path reads the cache: a chunk and a decode token "
+               "read their own new key from it too")
+_PART_HINTS = {
+    "fresh prompt": "the fresh prompts (the first meta.num_fresh_prompt_tokens rows) attend only "
+                    "to themselves, causally, prompt by prompt (meta.prompt_lens)",
+    "chunk": "a chunk's rows come after the fresh prompts' (meta.num_chunk_tokens of them) and "
+             "read their context from the cache through meta.chunk_block_tables",
+    "decode": "the last rows, one per decoding sequence, read their whole context from the cache "
+              "(meta.block_tables, meta.context_lens, meta.max_context_len), its own "
+              "new key included: written before it is read",
+}
+
+
+def _check_attention(candidate, rng, num_cases: int) -> int:
+    """Random mixed steps, GPT-2 shapes (one kv head per head) and LLaMA shapes (grouped
+    queries): the candidate's output and the cache it writes against ``PagedAttention``'s."""
+    for case in range(num_cases):
+        step = random_step(rng, rng.choice([1, 2, 4, 8, 16]))
+        head_size = rng.choice([8, 16, 32, 64])
+        num_kv_heads = rng.choice([1, 2, 3])
+        gpt2_shape = rng.random() < 0.5
+        num_heads = num_kv_heads * (1 if gpt2_shape else rng.choice([1, 2, 3]))
+        scale = head_size ** -0.5
+        make = ((lambda cls: cls(num_heads, head_size, scale)) if gpt2_shape
+                else (lambda cls: cls(num_heads, head_size, scale, num_kv_heads)))
+        meta = package_prepare_inputs(step.runs, step.block_size, torch.device("cpu")).meta
+        num_tokens = int(meta.slot_mapping.shape[0])
+        g = torch.Generator().manual_seed(rng.randrange(10**9))
+        query = torch.randn(num_tokens, num_heads * head_size, generator=g)
+        key = torch.randn(num_tokens, num_kv_heads * head_size, generator=g)
+        value = torch.randn(num_tokens, num_kv_heads * head_size, generator=g)
+        x = ops.key_vector_size(torch.float32)
+        # every slot holds some earlier key/value: what a chunk or a decode finds of its past
+        key_cache = torch.randn(step.num_blocks, num_kv_heads, head_size // x, step.block_size,
+                                x, generator=g)
+        value_cache = torch.randn(step.num_blocks, num_kv_heads, head_size, step.block_size,
+                                  generator=g)
+        caches = [(key_cache.clone(), value_cache.clone()) for _ in range(2)]
+        with torch.inference_mode():
+            expected = make(PagedAttention)(query, key, value, caches[0], meta)
+            got = make(candidate)(query.clone(), key.clone(), value.clone(), caches[1], meta)
+        inputs = (f"{'GPT-2' if gpt2_shape else 'LLaMA'} shape: {num_heads} heads, "
+                  f"{num_kv_heads} kv heads, head_size {head_size}; {describe(step)}")
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
+            fail("Attention", case, inputs, getattr(got, "shape", got), expected.shape,
+                 "return one row per token: (T, num_heads * head_size)")
+        for name, mine, package in (("key", caches[1][0], caches[0][0]),
+                                    ("value", caches[1][1], caches[0][1])):
+            if not torch.equal(mine, package):
+                slot = _first_slot_that_differs(mine, package, meta.slot_mapping, name == "key")
+                token = meta.slot_mapping.tolist().index(slot) if slot is not None else None
+                fail("Attention", case, inputs + f"; the {name} cache at slot {slot}",
+                     _Said(f"not token {token}'s {name}"), _Said(f"token {token}'s {name}")
+                     if slot is not None else _Said("what was there before the step"),
+                     _CACHE_HINT)
+        error = (got - expected).abs().amax(dim=-1) / expected.abs().amax().clamp(min=1.0)  # (T,)
+        if not torch.isfinite(error).all() or error.max() > 1e-4:
+            row = int(torch.nonzero(~(error <= 1e-4))[0])
+            part = ("fresh prompt" if row < meta.num_fresh_prompt_tokens else "chunk"
+                    if row < meta.num_prompt_tokens else "decode")
+            fail("Attention", case, inputs + f"; row {row} ({part} part of the batch), "
+                 f"first values", [round(v, 4) for v in got[row, :4].tolist()],
+                 [round(v, 4) for v in expected[row, :4].tolist()], _PART_HINTS[part])
+    return num_cases
+
+
+class _Said(str):
+    """Words in the checker's message, printed without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _first_slot_that_differs(mine, package, slot_mapping, is_key):
+    """The first slot of the step whose cached vector differs (None: a slot outside the step)."""
+    for slot in slot_mapping.tolist():
+        block, offset = divmod(slot, package.shape[-2] if is_key else package.shape[-1])
+        where = (block, slice(None), slice(None), offset)
+        if not torch.equal(mine[where], package[where]):
+            return slot
+    return None
+
+
+workbench.register(workbench.Component(
+    name="Attention", lesson="07",
+    slots=("minipaged.models.gpt2:PagedAttention", "minipaged.models.llama:PagedAttention"),
+    check=_check_attention, solution="minipaged.exercises.answers.lesson07:Attention",
+    preamble="from minipaged.exercises.lesson07 import *", num_cases=60))

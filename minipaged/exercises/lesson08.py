@@ -12,16 +12,27 @@ are computed this step); any other computes only its newest token (a decode).
 
 Expected answers: ``lab.batch_inputs.prepare_inputs_for_groups`` on random steps of a real
 ``Scheduler``, mixing new prompts, decodes and preempted requests.
+
+The build track's component (``workbench``): ``prepare_inputs``, the engine's own
+(``worker/model_runner.py``), written in ``my_prepare_inputs``; checked field by field against
+the package's on random ``SequenceRun`` lists and plugged in where the engine calls it.
 """
 from __future__ import annotations
 
 import torch
 from typing import NamedTuple
 
-from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.exercises import workbench
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
+                                          rng_for)
+from minipaged.exercises.random_steps import describe, random_step
 from minipaged.lab.dry_run import RandomTraffic
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups
+from minipaged.models.input_metadata import InputMetadata
 from minipaged.sequence import SequenceStatus
+from minipaged.step_record import SequenceRun
+from minipaged.worker.model_runner import PreparedInputs, Row
+from minipaged.worker.model_runner import prepare_inputs as package_prepare_inputs
 
 
 class SeqView(NamedTuple):
@@ -96,3 +107,111 @@ def check_sample_indices(fn, num_cases: int = 200, seed: int | None = 0) -> Chec
                         "sequence's last token land once the prompts before it are packed?")
             fail(learner.name, case, _show(seqs), got, expected, hint)
     return passed(learner, num_cases)
+
+
+# -- the build track: prepare_inputs ---------------------------------------------------------------
+def my_prepare_inputs(seq_runs: list[SequenceRun], block_size: int, device: torch.device,
+                      drafts: dict[int, list[int]] | None = None) -> PreparedInputs:
+    """The flat batch of one step, from the scheduler's record of it (plain data).
+
+    Args:
+        seq_runs: the step's runs, in any order; each has ``token_ids``, ``start`` (position of
+            its first token), ``end``, ``block_table``, ``seq_ids``, ``seq_group``, ``sample``
+            and ``is_prompt`` (see ``step_record.SequenceRun``).
+        block_size: tokens per block.
+        device: where the tensors go.
+        drafts: speculative decoding's proposed tokens (lesson 12): left to the package here.
+
+    Lay the tokens out as [fresh prompts (start 0) | chunks after a cached context | one token
+    per decode], each kind in the order of ``seq_runs``, and return a ``PreparedInputs`` with
+    ``input_ids`` and ``positions`` (int64), the ``InputMetadata`` (``slot_mapping`` int64; tables
+    padded with 0 and lengths int32), a ``Row`` and a ``sample_indices`` entry for each run
+    that samples, ``computed`` = (sequence, run end) for every sequence of every run, and
+    ``chunks`` = the prefill runs in batch order.
+    """
+    if any(drafts.values() if drafts else ()):
+        return package_prepare_inputs(seq_runs, block_size, device, drafts)  # lesson 12's steps
+    not_done()  # <- your code here
+
+
+_FIELD_HINTS = {
+    "input_ids": "fresh prompts (start 0) first, then chunks after a cached context, then one "
+                 "token per decode; within each kind keep the order of seq_runs",
+    "positions": "a run's tokens stand at positions start, start + 1, ..., end - 1 (a decode's "
+                 "one token at run.start: the sequence's length minus one)",
+    "meta.slot_mapping": "a token's slot goes through its sequence's block table: "
+                         "block_table[position // block_size] * block_size + the offset",
+    "meta.prompt_lens": "one length per fresh prompt (start 0), in batch order",
+    "meta.num_chunk_tokens": "the tokens of the chunks that continue a cached context",
+    "meta.chunk_query_start_loc": "where each chunk's tokens start within the chunk part, "
+                                  "beginning with 0 and ending with their total",
+    "meta.chunk_block_tables": "one block table per chunk, padded with 0 to the longest",
+    "meta.chunk_context_lens": "a chunk reads its context up to its own end (run.end)",
+    "meta.block_tables": "one block table per decode, padded with 0 to the longest",
+    "meta.context_lens": "a decode token attends to its whole context, itself included (run.end)",
+    "meta.max_context_len": "the largest context length of the decodes (0 without decodes)",
+    "sample_indices": "the row of the last token of each run that samples, in batch order",
+    "rows": "a Row(seq_group, seq_ids, is_prompt) per run that samples, in batch order",
+    "computed": "(the Sequence, run.end) for each sequence of each run, in batch order "
+                "(seq_group.find(seq_id) gives the Sequence)",
+    "chunks": "the prefill runs in batch order: fresh prompts, then the chunks",
+}
+
+
+def _fields(prepared: PreparedInputs) -> dict:
+    """What the checker compares, as plain values (tensors as (dtype, list))."""
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return (str(value.dtype).replace("torch.", ""), value.tolist())
+        return value
+    meta = prepared.meta
+    return {
+        "input_ids": plain(prepared.input_ids), "positions": plain(prepared.positions),
+        **{f"meta.{name}": plain(getattr(meta, name)) for name in (
+            "slot_mapping", "prompt_lens", "num_chunk_tokens", "chunk_query_start_loc",
+            "chunk_block_tables", "chunk_context_lens", "block_tables", "context_lens",
+            "max_context_len")},
+        "sample_indices": plain(prepared.sample_indices),
+        "rows": [(r.seq_group.request_id, list(r.seq_ids), r.is_prompt) for r in prepared.rows],
+        "computed": [(seq.seq_id, id(seq), end) for seq, end in prepared.computed],
+        "chunks": [id(run) for run in prepared.chunks],
+    }
+
+
+def _check_prepare_inputs(candidate, rng, num_cases: int) -> int:
+    """Random steps (fresh prompts, first chunks, chunks after a cached context, decodes, a
+    prompt shared by two sequences, in any order; block sizes 1 to 16), field by field."""
+    for case in range(num_cases):
+        step = random_step(rng, rng.choice([1, 2, 4, 8, 16]), max_runs=6)
+        expected = _fields(package_prepare_inputs(step.runs, step.block_size,
+                                                  torch.device("cpu")))
+        got = candidate(list(step.runs), step.block_size, torch.device("cpu"))
+        if not isinstance(got, PreparedInputs):
+            fail("prepare_inputs", case, describe(step), type(got).__name__, "PreparedInputs",
+                 "return a PreparedInputs(input_ids, positions, meta, rows, sample_indices, "
+                 "computed, chunks)")
+        got = _fields(got)
+        for name, value in expected.items():
+            if got[name] != value:
+                hint = _FIELD_HINTS[name]
+                if (isinstance(value, tuple) and isinstance(got[name], tuple)
+                        and got[name][1] == value[1]):
+                    hint = f"the right numbers as {got[name][0]}: InputMetadata wants {value[0]}"
+                elif name in ("computed", "chunks"):
+                    got[name], value = (_names(got[name], step), _names(value, step))
+                fail("prepare_inputs", case, describe(step) + f"; field {name}", got[name],
+                     value, hint)
+    return num_cases
+
+
+def _names(entries, step) -> list:
+    """``computed`` / ``chunks`` entries with object ids replaced by what they name."""
+    runs = {id(run): f"run of seqs {run.seq_ids} from {run.start}" for run in step.runs}
+    return [runs.get(e, "?") if isinstance(e, int) else (f"seq {e[0]}", e[2]) for e in entries]
+
+
+workbench.register(workbench.Component(
+    name="prepare_inputs", lesson="08",
+    slots=("minipaged.engine.llm_engine:prepare_inputs", "minipaged.lab.batch_inputs:prepare_inputs"),
+    check=_check_prepare_inputs, solution="minipaged.exercises.answers.lesson08:prepare_inputs",
+    preamble="from minipaged.exercises.lesson08 import *"))

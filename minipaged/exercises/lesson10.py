@@ -21,6 +21,11 @@ The checkers draw random cases with no ties that matter: no two logits are equal
 than 1 is never within 1e-4 of a running sum, and no two of the best scores are within 1e-4.
 top_p = 1 is the exception: a float32 running sum can reach 1.0 before the last (tiny)
 probabilities, so it is a rule of its own (keep every token), checked before any sum.
+
+The build track's component (``workbench``): ``Sampler``, the sampler's main method
+(``MySampler.__call__``), checked against the package's ``Sampler`` on random rows and random
+``SamplingParams`` (greedy, seeded, unseeded, beam search, penalties, ``logprobs``) and plugged
+in where the engine builds its sampler.
 """
 from __future__ import annotations
 
@@ -28,12 +33,14 @@ import math
 
 import torch
 
-from minipaged.exercises import checking
-from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.exercises import checking, workbench
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
+                                          rng_for)
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.worker.model_runner import Row
-from minipaged.worker.sampler import Sampler, top_k_top_p_filter
+from minipaged.worker.sampler import (Sampler, SequenceOutput, apply_penalties, draw,
+                                      sequence_generators, top_k_top_p_filter)
 
 _MARGIN = 1e-4  # no running sum, and no pair of competing scores, closer than this
 
@@ -203,4 +210,178 @@ def usable(fn):
                            lambda logits, top_p: top_k_top_p_filter(logits, -1, top_p))
 
 
-__all__ = ["check_top_p_filter", "check_beam_step", "package_beam_step", "usable"]
+# -- the build track: the sampler ----------------------------------------------------------------
+class MySampler(Sampler):
+    """The package's sampler with its main method left to you; ``_beam_search`` is inherited."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[Row],
+                 generators: dict[int, torch.Generator]) -> dict[str, dict[int, SequenceOutput]]:
+        """The next token of every sequence of the step: {request_id: {seq_id: SequenceOutput}}.
+
+        Args:
+            logits: (R, V) one row per ``rows`` entry (``row.seq_group``, ``row.seq_ids``:
+                several when a fresh group's sequences share their prompt's row).
+            generators: one ``torch.Generator`` per sequence id, for its random draws.
+
+        Per row: the presence and frequency penalties over the sequence's generated tokens,
+        then the temperature (1 for greedy and beam search). Then per request: greedy takes the
+        argmax; random sampling filters top-k then top-p and draws once per sequence with
+        ``draw(probs, generators[seq_id])``; beam search calls
+        ``self._beam_search(seq_group, its rows, their logprobs)``. A ``SequenceOutput(parent
+        seq id, token, logprobs)`` reports the chosen token's logprob (after penalties and
+        temperature, before top-k/top-p) and, with ``logprobs=n``, the n most likely tokens'.
+        """
+        not_done()  # <- your code here
+
+
+def _sampler_case(rng, case: int):
+    """(logits (R, V), rows) of a random step: 1 to 4 requests of random kinds and settings."""
+    vocab = rng.choice([6, 12, 40, 100])
+    groups, seq_id = [], 0
+    for g in range(rng.randint(1, min(4, 1 + case // 10))):  # small steps first
+        kind = rng.choice(["greedy", "seeded", "seeded", "unseeded", "beam"])
+        n = rng.choice([2, 3]) if kind == "beam" else rng.choice([1, 1, 2])
+        params = SamplingParams(
+            n=n, use_beam_search=kind == "beam",
+            temperature=0.0 if kind in ("greedy", "beam") else rng.choice([0.5, 1.0, 1.7]),
+            top_k=-1 if kind == "beam" else rng.choice([-1, -1, 1, 3, vocab // 2]),
+            top_p=1.0 if kind == "beam" else rng.choice([1.0, 0.9, 0.6, 0.3, 0.1]),
+            presence_penalty=rng.choice([0.0, 0.0, 0.5, -0.5, 1.5]),
+            frequency_penalty=rng.choice([0.0, 0.0, 0.3, 1.0]),
+            logprobs=rng.choice([None, 0, 1, 3]), seed=rng.randrange(10**6)
+            if kind == "seeded" else None)
+        seqs = [Sequence(seq_id + j, None, [rng.randrange(vocab) for _ in range(3)], 4)
+                for j in range(n)]
+        fresh = rng.random() < 0.4
+        for seq in seqs if not fresh else ():  # decoding: some tokens generated already
+            seq.output_token_ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+            seq.cumulative_logprob = -rng.uniform(0.0, 5.0)
+        groups.append((fresh, SequenceGroup(f"req{g}", seqs, params, float(g))))
+        seq_id += n
+    groups.sort(key=lambda fg: not fg[0])  # prompt rows first, as in a step's batch
+    rows = [r for fresh, group in groups for r in (
+        [Row(group, [s.seq_id for s in group.seqs], True)] if fresh
+        else [Row(group, [s.seq_id], False) for s in group.seqs])]
+    g = torch.Generator().manual_seed(rng.randrange(10**9))
+    logits = torch.randn(len(rows), vocab, generator=g) * rng.choice([1.0, 3.0])  # (R, V)
+    processed = _processed(logits, rows)  # (R, V)
+    for i, row in enumerate(rows):  # no top_p within a rounding error of a running sum
+        params = row.seq_group.sampling_params
+        if params.top_p < 1.0 and not _clear_top_p(processed[i], params):
+            params.top_p = 1.0
+    return logits, rows
+
+
+def _processed(logits, rows):
+    """The package's rows after penalties and temperature (R, V)."""
+    temps = [1.0 if p.greedy or p.use_beam_search else p.temperature
+             for p in (r.seq_group.sampling_params for r in rows)]
+    return apply_penalties(logits, rows) / torch.tensor(temps)[:, None]
+
+
+def _clear_top_p(row, params) -> bool:
+    kept = top_k_top_p_filter(row, params.top_k, 1.0)
+    sums = torch.cumsum(torch.softmax(torch.sort(kept, descending=True).values, -1), -1)
+    return bool(((sums - params.top_p).abs() > _MARGIN).all())
+
+
+def _generators(rows):
+    """The engine's generators: from the request's seed, or from a name when it has none."""
+    generators = {}
+    for row in rows:
+        group = row.seq_group
+        seed = group.sampling_params.seed
+        generators.update(sequence_generators(f"engine/{group.request_id}" if seed is None
+                                              else seed, [s.seq_id for s in group.seqs]))
+    return generators
+
+
+def _check_sampler(candidate, rng, num_cases: int) -> int:
+    for case in range(num_cases):
+        logits, rows = _sampler_case(rng, case)
+        theirs, mine = _generators(rows), _generators(rows)
+        expected = Sampler()(logits.clone(), rows, theirs)
+        got = candidate()(logits.clone(), rows, mine)
+        inputs = "; ".join(
+            f"row {i}: {row.seq_group.request_id} seqs {row.seq_ids} "
+            f"{_settings(row.seq_group.sampling_params)} generated "
+            f"{row.seq_group.find(row.seq_ids[0]).output_token_ids}"
+            for i, row in enumerate(rows)) + f"; vocab {logits.shape[-1]}"
+        shape = {r: sorted(outs) for r, outs in expected.items()}
+        if not isinstance(got, dict) or {r: sorted(o) for r, o in got.items()} != shape:
+            fail("Sampler", case, inputs, {r: sorted(o) for r, o in got.items()}
+                 if isinstance(got, dict) else got, shape,
+                 "return {request_id: {seq_id: SequenceOutput}}: one entry for every sequence "
+                 "of every row (a fresh group's prompt row serves all of its seq_ids)")
+        for request_id, outputs in expected.items():
+            for seq_id, want in outputs.items():
+                have = got[request_id][seq_id]
+                row = next(r for r in rows if seq_id in r.seq_ids)
+                where = inputs + f"; {request_id}, seq {seq_id}"
+                if (have.parent_seq_id, have.token_id) != (want.parent_seq_id, want.token_id):
+                    fail("Sampler", case, where + " (parent, token)",
+                         (have.parent_seq_id, have.token_id), (want.parent_seq_id, want.token_id),
+                         _token_hint(row, rows, logits, have.token_id, mine, theirs, seq_id))
+                if not torch.equal(mine[seq_id].get_state(), theirs[seq_id].get_state()):
+                    fail("Sampler", case, where + " (its generator afterwards)",
+                         _Shown("not advanced by one draw"), _Shown("advanced by one draw"),
+                         _GENERATOR_HINT)
+                if (sorted(have.logprobs) != sorted(want.logprobs)
+                        or any(abs(have.logprobs[t] - v) > 1e-4 for t, v in want.logprobs.items())):
+                    fail("Sampler", case, where + " (logprobs)", _rounded(have.logprobs),
+                         _rounded(want.logprobs), _LOGPROB_HINT)
+    return num_cases
+
+
+_GENERATOR_HINT = ("a random row draws with its own sequence's generator, generators[seq_id], "
+                   "exactly one number per token (draw does that); never torch's global one")
+_LOGPROB_HINT = ("report log_softmax of the logits after the penalties and the temperature (1 "
+                 "for greedy and beam search), before top-k and top-p; logprobs=n adds the n most "
+                 "likely tokens' logprobs to the chosen one's")
+
+
+def _settings(p: SamplingParams) -> str:
+    kind = "beam search" if p.use_beam_search else "greedy" if p.greedy else (
+        f"seed {p.seed}" if p.seed is not None else "unseeded")
+    return (f"({kind}, temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p}, presence "
+            f"{p.presence_penalty}, frequency {p.frequency_penalty}, logprobs {p.logprobs})")
+
+
+def _rounded(logprobs: dict) -> dict:
+    return {t: round(v, 4) for t, v in sorted(logprobs.items())}
+
+
+def _token_hint(row, rows, logits, token, mine, theirs, seq_id) -> str:
+    params = row.seq_group.sampling_params
+    if params.use_beam_search:
+        return ("a beam-search group goes to self._beam_search(seq_group, its rows, their "
+                "logprobs), all its rows at once, at temperature 1")
+    processed = _processed(logits, rows)[rows.index(row)]  # (V,)
+    if params.greedy:
+        return ("a greedy row takes the argmax of its logits after the presence and frequency "
+                "penalties (counted over the generated tokens only, never the prompt)")
+    if not torch.equal(mine[seq_id].get_state(), theirs[seq_id].get_state()):
+        return _GENERATOR_HINT
+    if not 0 <= token < processed.shape[-1] or torch.isinf(
+            top_k_top_p_filter(processed, params.top_k, params.top_p)[token]):
+        if 0 <= token < processed.shape[-1] and torch.isfinite(
+                top_k_top_p_filter(processed, params.top_k, 1.0)[token]):
+            return (f"token {token} is outside the nucleus: top-p keeps the most likely tokens "
+                    f"until their running sum reaches top_p (the token that reaches it stays), "
+                    f"and drops every token after it")
+        return f"token {token} is not among the top_k most likely: it has probability 0"
+    return ("penalties, then the temperature, then top-k and top-p on that row, a softmax, and "
+            "one draw(probs, generators[seq_id]) for each of the row's sequences")
+
+
+workbench.register(workbench.Component(
+    name="Sampler", lesson="10",
+    slots=("minipaged.engine.llm_engine:Sampler", "minipaged.lab.sampler_probe:Sampler"),
+    check=_check_sampler, solution="minipaged.exercises.answers.lesson10:ReferenceSampler",
+    preamble=("import torch\n\nfrom minipaged.exercises.checking import not_done\n"
+              "from minipaged.worker.model_runner import Row\n"
+              "from minipaged.worker.sampler import Sampler, SequenceOutput, draw"),
+    num_cases=150))
+
+
+__all__ = ["check_top_p_filter", "check_beam_step", "package_beam_step", "usable", "MySampler"]
