@@ -2,11 +2,16 @@
 caught with their case and hint, stubs say "not done", and the engine runs on them."""
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.exercises import lesson11, workbench
+from minipaged.exercises import lesson11, lesson12, workbench
 from minipaged.exercises.answers import lesson11 as answers11
+from minipaged.exercises.answers import lesson12 as answers12
+from minipaged.worker.sampler import draw
 
 
 def check(name: str, candidate, num_cases: int | None = None):
@@ -104,3 +109,119 @@ def test_the_engine_on_the_reference_allocator_gives_the_same_tokens(tiny_llama)
     assert type(engine.block_manager.gpu_allocator) is answers11.MyPrefixCachingAllocator
     assert mine == plain
     assert engine.stats.num_cached_prompt_tokens > 0 and engine.stats.num_evicted_blocks > 0
+
+
+# -- lesson 12: greedy_verify and rejection_sample ------------------------------------------------
+def _sampled_verification(correction):
+    """A rejection sampler right in everything but where the correction comes from."""
+
+    def verify(target_probs, draft_token_ids, draft_probs, generator):
+        emitted = []
+        for i, token in enumerate(draft_token_ids):
+            p = target_probs[i].double()  # (V,)
+            if draft_probs is None:
+                q = torch.zeros_like(p)
+                q[token] = 1.0
+            else:
+                q = draft_probs[i].double()  # (V,)
+            u = torch.rand((), generator=generator, dtype=torch.float64).item()
+            if u * q[token].item() < p[token].item():
+                emitted.append(token)
+                continue
+            emitted.append(correction(p, q, generator))
+            return emitted
+        return emitted + [draw(target_probs[-1].double(), generator)]
+
+    return verify
+
+
+def _from_q(p, q, generator):
+    return draw(q, generator)  # wrong: q is where the rejected guess came from
+
+
+def _unnormalised_residual(p, q, generator):
+    residual = torch.clamp(p - q, min=0)  # wrong: never divided by its sum
+    cdf = torch.cumsum(residual, dim=0)
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    return int(torch.searchsorted(cdf, u, right=True).clamp(max=len(cdf) - 1))
+
+
+def test_the_reference_verifications_pass():
+    assert check("greedy_verify", answers12.greedy_verify).passed
+    assert check("rejection_sample", answers12.rejection_sample).passed
+
+
+@pytest.mark.parametrize("name", ["greedy_verify", "rejection_sample"])
+def test_the_unanswered_verification_stubs_are_not_done(name):
+    result = check(name, getattr(lesson12, name))
+    assert result.status == "not done" and "not done yet" in result
+
+
+RESIDUAL_HINT = "after a rejection the correction is drawn from the residual"
+
+
+@pytest.mark.parametrize("correction", [_from_q, _unnormalised_residual])
+def test_a_wrong_correction_is_caught_by_the_seeded_cases(correction):
+    result = check("rejection_sample", _sampled_verification(correction))
+    assert result.status == "failed" and "✗ rejection_sample: case " in result
+    assert "generator seeded" in result and RESIDUAL_HINT in result
+
+
+@pytest.mark.parametrize("correction", [_from_q, _unnormalised_residual])
+def test_a_wrong_correction_fails_the_statistical_check_too(correction):
+    with pytest.raises(Exception) as caught:  # only the distribution check: no seeded cases
+        lesson12._check_rejection_sample(_sampled_verification(correction), random.Random(0), 0)
+    assert "how often each token comes out first" in str(caught.value)
+    assert "the first token must follow p" in str(caught.value)
+
+
+def test_a_sampler_that_uses_more_random_numbers_is_caught():
+    def wasteful(target_probs, draft_token_ids, draft_probs, generator):
+        torch.rand((), generator=generator)  # an extra draw: seeded outputs would drift
+        return answers12.rejection_sample(target_probs, draft_token_ids, draft_probs, generator)
+
+    result = check("rejection_sample", wasteful)
+    assert result.status == "failed" and "case 0" in result
+
+
+def test_a_greedy_verification_without_the_bonus_token_is_caught():
+    def no_bonus(target_argmax_ids, draft_token_ids):
+        return answers12.greedy_verify(target_argmax_ids, draft_token_ids)[:-1]
+
+    result = check("greedy_verify", no_bonus)
+    assert result.status == "failed" and "one token more than it accepts" in result
+
+
+@pytest.mark.parametrize("name", ["greedy_verify", "rejection_sample"])
+def test_the_saved_verification_is_collected_and_passes(name, tmp_path, monkeypatch):
+    found = round_trip(name, getattr(answers12, name), tmp_path, monkeypatch)
+    assert found.__name__ == name
+
+
+def test_the_engine_on_the_reference_verifications_gives_the_same_tokens(tiny_llama):
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [3, 4, 3, 4, 3, 4, 3]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)]
+
+    def run():
+        llm = LLM(tiny_llama[0], block_size=4, num_gpu_blocks=64, max_model_len=64,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_max": 2})
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return llm.llm_engine.stats, [o.outputs[0].token_ids for o in outs]
+
+    _, plain = run()
+    used = []
+
+    def counted(name):
+        def call(*args):
+            used.append(name)
+            return getattr(answers12, name)(*args)
+        return call
+
+    with workbench.plugged_in(objects={"greedy_verify": counted("greedy_verify"),
+                                       "rejection_sample": counted("rejection_sample")}):
+        stats, mine = run()
+    assert mine == plain
+    assert {"greedy_verify", "rejection_sample"} <= set(used)
+    assert stats.num_spec_verifications > 0
