@@ -225,3 +225,73 @@ def test_the_engine_on_the_reference_verifications_gives_the_same_tokens(tiny_ll
     assert mine == plain
     assert {"greedy_verify", "rejection_sample"} <= set(used)
     assert stats.num_spec_verifications > 0
+
+
+# -- lesson 06: softmax_phase_cuda (C++ compiled for the CPU) ---------------------------------------
+def _cuda_variant(old: str, new: str) -> str:
+    from minipaged.exercises.answers.lesson06 import SOFTMAX_PHASE
+
+    assert old in SOFTMAX_PHASE
+    return SOFTMAX_PHASE.replace(old, new)
+
+
+@pytest.mark.slow
+def test_the_reference_softmax_phase_passes_and_round_trips(tmp_path, monkeypatch):
+    from minipaged.exercises import lesson06
+    from minipaged.exercises.answers.lesson06 import SOFTMAX_PHASE
+
+    monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path))
+    result = lesson06.check_softmax_phase(SOFTMAX_PHASE)
+    assert result.passed
+    found, missing = workbench.collect(["softmax_phase_cuda"])
+    assert not missing and found["softmax_phase_cuda"] == SOFTMAX_PHASE
+    assert check("softmax_phase_cuda", found["softmax_phase_cuda"]).passed
+
+
+def test_the_unanswered_softmax_phase_is_not_done():
+    from minipaged.exercises import lesson06
+
+    result = check("softmax_phase_cuda", lesson06.SOFTMAX_PHASE_STUB)
+    assert result.status == "not done"
+
+
+@pytest.mark.slow
+def test_a_shfl_down_reduction_without_a_broadcast_is_caught():
+    wrong = _cuda_variant("m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, mask));",
+                          "m = fmaxf(m, __shfl_down_sync(FULL_MASK, m, mask));")
+    wrong = wrong.replace("const float max_logit = __shfl_sync(FULL_MASK, m, 0);",
+                          "const float max_logit = m;")
+    result = check("softmax_phase_cuda", wrong)
+    assert result.status == "failed" and "case 0 fails" in result
+    assert "the threads end phase 3 with different max_logit" in result
+    assert "__shfl_down_sync reduction leaves it in lane 0 only" in result
+
+
+@pytest.mark.slow
+def test_a_missing_barrier_between_the_warps_is_reported_as_a_race():
+    wrong = _cuda_variant("  __syncthreads();  // every warp's maximum (and every logit of "
+                          "phase 2) is written\n", "")
+    result = check("softmax_phase_cuda", wrong)
+    assert result.status == "failed" and "ThreadSanitizer reports a data race" in result
+    assert "line 7: if (lane == 0) red_smem[warp] = m;" in result  # the write of the race
+    assert "a barrier (__syncthreads()) must separate" in result
+
+
+@pytest.mark.slow
+def test_a_compile_error_names_the_learners_line():
+    wrong = _cuda_variant("float m = qk_max;", "float m = qk_max")
+    result = check("softmax_phase_cuda", wrong)
+    assert result.status == "failed" and "does not compile" in result
+    assert "line 4:" in result and "error" in result
+
+
+@pytest.mark.slow
+def test_the_exercise_build_with_the_package_phase3_matches_the_reference_and_traces_a_warp():
+    from minipaged.kernels import cuda_on_cpu
+    from minipaged.lab import kernel_exercise
+
+    case = kernel_exercise.random_case(0)
+    result = kernel_exercise.run(kernel_exercise.build(), case, trace=(0, 3, 0))
+    assert result.report == "" and float((result.out - case.reference()).abs().max()) < 1e-5
+    runs = cuda_on_cpu.butterfly_runs(result.shuffles, "max", first_mask=16)
+    assert [step["mask"] for step in runs[0]] == [16, 8, 4, 2]  # G = 2 for blocks of 16
