@@ -377,6 +377,8 @@ __device__ __forceinline__ PartitionStats attend(
   }
 
   // ---- phase 3: softmax ------------------------------------------------------------------------
+  // >>> softmax_phase: lesson 06's exercise builds the kernel with the learner's code in place of
+  // the lines up to "<<< softmax_phase" (minipaged/lab/kernel_exercise.py)
   // Maximum: lanes of one group already agree, so the warp butterfly stops at mask G
   // (16, 8, ..., G); then the warps combine through red_smem[0 .. NUM_WARPS).
   // The barrier inside block_reduce also makes every logit visible to every thread.
@@ -396,6 +398,7 @@ __device__ __forceinline__ PartitionStats attend(
   const float inv_sum = 1.f / exp_sum;
   for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) logits[i] *= inv_sum;
   __syncthreads();  // every probability is written before any warp reads them
+  // <<< softmax_phase
 
   // ---- phase 4: probabilities . V -----------------------------------------------------------
   // A value block is HEAD_SIZE rows of BLOCK_SIZE tokens. Lane l works on row slot
@@ -557,6 +560,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
   write_output<T, HEAD_SIZE, NUM_THREADS>(out_row, out_smem);
 }
 
+// >>> end of the exercise build: lesson 06's exercise compiles the file down to here (V1, one
+// shape); the V2 kernels and the launch code follow.
 // ----------------------------------------------------------------------------------------------
 // V2: one CUDA block per (head, sequence, partition), then one per (head, sequence) to combine
 // ----------------------------------------------------------------------------------------------

@@ -153,8 +153,6 @@ def trace_shuffles(kernels, run, block=(0, 0, 0), warp: int = 0):
     ``received`` (the 32 lanes' float32 values) and ``mask`` (the XOR mask when lane l read lane
     l ^ mask, None for a broadcast such as ``__shfl_sync(v, 0)``).
     """
-    import numpy as np
-
     module = kernels.module
     module.trace_warp(*block, warp)
     try:
@@ -162,6 +160,14 @@ def trace_shuffles(kernels, run, block=(0, 0, 0), warp: int = 0):
     finally:
         records = module.take_warp_trace()
         module.trace_warp(0, 0, 0, -1)
+    return result, shuffle_steps(records)
+
+
+def shuffle_steps(records) -> list[dict]:
+    """One warp's shuffle records ``(lane, source lane, sent bits, received bits)``, in the
+    order the runtime made them, as ``trace_shuffles``'s steps."""
+    import numpy as np
+
     per_lane: dict[int, list] = {}
     for lane, src, sent, received in records:
         per_lane.setdefault(lane, []).append((src, sent, received))
@@ -176,7 +182,7 @@ def trace_shuffles(kernels, run, block=(0, 0, 0), warp: int = 0):
         steps.append({"src_lanes": src, "mask": xor.pop() if len(xor) == 1 else None,
                       "sent": floats([per_lane[lane][i][1] for lane in sorted(per_lane)]),
                       "received": floats([per_lane[lane][i][2] for lane in sorted(per_lane)])})
-    return result, steps
+    return steps
 
 
 def butterfly_runs(steps: list[dict], op: str, first_mask: int) -> list[list[dict]]:
