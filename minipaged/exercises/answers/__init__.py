@@ -1,0 +1,1 @@
+"""Reference answers of the build track's components, one module per lesson."""
