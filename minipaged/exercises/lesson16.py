@@ -465,3 +465,52 @@ def _match_message(found, missing, ran, expected) -> CheckResult:
                  + "".join(f"\n  {m}" for m in missing if " (" in m))
         return CheckResult(text, "incomplete")
     return CheckResult(text, "passed")
+
+
+# -- wrong steps, for the lesson and the tests ----------------------------------------------------
+_SWAP = ("    self.worker.cache_swap(outs.blocks_to_swap_in, outs.blocks_to_swap_out, "
+         "outs.blocks_to_copy)\n")
+_MODEL = "        logits = self.worker.execute_model(inputs)  # (rows, vocab)\n"
+_APPEND = "            seq.append_token_id(out.token_id, out.logprobs)\n"
+_STOP = "            self.output_processor.check_stop(seq, seq_group.sampling_params)\n"
+_FREE_GROUPS = "    finished = self.scheduler.free_finished_seq_groups()\n"
+WRONG_STEPS = {  # what is wrong -> the edits that make the reference answer so
+    "the blocks move after the model ran": [(_SWAP, ""), (_MODEL, _MODEL + "    " + _SWAP)],
+    "the stop check runs before the token is appended": [(_APPEND + _STOP, _STOP + _APPEND)],
+    "finished groups are never freed": [(_FREE_GROUPS, "    finished = []\n")],
+    "finished groups are freed before the new tokens are appended": [
+        (_FREE_GROUPS, ""), ("    inputs = prepare_inputs(", _FREE_GROUPS + "    inputs = prepare_inputs(")],
+    "finished sequences keep their blocks": [
+        ("                self.scheduler.free_seq(seq)  # its blocks go back at once\n",
+         "                pass\n")],
+}
+
+
+def wrong_step(what: str):
+    """The reference answer's step with one mistake (a key of ``WRONG_STEPS``)."""
+    import inspect
+
+    from minipaged.exercises.answers import lesson16 as answers
+
+    source = inspect.getsource(answers.step)
+    for old, new in WRONG_STEPS[what]:
+        if old not in source:
+            raise ValueError(f"wrong_step: {old!r} is not in the answer any more")
+        source = source.replace(old, new, 1)
+    namespace = dict(vars(answers))
+    exec(compile(source, f"<a step where {what}>", "exec"), namespace)
+    return namespace["step"]
+
+
+def show_wrong_step(what: str = "the blocks move after the model ran", num_cases: int = 5) -> str:
+    """Run ``LLMEngine.step``'s check on a step where ``what`` (your own result stays as it is);
+    print and return its message."""
+    from minipaged.exercises.checking import ExerciseFailed
+
+    try:
+        ran = _check_engine_step(wrong_step(what), random.Random(0), num_cases)
+        message = f"(this wrong step passed {ran} cases: the check missed it)"
+    except ExerciseFailed as caught:
+        message = str(caught)
+    print(message)
+    return message
