@@ -31,9 +31,9 @@ from minipaged.exercises import solutions, workbench
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.exercises.workbench import Component
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups
-from minipaged.lab.capstone import (CAPSTONE_SETTINGS, Request, default_workload,
-                                    find_culprit, first_difference, learner_run, new_engine,
-                                    run_steps)
+from minipaged.lab.capstone import (CAPSTONE_SETTINGS, Difference, Request, Unfinished,
+                                    default_workload, find_culprit, first_difference,
+                                    learner_run, new_engine, run_steps)
 from minipaged.lab.dry_run import DryRun
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import SequenceStatus
@@ -297,7 +297,7 @@ def _check_engine_step(candidate, rng: random.Random, num_cases: int) -> int:
                         fail("LLMEngine.step", case, f"{_describe(settings, workload)}; after "
                              f"step {number}: {found.subject}", found.yours, found.expected,
                              hint)
-            except RuntimeError:  # never done
+            except Unfinished:
                 fail("LLMEngine.step", case, _describe(settings, workload),
                      f"requests still unfinished after step {number}",
                      f"all finished after step {len(expected)}", _STEP_HINTS["queues"])
@@ -391,8 +391,6 @@ def check_capstone(on_step=None, workload: list[Request] | None = None,
 def _compare(found, settings, workload, expected, max_steps, on_step):
     """(the first (step, Difference) where the learner's engine differs, or None; the names of
     the learner's components that ran)."""
-    from minipaged.lab.capstone import Difference
-
     ran: set[str] = set()
     number = 0
     try:

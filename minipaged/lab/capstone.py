@@ -123,6 +123,10 @@ def first_difference(mine: dict, ref: dict) -> Difference | None:
 
 
 # -- running an engine step by step ---------------------------------------------------------------
+class Unfinished(RuntimeError):
+    """Requests are still unfinished after the most steps a run may take."""
+
+
 class Stepped(NamedTuple):
     step: int
     state: dict
@@ -133,7 +137,7 @@ def run_steps(engine, workload: list[Request], max_steps: int = 200,
               step: Callable | None = None) -> Iterator[Stepped]:
     """Add ``workload``'s requests as they arrive and step ``engine`` until it is done.
 
-    ``step(engine)`` runs one step (default ``engine.step()``). Raises ``RuntimeError`` when
+    ``step(engine)`` runs one step (default ``engine.step()``). Raises ``Unfinished`` when
     requests are still unfinished after ``max_steps``.
     """
     snapshots: list = []
@@ -152,7 +156,7 @@ def run_steps(engine, workload: list[Request], max_steps: int = 200,
         returned = step(engine) if step is not None else engine.step()
         yield Stepped(number, step_state(engine, groups, returned, len(snapshots)),
                       snapshots[-1] if snapshots else None)
-    raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+    raise Unfinished(f"requests still unfinished after {max_steps} steps")
 
 
 # -- the components that ran ----------------------------------------------------------------------
