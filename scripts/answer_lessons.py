@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import inspect
 import os
 import re

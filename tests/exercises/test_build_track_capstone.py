@@ -19,7 +19,7 @@ from minipaged.core.allocator import FreeListAllocator
 from minipaged.exercises import lesson16 as ex
 from minipaged.exercises import not_done, solutions, workbench
 from minipaged.exercises.answers import lesson16 as answers
-from minipaged.lab.capstone import Request, new_engine, run_steps
+from minipaged.exercises.capstone import Request, new_engine, run_steps
 from repo_paths import ROOT
 
 pytestmark = pytest.mark.lesson16

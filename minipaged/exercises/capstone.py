@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from minipaged.exercises import workbench
+from minipaged.exercises.checking import CheckResult
 from minipaged.sampling_params import SamplingParams
 
 
@@ -217,9 +219,7 @@ def learner_run(objects: dict[str, object], settings: dict, workload: list[Reque
                 max_steps: int, until: int | None = None) -> Iterator[tuple[Stepped, set[str]]]:
     """The package's engine with ``objects`` (component name -> object) plugged in: each step
     and the names of the components that have run so far. Stops after step ``until``."""
-    from minipaged.exercises.workbench import plugged_in
-
-    with watched(objects) as (wrapped, ran), plugged_in(objects=wrapped, quiet=True):
+    with watched(objects) as (wrapped, ran), workbench.plugged_in(objects=wrapped, quiet=True):
         engine = new_engine(settings)
         try:
             for stepped in run_steps(engine, workload, max_steps):
@@ -249,3 +249,129 @@ def find_culprit(objects: dict[str, object], settings: dict, workload: list[Requ
             if first is None:
                 first = (name, step, found)
     return first
+
+
+# -- the check ------------------------------------------------------------------------------------
+def _count(number: int, thing: str) -> str:
+    plural = thing[:-1] + "ies" if thing.endswith("y") else thing + "s"
+    return f"{number} {thing if number == 1 else plural}"
+
+
+def _names(names) -> str:
+    names = list(names)
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+
+
+def check_capstone(names: list[str], on_step=None, workload: list[Request] | None = None,
+                   settings: dict | None = None, max_steps: int = 100):
+    """Your engine next to ``LLM()``: the same tokens and block tables after every step.
+
+    Your engine is the package's ``LLMEngine`` with every component you wrote plugged in
+    (``workbench.collect``); a component you have not written yet is named, and the package's
+    runs in its place.
+
+    Args:
+        on_step: called as ``on_step(step, yours, llms)`` with both engines' ``StepSnapshot``
+            after every step that matched (the lesson draws them).
+        workload: the requests (default ``default_workload``).
+        settings: engine settings over ``CAPSTONE_SETTINGS`` (tests: a tiny model).
+        names: the components to collect.
+    """
+    found, missing = workbench.collect(names)
+    settings = {**CAPSTONE_SETTINGS, **(settings or {})}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: steadier on a busy CPU, and as fast for short steps
+    try:
+        reference = new_engine(settings)
+        if workload is None:
+            workload = default_workload(reference.encode)
+        expected = list(run_steps(reference, workload, max_steps))
+        reference.shutdown()
+        mismatch, ran = _compare(found, settings, workload, expected, max_steps, on_step)
+    finally:
+        torch.set_num_threads(threads)
+    if mismatch is not None:
+        result = _mismatch_message(mismatch, found, settings, workload, expected)
+    else:
+        result = _match_message(found, missing, ran, expected)
+    print(result)
+    return result
+
+
+def _compare(found, settings, workload, expected, max_steps, on_step):
+    """(the first (step, Difference) where the learner's engine differs, or None; the names of
+    the learner's components that ran)."""
+    ran: set[str] = set()
+    number = 0
+    try:
+        for stepped, ran in learner_run(found, settings, workload, max_steps):
+            number = stepped.step
+            if number > len(expected):
+                return (number, Difference("steps", "the number of steps", f"a step {number}",
+                                           f"all done after step {len(expected)}")), ran
+            theirs = expected[number - 1]
+            difference = first_difference(stepped.state, theirs.state)
+            if difference:
+                return (number, difference), ran
+            if on_step is not None:
+                on_step(number, stepped.snapshot, theirs.snapshot)
+    except Exception as crash:  # the learner's engine stopped
+        return (number + 1, Difference("crash", "your engine stopped",
+                                       f"{type(crash).__name__}: {crash}", "no error")), ran
+    if number < len(expected):
+        return (number, Difference("steps", "the number of steps",
+                                   f"all done after step {number}",
+                                   f"all done after step {len(expected)}")), ran
+    return None, ran
+
+
+def _mismatch_message(mismatch, found, settings, workload, expected) -> CheckResult:
+    step, difference = mismatch
+    text = (f"✗ capstone: step {step}: {difference.subject} differs\n"
+            f"  yours:  {difference.yours!r}\n  LLM():  {difference.expected!r}")
+    if len(found) > 1:
+        culprit = find_culprit(found, settings, workload, [s.state for s in expected], step)
+        if culprit is None:
+            text += (f"\n  each of your components alone agrees with LLM() up to step {step}; "
+                     f"together they do not: look at what {_names(found)} hand each other")
+        else:
+            name, at, alone = culprit
+            lesson = workbench.component(name).lesson
+            text += (f"\n  the first of your components to go wrong: {name} (lesson {lesson}): "
+                     f"alone in the package's engine, at step {at}, {alone.subject} differs "
+                     f"(yours {alone.yours!r}, LLM() {alone.expected!r})")
+    elif found:
+        name = next(iter(found))
+        text += f"\n  your only component here is {name} (lesson " \
+                f"{workbench.component(name).lesson})"
+    return CheckResult(text, "failed")
+
+
+def _match_message(found, missing, ran, expected) -> CheckResult:
+    snapshots = [s.snapshot for s in expected]
+    modes = [mode for snap in snapshots for _, mode in snap.preempted]
+    copies = sum(len(d) for snap in snapshots for d in snap.blocks_to_copy.values())
+    cached = snapshots[-1].stats.get("num_cached_prompt_tokens", 0) if snapshots else 0
+    counts = (f"{_count(len(modes), 'preemption')} ({modes.count('recompute')} by recompute, "
+              f"{modes.count('swap')} by swap), {_count(copies, 'copy-on-write copy')}, "
+              f"{cached} prompt "
+              f"tokens from the prefix cache")
+    same = f"the same tokens and block tables as LLM() at all {len(expected)} steps ({counts})"
+    mine = [n for n in found if n in ran]
+    idle = [n for n in found if n not in ran]
+    missing_names = [m.split(" (")[0] for m in missing]
+    if not found:
+        return CheckResult(
+            f"… capstone: not done yet: none of your components is saved (missing: "
+            f"{_names(missing_names)}; each lesson's check saves yours when it passes), so this "
+            f"was the package's engine against itself: {same}", "not done")
+    text = f"✓ capstone: your engine gives {same}, with your {_names(mine) or 'nothing'}"
+    if idle:
+        were = "were" if len(idle) > 1 else "was"
+        text += f"; your {_names(idle)} {were} plugged in but never ran"
+    if missing:
+        text += (f"; the package's {_names(missing_names)} because "
+                 f"{'they are' if len(missing) > 1 else 'it is'} missing"
+                 + "".join(f"\n  {m}" for m in missing if " (" in m))
+        return CheckResult(text, "incomplete")
+    return CheckResult(text, "passed")
