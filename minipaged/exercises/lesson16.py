@@ -1,46 +1,62 @@
-"""Lesson 16 exercises: assemble the engine (the capstone).
+"""Lesson 16 exercises: your own engine (the capstone).
 
-``RunningGroup(request_id, blocks_held, blocks_needed)``: a running group, oldest first: the
-distinct blocks its sequences hold (what preempting it by recompute frees) and the blocks its
-sequences' next tokens take (new blocks and copy-on-write copies, an integer: a request with
-``n > 1`` may need several).
+Warm-ups (formulas of the scheduler and the flat batch):
 
     pick_victims(running, num_free) -> (kept, preempted)
-        step 1 of ``Scheduler.schedule``: serve the groups oldest first; while a group's
-        ``blocks_needed`` exceed the free blocks, preempt the NEWEST group not served yet (its
-        blocks become free); if none is left, the group itself is preempted. A kept group takes
-        its blocks. ``preempted`` in the order they were preempted.
+        step 1 of ``Scheduler.schedule``: serve the ``RunningGroup``s oldest first; while a
+        group's ``blocks_needed`` exceed the free blocks, preempt the NEWEST group not served
+        yet (its ``blocks_held`` become free); if none is left, the group itself is preempted.
     step_slot_mapping(seqs, block_size, slot_of) -> list[int]
-        the slot of every token of a step's flat batch (lesson 08's ``SeqView``s, in any
-        order): every token of the prompt runs first, then one token per decode, each from
-        ``slot_of(block_table, position, block_size)`` (lesson 02's function, passed in)
-    check_engine(plugins)
-        the assembly: ``AssembledEngine`` (``lab/assembled_engine.py``) with your plug-ins runs
-        next to ``LLM()`` and must give the same tokens and block tables at every step
+        the slot of every token of a step's flat batch (``SeqView``s, in any order): the
+        prompts' tokens first, then one token per decode.
 
-Expected answers: the real ``Scheduler`` (preemption by recompute) on random traffic, the
-package's ``prepare_inputs`` on random mixed steps, and ``LLMEngine`` itself.
+The build track's component of this lesson, ``LLMEngine.step``: the engine's ``step()``, written
+from a stub with its signature and docstring, checked against the package's own step on random
+workloads (preemption by recompute and swap, copy-on-write, prefix caching, beam search) after
+every step, then plugged into ``LLMEngine``.
+
+The capstone, ``check_capstone()``: the package's engine with every component you wrote in the
+build track plugged in (collected by name from where each lesson's check saved it), next to
+``LLM()`` on the embedded SmolLM2, compared after every step (``exercises/capstone.py``).
 """
 from __future__ import annotations
 
-import copy
 import itertools
-from typing import Callable, NamedTuple
+import random
+from typing import NamedTuple
 
 import torch
 
-from minipaged.exercises import solutions
-from minipaged.exercises.checking import (CheckResult, ExerciseFailed, Learner, NotDone,
-                                          exercise, fail, passed, rng_for)
-from minipaged.lab.assembled_engine import (PLUGINS, AssembledEngine, PluginError, RunningGroup,
-                                            SeqView)
+from minipaged.exercises import solutions, workbench
+from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.exercises.workbench import Component
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups
+from minipaged.exercises import capstone
+from minipaged.exercises.capstone import (Request, Unfinished, default_workload,
+                                          first_difference, new_engine, run_steps)
 from minipaged.lab.dry_run import DryRun
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import SequenceStatus
 
 __all__ = ["RunningGroup", "SeqView", "check_pick_victims", "check_step_slot_mapping",
-           "check_engine", "package_plugins", "assemble", "Request", "default_workload"]
+           "check_capstone", "capstone_names", "CAPSTONE_COMPONENTS", "Request",
+           "default_workload", "tiny_settings"]
+
+
+class RunningGroup(NamedTuple):
+    """A running group as ``pick_victims`` sees it (oldest first)."""
+
+    request_id: str
+    blocks_held: int  # distinct blocks its sequences hold: what preempting it frees
+    blocks_needed: int  # blocks its sequences' next tokens take (new blocks and copies)
+
+
+class SeqView(NamedTuple):
+    """A scheduled sequence as ``step_slot_mapping`` sees it (lesson 08's ``SeqView``)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
 
 
 # -- random traffic with parallel sampling, preempting by recompute -----------------------------
@@ -66,7 +82,7 @@ def _random_steps(rng):
                         run.finish(s)
 
 
-# -- exercise 1: who is preempted ----------------------------------------------------------------
+# -- warm-up 1: who is preempted -----------------------------------------------------------------
 def _random_running(rng, num_cases):
     """(running groups as RunningGroup, free blocks, the real scheduler's (kept, preempted))."""
     return itertools.islice(_running_cases(rng), num_cases)
@@ -107,7 +123,7 @@ def check_pick_victims(fn, num_cases: int = 200, seed: int | None = 0) -> CheckR
     return passed(learner, num_cases)
 
 
-# -- exercise 2: the slot mapping of a mixed step ------------------------------------------------
+# -- warm-up 2: the slot mapping of a mixed step -------------------------------------------------
 def _random_batches(rng, num_cases):
     """(SeqViews in a random order, block size, the slot mapping of ``prepare_inputs``)."""
     return itertools.islice(_batch_cases(rng), num_cases)
@@ -155,250 +171,229 @@ def check_step_slot_mapping(fn, num_cases: int = 200, seed: int | None = 0) -> C
     return passed(learner, num_cases)
 
 
-# -- the assembly --------------------------------------------------------------------------------
-def package_plugins() -> dict[str, Callable]:
-    """The answers of every plug-in: ``solutions.py``'s functions."""
-    return {name: getattr(solutions, name) for name in PLUGINS}
-
-
-def assemble(**learner_fns: Callable) -> dict[str, Callable]:
-    """Plug-ins from your functions (by name); an unknown name is a ``ValueError``. A function
-    that is still ``not_done()`` is replaced by its answer from ``solutions.py`` when first
-    called; the check says which."""
-    unknown = sorted(set(learner_fns) - set(PLUGINS))
-    if unknown:
-        raise ValueError(f"assemble: unknown plug-ins {unknown}; the plug-ins are {PLUGINS}")
-    answers = package_plugins()
-    return {name: _FallBack(name, learner_fns[name], answers[name])
-            if name in learner_fns and learner_fns[name] is not answers[name] else answers[name]
-            for name in PLUGINS}
-
-
-class _FallBack:
-    """The learner's function; its answer instead once it says ``not_done()``."""
-
-    def __init__(self, name: str, fn: Callable, answer: Callable) -> None:
-        self.name, self.fn, self.answer, self.not_done = name, fn, answer, False
-
-    def __call__(self, *args):
-        if not self.not_done:
-            try:
-                return self.fn(*args)
-            except NotDone:
-                self.not_done = True
-        return self.answer(*args)
-
-
-class Request(NamedTuple):
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrive_at_step: int = 0
-
-
-def default_workload() -> list[Request]:
-    """Five requests over a pool too small for them: greedy, parallel sampling (n = 2 and 3,
-    greedy, so the sequences stay alike), and top-p sampling with seeds; one arrives later."""
-    greedy = lambda n, m: SamplingParams(n=n, temperature=0, max_tokens=m, ignore_eos=True)
-    top_p = lambda m, s: SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=s,
-                                        ignore_eos=True)
-    return [Request(list(range(10, 19)), greedy(1, 9)),
-            Request(list(range(40, 46)), greedy(2, 8)),
-            Request(list(range(60, 71)), top_p(8, 1)),
-            Request(list(range(80, 85)), greedy(3, 6)),
-            Request(list(range(90, 97)), top_p(7, 2), arrive_at_step=3)]
-
-
-def tiny_llm(block_size: int = 4, num_gpu_blocks: int = 14):
-    """``LLM()`` over a tiny random LLaMA (seeded weights), with the settings the assembled
-    engine supports: preemption by recompute, no prefix caching, no chunked prefill."""
+# -- the component: LLMEngine.step ---------------------------------------------------------------
+def tiny_settings(block_size: int = 4, num_gpu_blocks: int = 12, num_cpu_blocks: int = 8,
+                  enable_prefix_caching: bool = False) -> dict:
+    """Engine settings over a tiny random LLaMA (seeded weights): fast enough for many cases."""
     from transformers import LlamaConfig
-
-    from minipaged.entrypoints.llm import LLM
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, initializer_range=0.2)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return LLM(None, hf_config=config, load_format="dummy", block_size=block_size,
-                   num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=0,
-                   max_model_len=min(64, num_gpu_blocks * block_size),
-                   preemption_mode="recompute", watermark=0.0, enable_prefix_caching=False,
-                   enable_chunked_prefill=False, device="cpu", dtype="float32")
+                         max_position_embeddings=256, initializer_range=0.2, eos_token_id=1)
+    return dict(hf_config=config, load_format="dummy", block_size=block_size,
+                num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                max_model_len=min(64, num_gpu_blocks * block_size), watermark=0.0,
+                enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=False,
+                device="cpu", dtype="float32", seed=0)
 
 
-def engine_like(llm, plugins: dict[str, Callable]) -> AssembledEngine:
-    """An ``AssembledEngine`` with ``llm``'s model, pool and limits."""
-    e = llm.llm_engine
-    return AssembledEngine(e.worker.model, plugins, e.block_size,
-                           e.block_manager.num_total_gpu_blocks,
-                           (e.model_shape.num_layers, e.model_shape.num_kv_heads,
-                            e.model_shape.head_size), e.max_model_len,
-                           e.scheduler_config.max_num_seqs,
-                           e.scheduler_config.max_num_batched_tokens,
-                           e.block_manager.watermark_blocks, e.eos_token_ids, e.seed)
+def _fits(prompt_len: int, max_tokens: int, n: int, num_gpu_blocks: int, block_size: int) -> bool:
+    """Does a request of ``n`` sequences fit the pool alone (what ``LLM()`` accepts)?"""
+    per_seq = -(-(prompt_len + max_tokens) // block_size)
+    return n * per_seq <= num_gpu_blocks
 
 
-class _Witness:
-    """Runs each plug-in next to its answer on the same inputs and keeps the first difference,
-    so that a failed check can say which plug-in went wrong first."""
-
-    def __init__(self, plugins: dict[str, Callable], answers: dict[str, Callable]) -> None:
-        self.answers, self.first = answers, None
-        self.step = 0
-        self.plugins = {name: self._wrap(name, fn) for name, fn in plugins.items()}
-
-    def _wrap(self, name: str, fn: Callable) -> Callable:
-        answer = self.answers[name]
-        if fn is answer:
-            return fn
-
-        def call(*args):
-            if name == "grow_block_table":
-                table, num_tokens, block_size, allocate = args
-                mine = list(table)
-                answer(mine, num_tokens, block_size, lambda: -1)
-                before = list(table)
-                fn(*args)
-                got, expected = len(table) - len(before), len(mine) - len(before)
-                self._note(name, f"block_table={before}, num_tokens={num_tokens}, "
-                           f"block_size={block_size}", f"{got} new block(s)",
-                           f"{expected} new block(s)", got == expected)
-                return None
-            if name == "fork":
-                table, refs = args
-                refs_copy = list(refs)
-                expected = (list(answer(list(table), refs_copy)), refs_copy)
-                before = list(refs)
-                result = fn(*args)
-                got = (list(result), list(refs))
-                self._note(name, f"parent_table={table}, ref_counts={before}", got, expected,
-                           got == expected)
-                return result
-            expected = answer(*copy.deepcopy(args))
-            result = fn(*args)
-            if isinstance(expected, torch.Tensor):
-                same = isinstance(result, torch.Tensor) and torch.equal(result, expected)
-                shown = "the logits of the nucleus, -inf elsewhere"
-                self._note(name, f"logits of shape {tuple(args[0].shape)}, top_p={args[1]}",
-                           "a different tensor", shown, same)
-            else:
-                same = _plain(result) == _plain(expected)
-                inputs = ", ".join(repr(a) if not callable(a) else "slot_of" for a in args)
-                self._note(name, inputs, _plain(result), _plain(expected), same)
-            return result
-
-        return call
-
-    def _note(self, name, inputs, got, expected, same) -> None:
-        if not same and self.first is None:
-            self.first = (f"the first plug-in that disagreed with its answer: {name}, in step "
-                          f"{self.step}\n  inputs:   {inputs}\n  yours:    {got!r}\n"
-                          f"  expected: {expected!r}")
+def _random_case(rng: random.Random) -> tuple[dict, list[Request]]:
+    """Engine settings and a workload: a small pool (preemption by recompute and swap), parallel
+    sampling (copy-on-write), seeded top-p, beam search, stops at EOS, prefix caching."""
+    block_size = rng.choice([2, 4])
+    num_gpu_blocks = rng.randint(8, 14)
+    settings = tiny_settings(block_size, num_gpu_blocks, rng.choice([0, 8]),
+                             enable_prefix_caching=rng.random() < 0.4)
+    shared = [rng.randrange(2, 256) for _ in range(rng.randint(0, 6))]  # a common prefix
+    workload = []
+    for i in range(rng.randint(2, 5)):
+        prompt = shared + [rng.randrange(2, 256) for _ in range(rng.randint(1, 6))]
+        max_tokens, n = rng.randint(1, 8), rng.choice([1, 1, 2, 3])
+        if not _fits(len(prompt), max_tokens, n, num_gpu_blocks, block_size):
+            n, max_tokens = 1, 2
+        kind = rng.random()
+        if kind < 0.45:
+            params = SamplingParams(n=n, temperature=0, max_tokens=max_tokens,
+                                    ignore_eos=rng.random() < 0.7)
+        elif kind < 0.85:
+            params = SamplingParams(n=n, temperature=1.0, top_p=rng.choice([0.5, 0.9, 1.0]),
+                                    max_tokens=max_tokens, seed=rng.randrange(100))
+        else:
+            params = SamplingParams(n=2, use_beam_search=True, temperature=0,
+                                    max_tokens=max_tokens, ignore_eos=True)
+            if not _fits(len(prompt), max_tokens, 2, num_gpu_blocks, block_size):
+                params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        workload.append(Request(prompt, params, rng.randint(0, 3)))
+    return settings, workload
 
 
-def _plain(value):
-    """Tuples, lists and tensors as nested lists, for comparing answers."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def _describe(settings: dict, workload: list[Request]) -> str:
+    def params(p: SamplingParams) -> str:
+        kind = ("beam search" if p.use_beam_search else "greedy" if p.temperature == 0
+                else f"top-p {p.top_p} seed {p.seed}")
+        return f"n={p.n} {kind} max_tokens={p.max_tokens}" + ("" if p.ignore_eos else " eos")
+
+    pool = (f"{settings['num_gpu_blocks']} GPU blocks of {settings['block_size']}, "
+            f"{settings['num_cpu_blocks']} CPU blocks"
+            + (", prefix caching" if settings["enable_prefix_caching"] else ""))
+    requests = "; ".join(f"{i}: {len(r.prompt_token_ids)} prompt tokens, {params(r.params)}, "
+                         f"arrives before step {r.arrive_at_step + 1}"
+                         for i, r in enumerate(workload))
+    return f"{pool}; requests {requests}"
 
 
-def _tables_of_llm(snapshot) -> dict[int, list[int]]:
-    return {s["seq_id"]: s["block_table"] for s in snapshot.block_manager["sequences"]}
+_STEP_HINTS = {
+    "observers": "after the step, call each of self._observers once with the step's "
+                 "StepSnapshot.of_step(...): the lessons draw from it",
+    "block_tables": "a sequence that finishes gives its blocks back in the step it finishes "
+                    "(self.scheduler.free_seq); blocks change only through the scheduler",
+    "queues": "a group that finished leaves the running queue in the same step, once all its "
+              "new tokens are appended (self.scheduler.free_finished_seq_groups())",
+    "unfinished_requests": "the engine forgets every group that finished or was given up on "
+                           "(self._forget)",
+    "returned": "return one RequestOutput.from_seq_group(g) per group the step scheduled, and "
+                "per group the scheduler gave up on",
+}
+_STEP_HINTS["ref_counts"] = _STEP_HINTS["free_gpu_blocks"] = _STEP_HINTS["free_cpu_blocks"] = \
+    _STEP_HINTS["block_tables"]
 
 
-def check_engine(plugins: dict[str, Callable] | None = None, workload: list[Request] | None = None,
-                 on_step: Callable | None = None, num_gpu_blocks: int = 14,
-                 block_size: int = 4, max_steps: int = 200) -> CheckResult:
-    """Your engine next to ``LLM()``: the same tokens and block tables after every step.
+def _sequence_hint(yours, expected) -> str:
+    if yours is None:
+        return "every sequence of a request the engine added must stay in its group"
+    mine, theirs = len(yours["token_ids"]), len(expected["token_ids"])
+    if mine > theirs:
+        return ("a sequence takes one token per step, appended after the sampler ran; the stop "
+                "checks (output_processor.check_stop) look at the token just appended")
+    if mine < theirs:
+        return ("every sequence the sampler returned a token for appends it in this step (beam "
+                "search: a dropped beam first becomes a copy of its parent)")
+    if yours["token_ids"] != expected["token_ids"]:
+        return ("the model must read a cache whose blocks have already moved: swaps and "
+                "copy-on-write copies (self.worker.cache_swap) come before the model runs; each "
+                "sequence appends the token the sampler chose for its own seq_id")
+    if yours["num_computed_tokens"] != expected["num_computed_tokens"]:
+        return ("once the model ran, each sequence in inputs.computed has num_computed_tokens "
+                "as given there")
+    return "after a token is appended, check_stop(seq, params) decides whether seq is finished"
 
-    Args:
-        plugins: from ``assemble(...)`` (default: every answer from ``solutions.py``).
-        workload: the requests (default ``default_workload()``).
-        on_step: called as ``on_step(step, yours, llm)`` with both engines' ``StepSnapshot``
-            after every step (the lesson draws them).
-        num_gpu_blocks, block_size: the pool both engines get.
-    """
+
+def _check_engine_step(candidate, rng: random.Random, num_cases: int) -> int:
+    """The package's step and ``candidate`` on the same random workload, compared after every
+    step (``capstone.step_state``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is as fast, and steady on a busy CPU
     try:
-        return _check_engine(plugins, workload, on_step, num_gpu_blocks, block_size, max_steps)
+        for case in range(num_cases):
+            settings, workload = _random_case(rng)
+            expected = [s.state for s in run_steps(new_engine(settings), workload)]
+            engine = new_engine(settings)
+            steps = run_steps(engine, workload, max_steps=len(expected) + 3, step=candidate)
+            number = 0
+            try:
+                for number, (_, state, _) in enumerate(steps, start=1):
+                    theirs = (expected[number - 1] if number <= len(expected) else
+                              {**state, "queues": "empty (every request finished)"})
+                    found = first_difference(state, theirs)
+                    if found:
+                        hint = (_sequence_hint(found.yours, found.expected)
+                                if found.kind == "sequences" else _STEP_HINTS[found.kind])
+                        fail("LLMEngine.step", case, f"{_describe(settings, workload)}; after "
+                             f"step {number}: {found.subject}", found.yours, found.expected,
+                             hint)
+            except Unfinished:
+                fail("LLMEngine.step", case, _describe(settings, workload),
+                     f"requests still unfinished after step {number}",
+                     f"all finished after step {len(expected)}", _STEP_HINTS["queues"])
+            if number < len(expected):
+                fail("LLMEngine.step", case, _describe(settings, workload),
+                     f"every request finished after step {number}",
+                     f"finished after step {len(expected)}", _STEP_HINTS["queues"])
     finally:
         torch.set_num_threads(threads)
+    return num_cases
 
 
-@exercise
-def _check_engine(plugins, workload, on_step, num_gpu_blocks, block_size, max_steps):
-    answers = package_plugins()
-    plugins = {**answers, **(plugins or {})}  # a plug-in not given: its answer
-    witness = _Witness(plugins, answers)
-    llm = tiny_llm(block_size, num_gpu_blocks)
-    ref = llm.llm_engine
-    mine = engine_like(llm, witness.plugins)
-    ref_snaps, my_snaps = [], []
-    ref.add_observer(ref_snaps.append)
-    mine.observers.append(my_snaps.append)
-    workload = default_workload() if workload is None else workload
-    ref_groups, my_groups = {}, {}
-    num_preempted = num_copies = 0
+workbench.register(Component(
+    name="LLMEngine.step", lesson="16",
+    slots=("minipaged.engine.llm_engine:LLMEngine.step",),
+    check=_check_engine_step,
+    solution="minipaged.exercises.answers.lesson16:step",
+    preamble=("from minipaged.engine.stats import StepSnapshot\n"
+              "from minipaged.exercises.checking import not_done\n"
+              "from minipaged.outputs import RequestOutput\n"
+              "from minipaged.worker.model_runner import prepare_inputs"),
+    num_cases=30,
+))
 
-    def wrong(step, text, yours=None, llms=None):
-        culprit = witness.first or ("every plug-in agreed with its answer: the difference is "
-                                    "in the assembled engine's own code")
-        both = (f"\n  yours:    {yours!r}\n  LLM():    {llms!r}" if yours or llms else "")
-        raise ExerciseFailed(f"✗ engine: step {step}: {text}{both}\n  {culprit}")
 
-    for step in range(1, max_steps + 1):
-        for i, req in enumerate(workload):
-            if req.arrive_at_step == step - 1:
-                rid = str(i)
-                try:
-                    ref.add_request(rid, None, req.params, arrival_time=float(i),
-                                    prompt_token_ids=req.prompt_token_ids)
-                except ValueError as exc:  # the workload, not the learner's code
-                    raise ValueError(f"workload: request {i}: {exc}") from None
-                ref_groups[rid] = ref.scheduler.waiting[-1]
-                my_groups[rid] = mine.add_request(rid, req.prompt_token_ids, req.params,
-                                                  float(i))
-        pending = any(r.arrive_at_step >= step for r in workload)
-        if not ref.has_unfinished_requests() and not pending:
-            break
-        ref.step()
-        witness.step = step
-        try:
-            mine.step()
-        except PluginError as exc:
-            wrong(step, f"your engine stopped in plug-in {exc.plugin}: it {exc.detail}")
-        except Exception as exc:  # the engine cannot go on with what a plug-in returned
-            wrong(step, f"your engine stopped: {type(exc).__name__}: {exc}")
-        ref_snap, my_snap = ref_snaps[-1], my_snaps[-1]
-        if on_step is not None:
-            on_step(step, my_snap, ref_snap)
-        num_preempted += len(ref_snap.preempted)
-        num_copies += sum(len(d) for d in ref_snap.blocks_to_copy.values())
-        theirs, yours = _tables_of_llm(ref_snap), _tables_of_llm(my_snap)
-        for seq_id in sorted(set(theirs) | set(yours)):
-            if theirs.get(seq_id) != yours.get(seq_id):
-                none = (" (None: it holds no blocks)"
-                        if None in (theirs.get(seq_id), yours.get(seq_id)) else "")
-                wrong(step, f"the block table of sequence {seq_id} differs{none}; plug-ins "
-                      f"that changed it in this step: "
-                      f"{', '.join(mine.touched.get(seq_id, ['none']))}",
-                      yours.get(seq_id), theirs.get(seq_id))
-        for rid, group in ref_groups.items():
-            for theirs_seq, my_seq in zip(group.get_seqs(), my_groups[rid].get_seqs()):
-                if theirs_seq.get_token_ids() != my_seq.get_token_ids():
-                    wrong(step, f"the tokens of sequence {my_seq.seq_id} (request {rid}) "
-                          f"differ", my_seq.get_token_ids(), theirs_seq.get_token_ids())
-    else:
-        wrong(max_steps, f"requests still unfinished after {max_steps} steps")
-    yours = sorted(n for n, fn in plugins.items() if isinstance(fn, _FallBack) and not fn.not_done)
-    return CheckResult(
-        f"✓ engine: the same tokens and block tables as LLM() at all {step - 1} steps "
-        f"({num_preempted} preemptions, {num_copies} copy-on-write copies); "
-        + (f"your plug-ins: {', '.join(yours)}" if yours else "none of your functions yet")
-        + ("; the others are the answers from solutions.py" if len(yours) < len(PLUGINS) else ""),
-        "passed")
+# -- the capstone --------------------------------------------------------------------------------
+# The components of lessons 02-15 the capstone collects (after this lesson's LLMEngine.step).
+# A name here that no lesson registers is skipped; a registered one the learner has not written
+# yet is reported as missing and the package's runs in its place.
+CAPSTONE_COMPONENTS: tuple[str, ...] = (
+    "FreeListAllocator", "BlockSpaceManager", "Scheduler", "Attention", "prepare_inputs",
+    "Sampler", "PrefixCachingAllocator",
+)
+
+
+def capstone_names() -> list[str]:
+    """The registered components the capstone collects, in lesson order, then ``LLMEngine.step``."""
+    known = workbench.components()
+    earlier = [n for n in CAPSTONE_COMPONENTS if n in known and known[n].lesson <= "15"]
+    return sorted(earlier, key=lambda n: known[n].lesson) + ["LLMEngine.step"]
+
+
+def check_capstone(on_step=None, workload: list[Request] | None = None,
+                   settings: dict | None = None, names: list[str] | None = None,
+                   max_steps: int = 100) -> CheckResult:
+    """Your engine next to ``LLM()`` (``capstone.check_capstone``), with the components of
+    ``capstone_names()`` unless ``names`` are given."""
+    return capstone.check_capstone(capstone_names() if names is None else list(names), on_step,
+                                   workload, settings, max_steps)
+
+
+# -- wrong steps, for the lesson and the tests ----------------------------------------------------
+_SWAP = ("    self.worker.cache_swap(outs.blocks_to_swap_in, outs.blocks_to_swap_out, "
+         "outs.blocks_to_copy)\n")
+_MODEL = "        logits = self.worker.execute_model(inputs)  # (rows, vocab)\n"
+_APPEND = "            seq.append_token_id(out.token_id, out.logprobs)\n"
+_STOP = "            self.output_processor.check_stop(seq, seq_group.sampling_params)\n"
+_FREE_GROUPS = "    finished = self.scheduler.free_finished_seq_groups()\n"
+WRONG_STEPS = {  # what is wrong -> the edits that make the reference answer so
+    "the blocks move after the model ran": [(_SWAP, ""), (_MODEL, _MODEL + "    " + _SWAP)],
+    "the stop check runs before the token is appended": [(_APPEND + _STOP, _STOP + _APPEND)],
+    "finished groups are never freed": [(_FREE_GROUPS, "    finished = []\n")],
+    "finished groups are freed before the new tokens are appended": [
+        (_FREE_GROUPS, ""),
+        ("    inputs = prepare_inputs(", _FREE_GROUPS + "    inputs = prepare_inputs(")],
+    "finished sequences keep their blocks": [
+        ("                self.scheduler.free_seq(seq)  # its blocks go back at once\n",
+         "                pass\n")],
+}
+
+
+def wrong_step(what: str):
+    """The reference answer's step with one mistake (a key of ``WRONG_STEPS``)."""
+    import inspect
+
+    from minipaged.exercises.answers import lesson16 as answers
+
+    source = inspect.getsource(answers.step)
+    for old, new in WRONG_STEPS[what]:
+        if old not in source:
+            raise ValueError(f"wrong_step: {old!r} is not in the answer any more")
+        source = source.replace(old, new, 1)
+    namespace = dict(vars(answers))
+    exec(compile(source, f"<a step where {what}>", "exec"), namespace)
+    return namespace["step"]
+
+
+def show_wrong_step(what: str = "the blocks move after the model ran", num_cases: int = 5) -> str:
+    """Run ``LLMEngine.step``'s check on a step where ``what`` (your own result stays as it is);
+    print and return its message."""
+    from minipaged.exercises.checking import ExerciseFailed
+
+    try:
+        ran = _check_engine_step(wrong_step(what), random.Random(0), num_cases)
+        message = f"(this wrong step passed {ran} cases: the check missed it)"
+    except ExerciseFailed as caught:
+        message = str(caught)
+    print(message)
+    return message

@@ -1,0 +1,334 @@
+"""Lesson 16 and the capstone: the learner's ``step()``, and the learner's engine next to ``LLM()``.
+
+``LLMEngine.step``'s check passes the reference answer, catches wrong steps with their first
+failing case and a hint, says "not done yet" for the stub; the answer plugged into the engine
+generates what the package's step does, and survives saving and collecting. The capstone collects
+the learner's components by name (registered here as test components over the package's own
+classes, until the other lessons' land), names the missing ones, and names the component that
+goes wrong first. The warm-ups' checkers pass their answers and catch wrong ones.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from minipaged import SamplingParams
+from minipaged.core.allocator import FreeListAllocator
+from minipaged.exercises import lesson16 as ex
+from minipaged.exercises import not_done, solutions, workbench
+from minipaged.exercises.answers import lesson16 as answers
+from minipaged.exercises.capstone import Request, new_engine, run_steps
+from repo_paths import ROOT
+
+pytestmark = pytest.mark.lesson16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def learner_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
+    return tmp_path
+
+
+# -- LLMEngine.step: the check -------------------------------------------------------------------
+def test_the_reference_step_passes_its_check(learner_dir):
+    result = workbench.check_component("LLMEngine.step", answers.step, save=False)
+    assert result.status == "passed", result
+    assert "all 30 random cases pass" in result
+
+
+@pytest.mark.parametrize("what, names", [
+    ("the blocks move after the model ran", ["token_ids", "cache_swap"]),
+    ("the stop check runs before the token is appended", ["FINISHED_LENGTH_CAPPED", "check_stop"]),
+    ("finished groups are never freed", ["the queues", "free_finished_seq_groups"]),
+    ("finished groups are freed before the new tokens are appended",
+     ["the queues", "once all its new tokens are appended"]),
+    ("finished sequences keep their blocks", ["the block table of sequence", "free_seq"]),
+])
+def test_a_wrong_step_is_caught_with_its_case_step_and_hint(learner_dir, what, names):
+    result = workbench.check_component("LLMEngine.step", ex.wrong_step(what), save=False)
+    assert result.status == "failed", result
+    assert result.startswith("✗ LLMEngine.step: case 0 fails")
+    assert "after step " in result and "hint: " in result
+    for name in names:
+        assert name in result, (name, result)
+    assert "assert" not in result and "_check_engine_step" not in result  # no checker source
+    assert not list(learner_dir.glob("*.py"))  # nothing wrong is saved
+
+
+def test_a_step_that_returns_nothing_or_skips_the_observers_is_caught(learner_dir):
+    result = ex.show_wrong_step("finished groups are never freed", num_cases=1)
+    assert "the queues" in result
+
+    def returns_nothing(self):
+        answers.step(self)
+
+    result = workbench.check_component("LLMEngine.step", returns_nothing, save=False)
+    assert "what step() returned" in result and "RequestOutput.from_seq_group" in result
+
+
+def test_the_unanswered_stub_says_not_done_and_solutions_fill_in(learner_dir, monkeypatch):
+    def step(self):
+        not_done()
+
+    assert workbench.check_component("LLMEngine.step", step).status == "not done"
+    monkeypatch.setenv("MINIPAGED_SOLUTIONS", "1")
+    result = workbench.check_component("LLMEngine.step", step, num_cases=2)
+    assert result.status == "solution used" and "reference answer was used" in result
+    assert not list(learner_dir.glob("*.py"))
+
+
+def test_a_step_that_raises_shows_the_learners_frame_only(learner_dir):
+    def step(self):
+        return self.scheduler.no_such_method()
+
+    result = workbench.check_component("LLMEngine.step", step, num_cases=1)
+    assert result.status == "failed" and "AttributeError" in result
+    assert "llm_engine.py" not in result and "lesson16.py" not in result
+
+
+# -- LLMEngine.step: plugged in, saved, collected --------------------------------------------------
+def test_the_answer_plugged_in_generates_what_the_package_does(learner_dir):
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [40, 41, 42, 43, 44, 45, 46]]
+    params = [SamplingParams(n=2, temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=6),
+              SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=5,
+                             ignore_eos=True)]
+
+    def generate():
+        engine = new_engine(ex.tiny_settings(num_gpu_blocks=10))
+        workload = [Request(p, s, i) for i, (p, s) in enumerate(zip(prompts, params))]
+        states = [s.state for s in run_steps(engine, workload)]
+        return states, engine.stats.num_preemptions_recompute + engine.stats.num_preemptions_swap
+
+    expected, preempted = generate()
+    with workbench.plugged_in(objects={"LLMEngine.step": answers.step}, quiet=True):
+        from minipaged.engine.llm_engine import LLMEngine
+        assert LLMEngine.step is answers.step
+        got, _ = generate()
+    assert got == expected and preempted > 0
+
+
+def test_the_saved_answer_is_collected_and_passes_again(learner_dir):
+    path = workbench.save_component("LLMEngine.step", answers.step)
+    assert path == learner_dir / "LLMEngine.step.py"
+    found, missing = workbench.collect(["LLMEngine.step"])
+    assert missing == [] and found["LLMEngine.step"] is not answers.step
+    assert workbench.check_component("LLMEngine.step", found["LLMEngine.step"], num_cases=4,
+                                     save=False).passed
+
+
+def test_the_reference_answer_is_long_enough_to_be_built():
+    import inspect
+
+    assert len(inspect.getsource(answers.step).splitlines()) >= 20
+
+
+# -- the capstone, over a tiny model, with test components -----------------------------------------
+class TypedAllocator(FreeListAllocator):
+    """The package's free list, as a test learner typed it again."""
+
+
+class FifoAllocator(FreeListAllocator):
+    """A wrong allocator: hands out the block freed longest ago (a queue, not a stack)."""
+
+    def allocate(self):
+        if not self.free_blocks:
+            raise ValueError("out of blocks")
+        block = self.free_blocks.pop(0)
+        block.ref_count = 1
+        return block
+
+
+def _register(name: str, slot: str):
+    return workbench.register(workbench.Component(
+        name=name, lesson="02", slots=(slot,), check=lambda candidate, rng, num_cases: num_cases,
+        solution="minipaged.core.allocator:FreeListAllocator",
+        preamble="from minipaged.core.allocator import FreeListAllocator"))
+
+
+@pytest.fixture
+def test_components(learner_dir):
+    names = ["test:FreeListAllocator", "test:PrefixCachingAllocator"]
+    _register(names[0], "minipaged.core.block_manager:FreeListAllocator")
+    _register(names[1], "minipaged.core.block_manager:PrefixCachingAllocator")
+    yield names
+    for name in names:
+        workbench._registry.pop(name, None)
+
+
+def tiny_workload() -> list[Request]:
+    greedy = lambda n, m: SamplingParams(n=n, temperature=0, max_tokens=m, ignore_eos=True)
+    return [Request([5, 6, 7, 8, 9, 10], greedy(1, 8)),
+            Request([20, 21, 22], greedy(2, 7)),
+            Request([30, 31, 32, 33, 34], SamplingParams(temperature=0.8, top_p=0.9, seed=1,
+                                                         max_tokens=6, ignore_eos=True)),
+            Request([40, 41, 42, 43], greedy(3, 5), arrive_at_step=2)]
+
+
+def capstone(names, **kwargs):
+    return ex.check_capstone(workload=tiny_workload(), names=names,
+                             settings=ex.tiny_settings(num_gpu_blocks=10), **kwargs)
+
+
+def test_the_capstone_with_nothing_saved_is_not_done_and_names_what_is_missing(test_components):
+    result = capstone(test_components + ["LLMEngine.step"])
+    assert result.status == "not done", result
+    assert "test:FreeListAllocator, test:PrefixCachingAllocator and LLMEngine.step" in result
+
+
+def test_the_capstone_names_the_learners_components_that_ran_and_those_missing(test_components):
+    workbench.save_component("LLMEngine.step", answers.step)
+    workbench.save_component(test_components[0], TypedAllocator)
+    result = capstone(test_components + ["LLMEngine.step"])
+    assert result.status == "incomplete", result
+    assert "with your test:FreeListAllocator and LLMEngine.step" in result
+    assert "the package's test:PrefixCachingAllocator because it is missing" in result
+    assert "preemption" in result and "copy-on-write cop" in result
+
+
+def test_the_capstone_passes_only_with_every_component_and_says_which_never_ran(test_components):
+    workbench.save_component("LLMEngine.step", answers.step)
+    workbench.save_component(test_components[0], TypedAllocator)
+    workbench.save_component(test_components[1], TypedAllocator)  # prefix caching is off here
+    result = capstone(test_components + ["LLMEngine.step"])
+    assert result.status == "passed", result
+    assert "your test:PrefixCachingAllocator was plugged in but never ran" in result
+    assert "because" not in result
+
+
+def test_the_capstone_draws_every_step_and_restores_the_engine(test_components):
+    workbench.save_component("LLMEngine.step", answers.step)
+    seen = []
+    result = capstone(["LLMEngine.step"], on_step=lambda step, mine, llms: seen.append(
+        (step, mine.block_manager == llms.block_manager)))
+    assert result.passed, result
+    assert seen and all(same for _, same in seen) and [s for s, _ in seen] == list(
+        range(1, len(seen) + 1))
+    from minipaged.engine.llm_engine import LLMEngine
+    assert LLMEngine.step is not answers.step and "step" in LLMEngine.__dict__
+    assert FreeListAllocator.__dict__.get("__init__") is not None
+
+
+def test_a_wrong_component_is_named_with_the_step_where_it_goes_wrong(test_components):
+    workbench.save_component("LLMEngine.step", answers.step)
+    workbench.save_component(test_components[0], FifoAllocator)
+    result = capstone([test_components[0], "LLMEngine.step"])
+    assert result.status == "failed", result
+    assert result.startswith("✗ capstone: step ")
+    assert "the first of your components to go wrong: test:FreeListAllocator (lesson 02)" in result
+
+
+def test_a_wrong_step_alone_is_caught_at_its_step(test_components, monkeypatch):
+    wrong = ex.wrong_step("finished sequences keep their blocks")
+    monkeypatch.setattr(workbench, "collect", lambda names: ({"LLMEngine.step": wrong}, []))
+    result = capstone(["LLMEngine.step"])
+    assert result.status == "failed" and "the block table of sequence" in result
+    assert "your only component here is LLMEngine.step (lesson 16)" in result
+
+
+def test_a_saved_file_that_no_longer_runs_is_missing_with_its_reason(test_components):
+    (workbench.learner_dir() / "LLMEngine.step.py").write_text(
+        '# minipaged build track: {"component": "LLMEngine.step", "object": "step"}\n'
+        "def step(self):\n    return undefined_name\n    x = (\n")
+    result = capstone(["LLMEngine.step"])
+    assert result.status == "not done" and "LLMEngine.step" in result
+
+
+def test_capstone_names_are_registered_earlier_components_then_the_step(test_components,
+                                                                       monkeypatch):
+    monkeypatch.setattr(ex, "CAPSTONE_COMPONENTS", ("test:PrefixCachingAllocator",
+                                                    "not registered anywhere"))
+    assert ex.capstone_names() == ["test:PrefixCachingAllocator", "LLMEngine.step"]
+
+
+@pytest.mark.slow
+def test_the_capstone_on_smollm2_preempts_swaps_copies_and_hits_the_cache(learner_dir):
+    workbench.save_component("LLMEngine.step", answers.step)
+    result = ex.check_capstone(names=["LLMEngine.step"])
+    assert result.passed, result
+    assert "(1 by recompute, 1 by swap)" in result and "1 copy-on-write copy" in result
+    assert "20 prompt tokens from the prefix cache" in result
+
+
+# -- the "learner typed the answers" harness ----------------------------------------------------
+def _harness():
+    spec = importlib.util.spec_from_file_location("answer_lessons",
+                                                  ROOT / "scripts" / "answer_lessons.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_harness_types_the_answer_in_place_of_the_stub():
+    harness = _harness()
+    cell = ('import math\n\n\ndef my_step(self) -> list:\n    """doc"""\n    not_done()\n\n\n'
+            'check_component("LLMEngine.step", my_step)\n')
+    typed = harness.typed_in(cell, "LLMEngine.step")
+    assert "not_done()" not in typed and "def my_step(self) -> list[RequestOutput]:" in typed
+    assert typed.startswith("from minipaged.exercises.answers.lesson16 import *")
+    assert typed.rstrip().endswith('check_component("LLMEngine.step", my_step)')
+    assert "import math" in typed
+    compile(typed, "cell", "exec")
+
+
+@pytest.mark.slow
+def test_a_learner_who_typed_the_answers_passes_the_capstone_with_their_components(tmp_path,
+                                                                                   capsys):
+    code = _harness().main([str(ROOT / "lessons" / "16_capstone.ipynb"), "--keep",
+                            str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "✓ LLMEngine.step: all 30 random cases pass; saved" in out
+    assert "✓ capstone: your engine gives" in out and "with your LLMEngine.step" in out
+    assert (tmp_path / "LLMEngine.step.py").exists()
+
+
+# -- the warm-ups' checkers ------------------------------------------------------------------------
+def oldest_is_the_victim(running, num_free):
+    kept, preempted = solutions.pick_victims(list(reversed(running)), num_free)
+    return list(reversed(kept)), preempted
+
+
+def test_check_pick_victims():
+    assert ex.check_pick_victims(solutions.pick_victims).passed
+    result = ex.check_pick_victims(oldest_is_the_victim)
+    assert result.status == "failed" and "hint" in result and len(result.splitlines()) == 5
+
+    def never_preempts(running, num_free):
+        return [g.request_id for g in running], []
+
+    assert ex.check_pick_victims(never_preempts).status == "failed"
+
+    def unanswered(running, num_free):
+        not_done()
+
+    assert ex.check_pick_victims(unanswered).status == "not done"
+
+
+def test_check_step_slot_mapping():
+    assert ex.check_step_slot_mapping(solutions.step_slot_mapping).passed
+
+    def decodes_first(seqs, block_size, slot_of):
+        decodes = [s for s in seqs if s.num_computed_tokens > 0]
+        prompts = [s for s in seqs if s.num_computed_tokens == 0]
+        return (solutions.step_slot_mapping(decodes, block_size, slot_of)
+                + solutions.step_slot_mapping(prompts, block_size, slot_of))
+
+    result = ex.check_step_slot_mapping(decodes_first)
+    assert result.status == "failed" and "prompt runs come first" in result
+
+    def unanswered(seqs, block_size, slot_of):
+        not_done()
+
+    assert ex.check_step_slot_mapping(unanswered).status == "not done"
