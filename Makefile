@@ -53,7 +53,7 @@ test: $(STAMP)
 
 # Everything, as CI runs it (.ci/run): every test with its full budget, then every lesson.
 test-all: $(STAMP) $(KERNELS_ON_CPU) system-deps
-	$(PY) -m pytest -q tests lessons --nbmake -p no:cacheprovider
+	$(PY) -m pytest -q tests lessons --nbmake -p no:cacheprovider --durations=45
 
 # The CUDA kernels on the CPU under ThreadSanitizer and AddressSanitizer (also part of `test-all`).
 sanitize: $(STAMP)

@@ -9,6 +9,8 @@ goes wrong first. The warm-ups' checkers pass their answers and catch wrong ones
 """
 from __future__ import annotations
 
+import re
+
 import importlib.util
 
 import pytest
@@ -253,12 +255,13 @@ def test_capstone_names_are_registered_earlier_components_then_the_step(test_com
 
 
 @pytest.mark.slow
-def test_the_capstone_on_smollm2_preempts_swaps_copies_and_hits_the_cache(learner_dir):
+def test_the_capstone_on_smollm2_preempts_by_recompute_and_swap_and_copies(learner_dir):
     workbench.save_component("LLMEngine.step", answers.step)
     result = ex.check_capstone(names=["LLMEngine.step"])
     assert result.passed, result
-    assert "(1 by recompute, 1 by swap)" in result and "1 copy-on-write copy" in result
-    assert "20 prompt tokens from the prefix cache" in result
+    assert re.search(r"\([1-9]\d* by recompute, [1-9]\d* by swap\)", result), result
+    assert re.search(r"[1-9]\d* copy-on-write cop", result), result
+    assert "prefix cache" not in result  # off in the capstone (capstone.CAPSTONE_SETTINGS)
 
 
 # -- the "learner typed the answers" harness ----------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from minipaged.engine.stats import StepSnapshot
 from minipaged.outputs import RequestOutput
-from minipaged.worker.model_runner import prepare_inputs
+from minipaged.engine import llm_engine
 
 
 def step(self) -> list[RequestOutput]:
@@ -27,7 +27,8 @@ def step(self) -> list[RequestOutput]:
     self.worker.cache_swap(outs.blocks_to_swap_in, outs.blocks_to_swap_out, outs.blocks_to_copy)
 
     # 3. One flat batch, one model run, one token per sampled sequence.
-    inputs = prepare_inputs(outs.seq_runs, self.block_size, self.device)
+    # (looked up in llm_engine at each call: lesson 08's prepare_inputs, when plugged in, runs)
+    inputs = llm_engine.prepare_inputs(outs.seq_runs, self.block_size, self.device)
     sampled = {}
     if inputs.computed:
         logits = self.worker.execute_model(inputs)  # (rows, vocab)
