@@ -9,9 +9,10 @@
 #include <cstdint>
 
 extern "C" {
-int minipaged_paged_attention_plan(int num_seqs, int num_heads, int head_size,
-                                   int max_context_len, int version, int* chosen_version,
-                                   int* partition_size, int64_t* workspace_bytes);
+int minipaged_paged_attention_plan(int num_seqs, int num_heads, int num_kv_heads, int head_size,
+                                   int max_context_len, int cache_dtype, int version,
+                                   int* chosen_version, int* partition_size,
+                                   int64_t* workspace_bytes);
 int minipaged_force_partition_size(int tokens);
 int minipaged_paged_attention(void* out, const void* query, const void* key_cache,
                               const void* value_cache, const int* block_tables,

@@ -82,12 +82,13 @@ enum TraceKind {
   TRACE_VISIT = 1,   // phase 2: the warp's loop reaches a KV block: (block of the sequence,
                      // physical block, 0)
   TRACE_KEY_LOAD,    // one global load of key bytes in phase 2: (address, bytes, 0)
-  TRACE_LOGIT,       // phase 2, by the first lane of a group: (token of the sequence, 0,
-                     // scaled q.k)
-  TRACE_MAX,         // phase 3: (0, 0, the block's maximum logit)
-  TRACE_EXP_SUM,     // phase 3: (0, 0, the block's sum of exponentials)
+  TRACE_LOGIT,       // phase 2, by the first lane of a group: (token of the sequence, query
+                     // head of the kv head's group (0 in V1 and V2), scaled q.k)
+  TRACE_MAX,         // phase 3: (query head of the group, 0, the block's maximum logit)
+  TRACE_EXP_SUM,     // phase 3: (query head of the group, 0, the block's sum of exponentials)
   TRACE_LANE_SUM,    // phase 4, before any shuffle: (row, slice, this lane's partial sum)
   TRACE_WARP_SUM,    // phase 4, the warp's row sum written for the cross-warp add: (row, warp, sum)
+  TRACE_VALUE_LOAD,  // one global load of value bytes in phase 4: (address, bytes, 0)
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -230,41 +231,56 @@ struct CodeScales {
 // k + c * BLOCK_SIZE * X.
 
 // Ours: lane j of the group loads whole chunks j, j + G, j + 2G, ...: each load is 16 bytes.
+// Load first, then multiply: all of this lane's 16-byte loads are in flight together. The chunks
+// stay in registers, so the grouped kernel (version 3) multiplies them by several queries.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
-__device__ __forceinline__ float key_dot_own_chunks(const T* k, const float* q_smem,
-                                                    int lane_in_group) {
-  constexpr int X = Vec16<T>::N;
-  constexpr int G = BLOCK_SIZE < WARP_SIZE ? WARP_SIZE / BLOCK_SIZE : 1;
-  constexpr int NUM_K_CHUNKS = HEAD_SIZE / X;
-  constexpr int K_CHUNKS_PER_LANE = (NUM_K_CHUNKS + G - 1) / G;
-  // Load first, then multiply: all of this lane's 16-byte loads are in flight together.
-  uint4 k_raw[K_CHUNKS_PER_LANE];
+struct OwnKeyChunks {
+  static constexpr int X = Vec16<T>::N;
+  static constexpr int G = BLOCK_SIZE < WARP_SIZE ? WARP_SIZE / BLOCK_SIZE : 1;
+  static constexpr int NUM_K_CHUNKS = HEAD_SIZE / X;
+  static constexpr int K_CHUNKS_PER_LANE = (NUM_K_CHUNKS + G - 1) / G;
+  uint4 raw[K_CHUNKS_PER_LANE];
+
+  __device__ __forceinline__ void load(const T* k, int lane_in_group) {
 #pragma unroll
-  for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
-    const int c = lane_in_group + i * G;
-    if (c < NUM_K_CHUNKS) {
-      k_raw[i] = load16(k + c * BLOCK_SIZE * X);
-      MP_TRACE(TRACE_KEY_LOAD, reinterpret_cast<uintptr_t>(k + c * BLOCK_SIZE * X), 16, 0);
-    }
-  }
-  float partial = 0.f;
-#pragma unroll
-  for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
-    const int c = lane_in_group + i * G;
-    if (c < NUM_K_CHUNKS) {
-      float k_vals[X];
-      unpack<T>(k_raw[i], k_vals);
-      // the matching query chunk, read from shared memory 4 floats at a time
-      const float4* q4 = reinterpret_cast<const float4*>(q_smem + c * X);
-#pragma unroll
-      for (int e = 0; e < X / 4; ++e) {
-        const float4 qv = q4[e];
-        partial += qv.x * k_vals[4 * e] + qv.y * k_vals[4 * e + 1] +
-                   qv.z * k_vals[4 * e + 2] + qv.w * k_vals[4 * e + 3];
+    for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
+      const int c = lane_in_group + i * G;
+      if (c < NUM_K_CHUNKS) {
+        raw[i] = load16(k + c * BLOCK_SIZE * X);
+        MP_TRACE(TRACE_KEY_LOAD, reinterpret_cast<uintptr_t>(k + c * BLOCK_SIZE * X), 16, 0);
       }
     }
   }
-  return partial;
+
+  // This lane's part of q.k for the query in q_smem (fp32, HEAD_SIZE).
+  __device__ __forceinline__ float dot(const float* q_smem, int lane_in_group) const {
+    float partial = 0.f;
+#pragma unroll
+    for (int i = 0; i < K_CHUNKS_PER_LANE; ++i) {
+      const int c = lane_in_group + i * G;
+      if (c < NUM_K_CHUNKS) {
+        float k_vals[X];
+        unpack<T>(raw[i], k_vals);
+        // the matching query chunk, read from shared memory 4 floats at a time
+        const float4* q4 = reinterpret_cast<const float4*>(q_smem + c * X);
+#pragma unroll
+        for (int e = 0; e < X / 4; ++e) {
+          const float4 qv = q4[e];
+          partial += qv.x * k_vals[4 * e] + qv.y * k_vals[4 * e + 1] +
+                     qv.z * k_vals[4 * e + 2] + qv.w * k_vals[4 * e + 3];
+        }
+      }
+    }
+    return partial;
+  }
+};
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+__device__ __forceinline__ float key_dot_own_chunks(const T* k, const float* q_smem,
+                                                    int lane_in_group) {
+  OwnKeyChunks<T, HEAD_SIZE, BLOCK_SIZE> chunks;
+  chunks.load(k, lane_in_group);
+  return chunks.dot(q_smem, lane_in_group);
 }
 
 // One load of BYTES bytes (16, 8 or 4): the register type that holds it.
@@ -437,6 +453,7 @@ __device__ __forceinline__ PartitionStats attend(
       if (row < HEAD_SIZE) {
         float vals[V_VEC];
         unpack<C>(load16(v + row * BLOCK_SIZE), vals);
+        MP_TRACE(TRACE_VALUE_LOAD, reinterpret_cast<uintptr_t>(v + row * BLOCK_SIZE), 16, 0);
         if (last_block) {
 #pragma unroll
           for (int j = 0; j < V_VEC; ++j) {
@@ -667,7 +684,221 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
 }
 
 // ----------------------------------------------------------------------------------------------
-// Launch: choose V1 or V2, pick the template instance, size the shared memory, check errors
+// Grouped-query attention (version 3): one CUDA block per (kv head, sequence, partition) serves
+// every query head of the kv head's group
+// ----------------------------------------------------------------------------------------------
+// With GQA the num_heads / num_kv_heads = GROUP query heads of a group read the same keys and
+// values. V1 and V2 give each query head a CUDA block of its own, so each key and value is
+// loaded GROUP times (docs/ARCHITECTURE.md: the C++ CPU op already reads it once). Here one CUDA
+// block takes the whole group: the same four phases as `attend`, with GROUP rows where `attend`
+// has one.
+//   phase 1  the GROUP queries -> q_smem[GROUP][HEAD_SIZE] (fp32)
+//   phase 2  each lane loads its key chunks once (OwnKeyChunks) and multiplies them by each of
+//            the GROUP queries: GROUP butterflies, logits[GROUP][partition]
+//   phase 3  one softmax per query head (the reductions of `attend`, GROUP times)
+//   phase 4  each lane loads a 16-byte slice of a value row once and adds it to GROUP
+//            accumulators, one per query head; GROUP outputs leave through out_smem
+// A partition's results go to V2's workspace, one slot per *query* head, and V2's reduce kernel
+// combines them. When one partition holds every context of the batch, the kernel writes the
+// outputs itself (`out` not null) and there is nothing to combine.
+constexpr int MAX_GROUP = 8;  // query heads per kv head: registers hold MAX_GROUP accumulators
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+__global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
+    T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE] or null (partitions)
+    float* __restrict__ max_logits,       // [num_seqs, num_heads, max_partitions] or null
+    float* __restrict__ exp_sums,         // [num_seqs, num_heads, max_partitions] or null
+    float* __restrict__ tmp_out,          // [num_seqs, num_heads, max_partitions, HEAD_SIZE]
+    const T* __restrict__ query, const T* __restrict__ key_cache,
+    const T* __restrict__ value_cache, const KernelArgs a, const int num_heads,
+    const int partition_size, const int max_context_len) {
+  static_assert(MIN_PARTITION_SIZE % BLOCK_SIZE == 0, "a partition is whole KV blocks");
+  constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
+  constexpr int X = Vec16<T>::N;
+  constexpr int G = BLOCK_SIZE < WARP_SIZE ? WARP_SIZE / BLOCK_SIZE : 1;  // lanes per token
+  constexpr int V_VEC = X;
+  constexpr int V_VECS_PER_ROW = BLOCK_SIZE / V_VEC;
+  constexpr int ROWS_PER_PASS = WARP_SIZE / V_VECS_PER_ROW;
+  constexpr int ROWS_PER_LANE = (HEAD_SIZE + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+  const int kv_head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int partition = blockIdx.z;
+  const int max_partitions = gridDim.z;
+  const int group = num_heads / a.num_kv_heads;  // query heads kv_head * group + h, h < group
+  const int first_head = kv_head * group;
+  const int context_len = a.context_lens[seq];
+  const int warp = threadIdx.x / WARP_SIZE;
+  const int lane = threadIdx.x % WARP_SIZE;
+  auto out_row = [&](int h) {
+    return out + ((int64_t)seq * num_heads + first_head + h) * HEAD_SIZE;
+  };
+
+  if (out != nullptr && (context_len <= 0 || context_len > max_context_len)) {
+    // One partition, no reduce kernel: the empty and broken contexts of fill_row, here.
+    for (int h = 0; h < group; ++h) {
+      fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row(h), context_len == 0 ? 0.f : quiet_nan());
+    }
+    return;
+  }
+  const int start = partition * partition_size;
+  if (start >= context_len) return;  // as in V2: the reduce kernel handles what is left
+  const int end = context_len - start < partition_size ? context_len : start + partition_size;
+  const int first_block = start / BLOCK_SIZE;
+  const int num_blocks = (end - start + BLOCK_SIZE - 1) / BLOCK_SIZE;
+  const int num_tokens = end - start;
+  const int* block_table = a.block_tables + (int64_t)seq * a.max_blocks_per_seq;
+  const T* keys = key_cache + kv_head * a.k_head_stride;
+  const T* values = value_cache + kv_head * a.v_head_stride;
+
+  __shared__ float logits[MAX_GROUP * PARTITION_SIZE];        // head h at h * PARTITION_SIZE
+  __shared__ __align__(16) float q_smem[MAX_GROUP * HEAD_SIZE];
+  __shared__ float red_smem[MAX_GROUP * 2 * NUM_WARPS];        // each head's own slots
+  __shared__ float out_smem[MAX_GROUP * NUM_WARPS * HEAD_SIZE];  // head h, warp w: row h*4+w
+
+  // ---- phase 1: the group's queries into shared memory -------------------------------------
+  for (int i = threadIdx.x; i < group * HEAD_SIZE; i += NUM_THREADS) {
+    const int h = i / HEAD_SIZE, d = i % HEAD_SIZE;
+    q_smem[i] = to_float(query[seq * a.q_seq_stride + (first_head + h) * a.q_head_stride + d]);
+  }
+  __syncthreads();
+
+  // ---- phase 2: each key loaded once, multiplied by every query of the group ------------------
+  const int token_in_block = lane / G;
+  const int lane_in_group = lane % G;
+  float qk_max[MAX_GROUP];
+#pragma unroll
+  for (int h = 0; h < MAX_GROUP; ++h) qk_max[h] = -FLT_MAX;
+  for (int b = warp; b < num_blocks; b += NUM_WARPS) {
+    const int64_t physical_block = block_table[first_block + b];
+    MP_TRACE(TRACE_VISIT, first_block + b, physical_block, 0);
+    OwnKeyChunks<T, HEAD_SIZE, BLOCK_SIZE> key;
+    key.load(keys + physical_block * a.k_block_stride + token_in_block * X, lane_in_group);
+    const int token = b * BLOCK_SIZE + token_in_block;  // from `start`
+#pragma unroll
+    for (int h = 0; h < MAX_GROUP; ++h) {
+      if (h < group) {  // uniform over the warp: the butterfly's lanes all take part
+        const float partial = key.dot(q_smem + h * HEAD_SIZE, lane_in_group);
+        const float qk = a.scale * butterfly<G / 2, 1>(partial, SumOp());
+        if (token < num_tokens) {
+          if (lane_in_group == 0) {
+            logits[h * PARTITION_SIZE + token] = qk;
+            MP_TRACE(TRACE_LOGIT, start + token, h, qk);
+          }
+          qk_max[h] = fmaxf(qk_max[h], qk);
+        }
+      }
+    }
+  }
+
+  // ---- phase 3: one softmax per query head ----------------------------------------------------
+  // `attend`'s two reductions for each head, each in its own red_smem slots. The first barrier
+  // (in the first block_reduce) also makes every head's logits visible to every thread.
+  PartitionStats stats[MAX_GROUP];
+#pragma unroll
+  for (int h = 0; h < MAX_GROUP; ++h) {
+    if (h < group) {  // uniform over the CUDA block: every thread meets the barriers
+      float* head_logits = logits + h * PARTITION_SIZE;
+      float* red = red_smem + h * 2 * NUM_WARPS;
+      const float max_logit = block_reduce<NUM_WARPS, G>(qk_max[h], red, -FLT_MAX, MaxOp());
+      MP_TRACE(TRACE_MAX, h, 0, max_logit);
+      float exp_sum = 0.f;
+      for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {
+        const float e = expf(head_logits[i] - max_logit);
+        head_logits[i] = e;
+        exp_sum += e;
+      }
+      exp_sum = block_reduce<NUM_WARPS, 1>(exp_sum, red + NUM_WARPS, 0.f, SumOp());
+      MP_TRACE(TRACE_EXP_SUM, h, 0, exp_sum);
+      const float inv_sum = 1.f / exp_sum;
+      for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) head_logits[i] *= inv_sum;
+      stats[h] = {max_logit, exp_sum};
+    }
+  }
+  __syncthreads();  // every probability of every head is written before phase 4 reads them
+
+  // ---- phase 4: each value slice loaded once, added to every head's output --------------------
+  // The lanes' rows and slices are `attend`'s; acc[h][i] is row i of this lane for query head h.
+  const int row_in_pass = lane / V_VECS_PER_ROW;
+  const int slice = lane % V_VECS_PER_ROW;
+  float acc[MAX_GROUP][ROWS_PER_LANE];
+#pragma unroll
+  for (int h = 0; h < MAX_GROUP; ++h) {
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_LANE; ++i) acc[h][i] = 0.f;
+  }
+  for (int b = warp; b < num_blocks; b += NUM_WARPS) {
+    const int64_t physical_block = block_table[first_block + b];
+    const T* v = values + physical_block * a.v_block_stride + slice * V_VEC;
+    const int first_token = b * BLOCK_SIZE + slice * V_VEC;  // from `start`
+    // the slice's probabilities for every head; 0 past the range (see `attend`)
+    float probs[MAX_GROUP][V_VEC];
+#pragma unroll
+    for (int h = 0; h < MAX_GROUP; ++h) {
+#pragma unroll
+      for (int j = 0; j < V_VEC; ++j) {
+        probs[h][j] = h < group && first_token + j < num_tokens
+                          ? logits[h * PARTITION_SIZE + first_token + j] : 0.f;
+      }
+    }
+    const bool last_block = b == num_blocks - 1;
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_LANE; ++i) {
+      const int row = row_in_pass + i * ROWS_PER_PASS;
+      if (row < HEAD_SIZE) {
+        float vals[V_VEC];
+        unpack<T>(load16(v + row * BLOCK_SIZE), vals);  // once for the whole group
+        MP_TRACE(TRACE_VALUE_LOAD, reinterpret_cast<uintptr_t>(v + row * BLOCK_SIZE), 16, 0);
+        if (last_block) {
+#pragma unroll
+          for (int j = 0; j < V_VEC; ++j) {
+            if (first_token + j >= num_tokens) vals[j] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < MAX_GROUP; ++h) {
+          if (h < group) {
+#pragma unroll
+            for (int j = 0; j < V_VEC; ++j) acc[h][i] += probs[h][j] * vals[j];
+          }
+        }
+      }
+    }
+  }
+  // As in `attend`: a butterfly adds up the lanes that share a row, then the first lane of each
+  // row team writes the warp's row sums, head by head.
+#pragma unroll
+  for (int h = 0; h < MAX_GROUP; ++h) {
+    if (h < group) {
+#pragma unroll
+      for (int i = 0; i < ROWS_PER_LANE; ++i) {
+        const float sum = butterfly<V_VECS_PER_ROW / 2, 1>(acc[h][i], SumOp());
+        const int row = row_in_pass + i * ROWS_PER_PASS;
+        if (slice == 0 && row < HEAD_SIZE) out_smem[(h * NUM_WARPS + warp) * HEAD_SIZE + row] = sum;
+      }
+    }
+  }
+  __syncthreads();
+
+  // One partition: the outputs themselves. Else V2's workspace, one slot per query head.
+#pragma unroll
+  for (int h = 0; h < MAX_GROUP; ++h) {
+    if (h >= group) break;
+    const float* head_out = out_smem + h * NUM_WARPS * HEAD_SIZE;
+    if (out != nullptr) {
+      write_output<T, HEAD_SIZE, NUM_THREADS>(out_row(h), head_out);
+      continue;
+    }
+    const int64_t slot = ((int64_t)seq * num_heads + first_head + h) * max_partitions + partition;
+    if (threadIdx.x == 0) {
+      max_logits[slot] = stats[h].max_logit;
+      exp_sums[slot] = stats[h].exp_sum;
+    }
+    write_output<float, HEAD_SIZE, NUM_THREADS>(tmp_out + slot * HEAD_SIZE, head_out);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Launch: choose V1, V2 or the grouped kernel, pick the template instance, size the shared memory, check errors
 // ----------------------------------------------------------------------------------------------
 constexpr int NUM_THREADS = 128;
 constexpr int MAX_GRID_Y = 65535;      // gridDim.y (sequences) and gridDim.z (partitions)
@@ -686,12 +917,24 @@ enum ErrorCode {
   BAD_HEAD_COUNTS = -8,          // num_heads is not a multiple of num_kv_heads
   BAD_VERSION = -9,
   BAD_PARTITION_SIZE = -10,      // a forced partition size that is no power of two in [64, 512]
+  NOT_GROUPED_SHAPE = -11,       // version 3 forced where the grouped kernel is not built
 };
 
-// V1 for short contexts, or when the batch alone has enough CUDA blocks to fill the GPU;
-// V2 (partitions) otherwise. `requested` 1 or 2 forces a version (tests, benchmarks).
-inline int choose_version(int num_seqs, int num_heads, int max_context_len, int requested) {
-  if (requested == 1 || requested == 2) return requested;
+// Where the grouped kernel (version 3) is built: at most MAX_GROUP query heads per kv head,
+// head sizes 64 and 128, a 16- or 32-bit cache (an 8-bit cache runs V1 or V2).
+inline bool grouped_kernel_built(int num_heads, int num_kv_heads, int head_size, bool codes) {
+  const int group = num_heads / num_kv_heads;
+  return !codes && group <= MAX_GROUP && (head_size == 64 || head_size == 128);
+}
+
+// The grouped kernel whenever query heads share a kv head and it is built for the shape: it
+// reads each key and value once per group instead of once per query head. Otherwise V1 for
+// short contexts, or when the batch alone has enough CUDA blocks to fill the GPU, and V2
+// (partitions) for the rest. `requested` 1, 2 or 3 forces a version (tests, benchmarks).
+inline int choose_version(int num_seqs, int num_heads, int max_context_len, int requested,
+                          bool grouped) {
+  if (requested != 0) return requested;
+  if (grouped) return 3;
   if (max_context_len <= MIN_PARTITION_SIZE) return 1;  // one partition at most: nothing to split
   if (max_context_len <= V1_MAX_CONTEXT && (int64_t)num_seqs * num_heads >= V1_MIN_BLOCKS) return 1;
   return 2;
@@ -729,18 +972,28 @@ inline const DeviceLimits& device_limits(int device) {
 struct Plan {
   int error = 0;
   int version = 1;
-  int partition_size = 0;  // tokens (V2)
-  int partitions = 0;      // of the longest context (V2)
+  int partition_size = 0;  // tokens (V2 and version 3)
+  int partitions = 0;      // of the longest context (V2 and version 3)
 };
 
-inline Plan make_plan(int num_seqs, int num_heads, int max_context_len, int requested) {
+// What a batch needs: num_seqs sequences of num_heads query heads over num_kv_heads kv heads,
+// `codes` for an 8-bit cache. The grouped kernel has one CUDA block per kv head, so the grid it
+// fills has num_seqs * num_kv_heads rows.
+inline Plan make_plan(int num_seqs, int num_heads, int num_kv_heads, int head_size,
+                      int max_context_len, int requested, bool codes) {
   Plan plan;
-  plan.version = choose_version(num_seqs, num_heads, max_context_len, requested);
+  const bool grouped = grouped_kernel_built(num_heads, num_kv_heads, head_size, codes);
+  if (requested == 3 && !grouped) {
+    plan.error = NOT_GROUPED_SHAPE;
+    return plan;
+  }
+  plan.version = choose_version(num_seqs, num_heads, max_context_len, requested,
+                                grouped && num_heads > num_kv_heads);
   if (plan.version == 1) return plan;
   int size = forced_partition_size().load();
   if (size == 0) {
     size = PARTITION_SIZE;
-    if (requested == 0) {  // forced V2 keeps the textbook 512 tokens (lesson 06)
+    if (requested == 0) {  // forced V2 (or 3) keeps the textbook 512 tokens (lesson 06)
       int device = 0;
       plan.error = (int)cudaGetDevice(&device);
       if (!plan.error && (device < 0 || device >= MAX_DEVICES)) {
@@ -750,7 +1003,7 @@ inline Plan make_plan(int num_seqs, int num_heads, int max_context_len, int requ
       const DeviceLimits& limits = device_limits(device);
       if ((plan.error = limits.error)) return plan;
       const int64_t target = (int64_t)V2_BLOCKS_PER_SM * limits.multiprocessors;
-      const int64_t rows = (int64_t)num_seqs * num_heads;
+      const int64_t rows = (int64_t)num_seqs * (plan.version == 3 ? num_kv_heads : num_heads);
       while (size > MIN_PARTITION_SIZE &&
              rows * ((max_context_len + size - 1) / size) < target) {
         size /= 2;
@@ -763,8 +1016,10 @@ inline Plan make_plan(int num_seqs, int num_heads, int max_context_len, int requ
 }
 
 // V2's scratch: max_logits and exp_sums [num_seqs, num_heads, P] then tmp_out [..., P, head_size].
-inline int64_t workspace_floats(int num_seqs, int num_heads, int head_size, int partitions) {
-  return (int64_t)num_seqs * num_heads * partitions * (2 + head_size);
+// (The grouped kernel needs none when one partition holds every context: it writes the output.)
+inline int64_t workspace_floats(int num_seqs, int num_heads, int head_size, const Plan& plan) {
+  if (plan.version == 1 || (plan.version == 3 && plan.partitions == 1)) return 0;
+  return (int64_t)num_seqs * num_heads * plan.partitions * (2 + head_size);
 }
 
 
@@ -837,36 +1092,76 @@ int launch_v1(const AttentionArgs& a) {
   return launch_error();
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename C = T>
-int launch_v2(const AttentionArgs& a) {
-  const int partitions = a.plan.partitions;
-  if (partitions > MAX_GRID_Y) return TOO_MANY_SEQUENCES;
-  if (a.workspace_floats < workspace_floats(a.num_seqs, a.num_heads, HEAD_SIZE, partitions)) {
-    return WORKSPACE_TOO_SMALL;
-  }
-  const int64_t stats = (int64_t)a.num_seqs * a.num_heads * partitions;
-  float* max_logits = a.workspace;
-  float* exp_sums = max_logits + stats;
-  float* tmp_out = exp_sums + stats;
-
-  constexpr auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>;
+// V2's workspace cut into its three arrays (see workspace_floats), once checked for size.
+struct PartitionResults {
+  int error = 0;
+  float* max_logits = nullptr;
+  float* exp_sums = nullptr;
+  float* tmp_out = nullptr;
+};
+template <typename T, int HEAD_SIZE>
+PartitionResults partition_results(const AttentionArgs& a) {
+  PartitionResults r;
   constexpr auto reduce = paged_attention_v2_reduce_kernel<T, HEAD_SIZE, NUM_THREADS>;
   const KernelSmem& reduce_smem = kernel_smem<reduce>();
-  if (reduce_smem.error) return reduce_smem.error;
-  const size_t weights_smem = (size_t)partitions * sizeof(float);
-  if (weights_smem > reduce_smem.max_dynamic) return SHARED_MEMORY_TOO_SMALL;
+  if (a.plan.partitions > MAX_GRID_Y) {
+    r.error = TOO_MANY_SEQUENCES;
+  } else if (a.workspace_floats < workspace_floats(a.num_seqs, a.num_heads, HEAD_SIZE, a.plan)) {
+    r.error = WORKSPACE_TOO_SMALL;
+  } else if (reduce_smem.error) {
+    r.error = reduce_smem.error;
+  } else if ((size_t)a.plan.partitions * sizeof(float) > reduce_smem.max_dynamic) {
+    r.error = SHARED_MEMORY_TOO_SMALL;
+  }
+  const int64_t stats = (int64_t)a.num_seqs * a.num_heads * a.plan.partitions;
+  r.max_logits = a.workspace;
+  r.exp_sums = r.max_logits + stats;
+  r.tmp_out = r.exp_sums + stats;
+  return r;
+}
 
+// V2's second kernel: one CUDA block per (head, sequence) combines the partitions.
+template <typename T, int HEAD_SIZE>
+int launch_reduce(const AttentionArgs& a, const PartitionResults& r) {
+  constexpr auto reduce = paged_attention_v2_reduce_kernel<T, HEAD_SIZE, NUM_THREADS>;
+  const size_t weights_smem = (size_t)a.plan.partitions * sizeof(float);
+  reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, weights_smem, a.stream>>>(
+      static_cast<T*>(a.out), r.max_logits, r.exp_sums, r.tmp_out, a.k.context_lens,
+      a.plan.partitions, a.plan.partition_size);
+  return launch_error();
+}
+
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename C = T>
+int launch_v2(const AttentionArgs& a) {
+  const PartitionResults r = partition_results<T, HEAD_SIZE>(a);
+  if (r.error) return r.error;
+  constexpr auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>;
   clear_stale_error();
-  kernel<<<dim3(a.num_heads, a.num_seqs, partitions), NUM_THREADS, 0, a.stream>>>(
-      max_logits, exp_sums, tmp_out, static_cast<const T*>(a.query),
+  kernel<<<dim3(a.num_heads, a.num_seqs, a.plan.partitions), NUM_THREADS, 0, a.stream>>>(
+      r.max_logits, r.exp_sums, r.tmp_out, static_cast<const T*>(a.query),
       static_cast<const C*>(a.key_cache), static_cast<const C*>(a.value_cache), a.k,
       a.plan.partition_size);
-  int err = launch_error();
-  if (err) return err;
-  reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, weights_smem, a.stream>>>(
-      static_cast<T*>(a.out), max_logits, exp_sums, tmp_out, a.k.context_lens, partitions,
-      a.plan.partition_size);
-  return launch_error();
+  const int err = launch_error();
+  return err ? err : launch_reduce<T, HEAD_SIZE>(a, r);
+}
+
+// Version 3: one CUDA block per (kv head, sequence, partition); with one partition it writes
+// the outputs and no reduce kernel runs.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+int launch_grouped(const AttentionArgs& a) {
+  constexpr auto kernel = paged_attention_grouped_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
+  const bool one_partition = a.plan.partitions == 1;
+  const PartitionResults r =
+      one_partition ? PartitionResults{} : partition_results<T, HEAD_SIZE>(a);
+  if (r.error) return r.error;
+  clear_stale_error();
+  kernel<<<dim3(a.k.num_kv_heads, a.num_seqs, a.plan.partitions), NUM_THREADS, 0, a.stream>>>(
+      one_partition ? static_cast<T*>(a.out) : nullptr, r.max_logits, r.exp_sums, r.tmp_out,
+      static_cast<const T*>(a.query), static_cast<const T*>(a.key_cache),
+      static_cast<const T*>(a.value_cache), a.k, a.num_heads, a.plan.partition_size,
+      a.max_context_len);
+  const int err = launch_error();
+  return err || one_partition ? err : launch_reduce<T, HEAD_SIZE>(a, r);
 }
 
 // ---- one switch for every (dtype, head size, block size) the kernels are built for ------------
@@ -959,27 +1254,51 @@ int dispatch_8bit(int dtype, int cache_dtype, int head_size, int block_size, F f
   }
 }
 
+// The grouped kernel (version 3): f(Type<T>, Int<HEAD_SIZE>, Int<BLOCK_SIZE>) for head sizes 64
+// and 128 only (grouped_kernel_built), every block size and 16/32-bit dtype.
+template <typename F>
+int dispatch_grouped(int dtype, int head_size, int block_size, F f) {
+  auto heads = [&](auto type) {
+    using T = typename decltype(type)::type;
+    switch (head_size) {
+      case 64: return dispatch_block_size<T, 64>(block_size, f);
+#ifndef MINIPAGED_FEW_INSTANCES
+      case 128: return dispatch_block_size<T, 128>(block_size, f);
+#endif
+      default: return (int)UNSUPPORTED_HEAD_SIZE;
+    }
+  };
+  switch (dtype) {
+    case 0: return heads(Type<float>());
+    case 1: return heads(Type<__half>());
+    case 2: return heads(Type<__nv_bfloat16>());
+    default: return UNSUPPORTED_DTYPE;
+  }
+}
+
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace minipaged
 
-// Which kernel runs for this batch (1 or 2), V2's partition size in tokens (0 for V1) and the
-// bytes of device workspace the caller must pass to minipaged_paged_attention (0 for V1).
-// version: 0 = choose (version and partition size), 1, 2 (512-token partitions unless forced).
-extern "C" int minipaged_paged_attention_plan(int num_seqs, int num_heads, int head_size,
-                                              int max_context_len, int version,
+// Which kernel runs for this batch (1, 2 or 3), its partition size in tokens (0 for V1) and the
+// bytes of device workspace the caller must pass to minipaged_paged_attention (0 for V1, and for
+// version 3 when one partition holds every context). version: 0 = choose (version and partition
+// size), 1, 2, 3 = grouped (512-token partitions unless forced). cache_dtype: the dtype codes of
+// minipaged_paged_attention, or 3, 4 for an 8-bit cache (minipaged_paged_attention_8bit).
+extern "C" int minipaged_paged_attention_plan(int num_seqs, int num_heads, int num_kv_heads,
+                                              int head_size, int max_context_len,
+                                              int cache_dtype, int version,
                                               int* chosen_version, int* partition_size,
                                               int64_t* workspace_bytes) {
-  if (version < 0 || version > 2) return minipaged::BAD_VERSION;
-  const minipaged::Plan plan =
-      minipaged::make_plan(num_seqs, num_heads, max_context_len, version);
+  if (version < 0 || version > 3) return minipaged::BAD_VERSION;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return minipaged::BAD_HEAD_COUNTS;
+  const minipaged::Plan plan = minipaged::make_plan(
+      num_seqs, num_heads, num_kv_heads, head_size, max_context_len, version, cache_dtype >= 3);
   if (plan.error) return plan.error;
   *chosen_version = plan.version;
   *partition_size = plan.partition_size;
-  *workspace_bytes = plan.version == 1
-                         ? 0
-                         : (int64_t)sizeof(float) * minipaged::workspace_floats(
-                               num_seqs, num_heads, head_size, plan.partitions);
+  *workspace_bytes =
+      (int64_t)sizeof(float) * minipaged::workspace_floats(num_seqs, num_heads, head_size, plan);
   return 0;
 }
 
@@ -1006,15 +1325,15 @@ extern "C" int minipaged_paged_attention(
   if (num_seqs == 0 || num_heads == 0) return 0;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return minipaged::BAD_HEAD_COUNTS;
   if (num_seqs > minipaged::MAX_GRID_Y) return minipaged::TOO_MANY_SEQUENCES;
-  if (version < 0 || version > 2) return minipaged::BAD_VERSION;
+  if (version < 0 || version > 3) return minipaged::BAD_VERSION;
   const int element = dtype == 0 ? 4 : 2;
   if (!minipaged::aligned16(key_cache) || !minipaged::aligned16(value_cache) ||
       (k_block_stride * element) % 16 || (k_head_stride * element) % 16 ||
       (v_block_stride * element) % 16 || (v_head_stride * element) % 16) {
     return minipaged::MISALIGNED;
   }
-  const minipaged::Plan plan =
-      minipaged::make_plan(num_seqs, num_heads, max_context_len, version);
+  const minipaged::Plan plan = minipaged::make_plan(
+      num_seqs, num_heads, num_kv_heads, head_size, max_context_len, version, false);
   if (plan.error) return plan.error;
   const minipaged::AttentionArgs a{
       out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len, plan,
@@ -1022,6 +1341,13 @@ extern "C" int minipaged_paged_attention(
       minipaged::KernelArgs{block_tables, context_lens, max_blocks_per_seq, num_kv_heads,
                             q_seq_stride, q_head_stride, k_block_stride, k_head_stride,
                             v_block_stride, v_head_stride, scale}};
+  if (plan.version == 3) {
+    return minipaged::dispatch_grouped(dtype, head_size, block_size,
+                                       [&](auto type, auto head, auto block) {
+      using T = typename decltype(type)::type;
+      return minipaged::launch_grouped<T, decltype(head)::value, decltype(block)::value>(a);
+    });
+  }
   return minipaged::dispatch(dtype, head_size, block_size, [&](auto type, auto head, auto block) {
     using T = typename decltype(type)::type;
     return a.plan.version == 1 ? minipaged::launch_v1<T, decltype(head)::value, decltype(block)::value>(a)
@@ -1062,7 +1388,7 @@ extern "C" int minipaged_paged_attention_8bit(
   if (num_seqs == 0 || num_heads == 0) return 0;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return minipaged::BAD_HEAD_COUNTS;
   if (num_seqs > minipaged::MAX_GRID_Y) return minipaged::TOO_MANY_SEQUENCES;
-  if (version < 0 || version > 2) return minipaged::BAD_VERSION;
+  if (version < 0 || version > 3) return minipaged::BAD_VERSION;
   if (!minipaged::aligned16(key_cache) || !minipaged::aligned16(value_cache) ||
       k_block_stride % 16 || k_head_stride % 16 || v_block_stride % 16 || v_head_stride % 16) {
     return minipaged::MISALIGNED;
@@ -1072,8 +1398,9 @@ extern "C" int minipaged_paged_attention_8bit(
                           v_block_stride, v_head_stride, scale};
   k.k_scales = key_scales;
   k.v_scales = value_scales;
-  const minipaged::Plan plan =
-      minipaged::make_plan(num_seqs, num_heads, max_context_len, version);
+  // (no grouped kernel for 8-bit codes: version 0 runs V1 or V2, a forced 3 is refused)
+  const minipaged::Plan plan = minipaged::make_plan(
+      num_seqs, num_heads, num_kv_heads, head_size, max_context_len, version, true);
   if (plan.error) return plan.error;
   const minipaged::AttentionArgs a{
       out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len, plan,

@@ -65,8 +65,10 @@ void check_code(int code, const std::string& what) {
     case -6: why = "the caches must be 16-byte aligned, with 16-byte multiples as strides"; break;
     case -7: why = "the workspace is too small"; break;
     case -8: why = "num_heads must be a multiple of num_kv_heads"; break;
-    case -9: why = "version must be 0 (choose), 1 or 2"; break;
+    case -9: why = "version must be 0 (choose), 1, 2 or 3 (grouped)"; break;
     case -10: why = "a forced partition size must be 0 or a power of two from 64 to 512"; break;
+    case -11: why = "the grouped kernel (version 3) is built for at most 8 query heads per kv "
+                    "head, head sizes 64 and 128 and a 16- or 32-bit cache"; break;
     default:
       why = code > 0 ? std::string("CUDA error: ") +
                            cudaGetErrorString(static_cast<cudaError_t>(code)) + error_detail()
@@ -169,7 +171,8 @@ bool check_decode_batch(const torch::Tensor& out, const torch::Tensor& query,
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
               context_lens.is_contiguous() && context_lens.size(0) == num_seqs,
               "context_lens must be contiguous int32 [num_seqs]");
-  TORCH_CHECK(version >= 0 && version <= 2, "version must be 0 (choose), 1 or 2, got ", version);
+  TORCH_CHECK(version >= 0 && version <= 3, "version must be 0 (choose), 1, 2 or 3 (grouped), got ",
+              version);
   if (num_seqs == 0 || num_heads == 0) return false;
   TORCH_CHECK(max_context_len >= 1 && max_context_len <= INT32_MAX,
               "max_context_len must be in [1, 2^31), got ", max_context_len,
@@ -198,22 +201,24 @@ bool check_decode_batch(const torch::Tensor& out, const torch::Tensor& query,
   return true;
 }
 
-// The kernel version that runs for a decode batch (*chosen) and V2's workspace on the device.
-// (The kernel call then gets the same `version` and makes the same plan.)
-torch::Tensor plan_decode(const torch::Tensor& query, int64_t max_context_len, int64_t version,
-                          int* chosen, int64_t* workspace_bytes) {
+// The kernel version that runs for a decode batch (*chosen) and its workspace on the device.
+// (The kernel call then gets the same `version` and makes the same plan.) cache_dtype as
+// minipaged_paged_attention_plan takes it.
+torch::Tensor plan_decode(const torch::Tensor& query, const torch::Tensor& key_cache,
+                          int cache_dtype, int64_t max_context_len, int64_t version, int* chosen,
+                          int64_t* workspace_bytes) {
   int partition_size = 0;
   check_code(minipaged_paged_attention_plan((int)query.size(0), (int)query.size(1),
-                                            (int)query.size(2), (int)max_context_len,
-                                            (int)version, chosen, &partition_size,
-                                            workspace_bytes),
+                                            (int)key_cache.size(1), (int)query.size(2),
+                                            (int)max_context_len, cache_dtype, (int)version,
+                                            chosen, &partition_size, workspace_bytes),
              "paged_attention");
   return torch::empty({(*workspace_bytes + 3) / 4}, query.options().dtype(torch::kFloat));
 }
 
 // ---------------------------------------------------------------------------------------------
-// version: 0 = V1 or V2 chosen by context length, 1 = V1, 2 = V2 (partitioned).
-// Returns the version that ran.
+// version: 0 = chosen (make_plan in paged_attention.cu), 1 = V1, 2 = V2 (partitioned),
+// 3 = grouped (one CUDA block per kv head for all its query heads). Returns the version that ran.
 int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                         torch::Tensor value_cache, torch::Tensor block_tables,
                         torch::Tensor context_lens, double scale, int64_t max_context_len,
@@ -232,7 +237,8 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
   int chosen = 0;
   int64_t workspace_bytes = 0;
   const DeviceGuard guard(device);  // (the plan reads the current device's SM count)
-  const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
+  const auto workspace = plan_decode(query, key_cache, dtype, max_context_len, version, &chosen,
+                                     &workspace_bytes);
   const int code = minipaged_paged_attention(
       out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
       block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
@@ -252,14 +258,17 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
   return chosen;
 }
 
-// (version that would run, workspace bytes, V2's partition size) for a batch on the current
-// device; version 0 = choose.
-std::vector<int64_t> paged_attention_plan(int64_t num_seqs, int64_t num_heads, int64_t head_size,
-                                          int64_t max_context_len, int64_t version) {
+// (version that would run, workspace bytes, partition size) for a batch on the current device;
+// version 0 = choose; cache_dtype as minipaged_paged_attention_plan takes it.
+std::vector<int64_t> paged_attention_plan(int64_t num_seqs, int64_t num_heads,
+                                          int64_t num_kv_heads, int64_t head_size,
+                                          int64_t max_context_len, int64_t cache_dtype,
+                                          int64_t version) {
   int chosen = 0, partition_size = 0;
   int64_t workspace_bytes = 0;
-  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)head_size,
-                                            (int)max_context_len, (int)version, &chosen,
+  check_code(minipaged_paged_attention_plan((int)num_seqs, (int)num_heads, (int)num_kv_heads,
+                                            (int)head_size, (int)max_context_len,
+                                            (int)cache_dtype, (int)version, &chosen,
                                             &partition_size, &workspace_bytes),
              "paged_attention_plan");
   return {chosen, workspace_bytes, partition_size};
@@ -465,7 +474,8 @@ int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tens
   int chosen = 0;
   int64_t workspace_bytes = 0;
   const DeviceGuard guard(device);  // (the plan reads the current device's SM count)
-  const auto workspace = plan_decode(query, max_context_len, version, &chosen, &workspace_bytes);
+  const auto workspace = plan_decode(query, key_cache, cache_dtype, max_context_len, version,
+                                     &chosen, &workspace_bytes);
   check_code(minipaged_paged_attention_8bit(
                  out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  key_scales.data_ptr<float>(), value_scales.data_ptr<float>(),
@@ -505,10 +515,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale, "
         "max_context_len, version): single-query attention through block tables, written into "
-        "out; returns the version that ran (1 or 2)");
+        "out; returns the version that ran (1, 2 or 3 = grouped)");
   m.def("paged_attention_plan", &paged_attention_plan,
-        "paged_attention_plan(num_seqs, num_heads, head_size, max_context_len, version) -> "
-        "[version that runs, workspace bytes, V2's partition size]");
+        "paged_attention_plan(num_seqs, num_heads, num_kv_heads, head_size, max_context_len, "
+        "cache_dtype, version) -> [version that runs, workspace bytes, partition size]");
   m.def("force_partition_size",
         [](int64_t tokens) { check_code(minipaged_force_partition_size((int)tokens),
                                         "force_partition_size"); },

@@ -61,14 +61,16 @@ void report(const char* what, bool ok, double err) {
 }
 
 // ---- paged attention ----------------------------------------------------------------------------
+// version 3 is the grouped kernel: num_heads / num_kv_heads query heads per CUDA block.
 template <typename T>
-void attention_case(int version, std::vector<int> lens, double tolerance) {
+void attention_case(int version, std::vector<int> lens, double tolerance, int num_heads = 2,
+                    int num_kv_heads = 1) {
   char what[128];
   std::snprintf(what, sizeof what, "paged_attention V%d %s, %d sequences up to %d tokens",
                 version, dtype_name<T>(), (int)lens.size(),
                 *std::max_element(lens.begin(), lens.end()));
   if (!selected(what)) return;
-  constexpr int head_size = 64, block_size = 16, num_heads = 2, num_kv_heads = 1;
+  constexpr int head_size = 64, block_size = 16;
   constexpr int x = 16 / sizeof(T);
   const int num_seqs = (int)lens.size();
   int max_len = 0, max_blocks = 0, num_blocks = 0;
@@ -93,8 +95,9 @@ void attention_case(int version, std::vector<int> lens, double tolerance) {
 
   int chosen = 0, partition_size = 0;
   int64_t workspace_bytes = 0;
-  minipaged_paged_attention_plan(num_seqs, num_heads, head_size, max_len, version, &chosen,
-                                 &partition_size, &workspace_bytes);
+  minipaged_paged_attention_plan(num_seqs, num_heads, num_kv_heads, head_size, max_len,
+                                 dtype_code<T>(), version, &chosen, &partition_size,
+                                 &workspace_bytes);
   std::vector<float> workspace(workspace_bytes / sizeof(float));
   const int code = minipaged_paged_attention(
       out.data(), query.data(), key_cache.data(), value_cache.data(), tables.data(), lens.data(),
@@ -225,6 +228,14 @@ int main(int argc, char** argv) {
   attention_case<__nv_bfloat16>(2, {520, 1}, 1e-2);
   attention_case<float>(1, {0, 20}, 1e-5);   // an empty context between real ones: zeros
   attention_case<float>(2, {530, 0}, 1e-5);
+  // the grouped kernel, 3 query heads per kv head: one partition (it writes the output), and
+  // several (V2's workspace and reduce kernel)
+  attention_case<float>(3, {1, 17, 40}, 1e-5, 6, 2);
+  attention_case<float>(3, {600, 7}, 1e-5, 6, 2);
+  attention_case<__half>(3, {530}, 2e-3, 6, 2);
+  attention_case<__nv_bfloat16>(3, {16, 3}, 1e-2, 6, 2);
+  attention_case<float>(3, {0, 20}, 1e-5, 6, 2);
+  attention_case<float>(3, {530, 0}, 1e-5, 6, 2);
   cache_cases();
   std::printf("%s\n", failures ? "FAILED" : "all cases passed");
   return failures ? 1 : 0;

@@ -23,6 +23,9 @@ SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 # an 8-bit cache (lesson 18): phase 4 reads 16 one-byte codes (16 tokens) of a value row at once
 SUPPORTED_8BIT_HEAD_SIZES = (64, 128)
 SUPPORTED_8BIT_BLOCK_SIZES = (16, 32)
+# the grouped kernel (version 3): one CUDA block per kv head serves its whole group of query heads
+GROUPED_HEAD_SIZES = (64, 128)
+MAX_GROUP = 8  # query heads per kv head
 
 
 class CudaKernels:
@@ -53,8 +56,11 @@ class CudaKernels:
 
         ``version`` 0 lets the kernel choose (``paged_attention_plan``): V1, one CUDA block per
         (head, sequence), or V2, which also splits the context into partitions of 64 to 512
-        tokens (shorter ones when few sequences run). 1 or 2 forces one (tests, benchmarks;
-        a forced V2 has 512-token partitions).
+        tokens (shorter ones when few sequences run), or, when query heads share a kv head
+        (grouped-query attention, at most 8 per kv head, head size 64 or 128, a 16- or 32-bit
+        cache), version 3: one CUDA block per (kv head, sequence, partition) that reads each key
+        and value once for the whole group. 1, 2 or 3 forces one (tests, benchmarks; a forced V2
+        or 3 has 512-token partitions; 3 is refused where it is not built).
 
         Every context must hold at least one token (the query's own). ``context_lens`` on the
         host is checked here, for free, before it is copied to the GPU; lengths already on the
@@ -123,21 +129,26 @@ class CudaKernels:
                 and key_cache.shape[3] in SUPPORTED_BLOCK_SIZES
                 and query.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
-    def paged_attention_plan(self, num_seqs, num_heads, head_size, max_context_len, version=0):
+    def paged_attention_plan(self, num_seqs, num_heads, head_size, max_context_len, version=0,
+                             num_kv_heads=None, cache_8bit=False):
         """(version, workspace bytes, partition size) for such a batch on the current device.
 
-        The version (1 or 2) that runs; V2's workspace in bytes and its partition size in tokens
-        (0 for V1). With ``version=0`` the plan also shrinks V2's partitions from 512 tokens
-        down to 64 while the grid has fewer than 8 CUDA blocks per SM (few sequences, long
-        contexts: batch 1 at 4,096 tokens); a forced ``version=2`` keeps 512 tokens.
+        The version (1, 2 or 3 = grouped) that runs; its workspace in bytes and its partition
+        size in tokens (0 for V1). With ``version=0`` the plan also shrinks the partitions from
+        512 tokens down to 64 while the grid has fewer than 8 CUDA blocks per SM (few sequences,
+        long contexts: batch 1 at 4,096 tokens); a forced ``version=2`` or 3 keeps 512 tokens.
+        ``num_kv_heads`` defaults to ``num_heads`` (no query heads share a kv head);
+        ``cache_8bit`` plans for an 8-bit cache (lesson 18), which has no grouped kernel.
         """
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        cache_dtype = 3 if cache_8bit else 0  # only 8-bit or not matters to the plan
         chosen, workspace, partition_size = self.module.paged_attention_plan(
-            num_seqs, num_heads, head_size, max_context_len, version)
+            num_seqs, num_heads, num_kv_heads, head_size, max_context_len, cache_dtype, version)
         return chosen, workspace, partition_size
 
     def force_partition_size(self, tokens: int) -> None:
-        """Every later V2 call uses ``tokens``-token partitions (64, 128, 256 or 512); 0 lets
-        the plan choose again. For benchmarks that compare partition sizes."""
+        """Every later V2 (and version 3) call uses ``tokens``-token partitions (64, 128, 256
+        or 512); 0 lets the plan choose again. For benchmarks that compare partition sizes."""
         self.module.force_partition_size(int(tokens))
 
     def v1_limits(self, head_size, block_size, dtype):
