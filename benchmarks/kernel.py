@@ -29,6 +29,10 @@ small, is served from L2; a case whose copies would not fit in memory is capped,
 
 --partitions adds a table for small batches: V2 with each forced partition size (64 to 512
 tokens) next to the automatic plan.
+
+A second table (--gqa for it alone) takes grouped-query attention, 32 query heads on 8 kv heads
+(a LLaMA-3 8B layer): today's per-head kernels (V1, V2: each kv head read once per query head,
+4 times) next to the grouped kernel (version 3: once per group), with the K/V bytes each reads.
 """
 from __future__ import annotations
 
@@ -163,24 +167,29 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def time_paged(kernels, batch: int, context: int, copies: int, sweep_sizes=()) -> dict:
-    """Our kernel, and gather + SDPA, on a shuffled pool of `copies` independent batches."""
+def paged_inputs(batch: int, context: int, copies: int, num_kv_heads: int = NUM_KV_HEADS):
+    """A shuffled pool of `copies` independent batches: (queries [copies, batch, heads, D],
+    key_cache, value_cache, tables [copies, batch, blocks], context_lens, scale)."""
     x = 16 // torch.tensor([], dtype=DTYPE).element_size()
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = copies * batch * blocks_per_seq
-    key_cache = torch.empty(num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x,
+    key_cache = torch.empty(num_blocks, num_kv_heads, HEAD_SIZE // x, BLOCK_SIZE, x,
                             dtype=DTYPE, device="cuda").normal_()
-    value_cache = torch.empty(num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE,
+    value_cache = torch.empty(num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE,
                               dtype=DTYPE, device="cuda").normal_()
     pool = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     tables = pool.view(copies, batch, blocks_per_seq)  # copy c reads its own blocks
     queries = torch.randn(copies, batch, NUM_HEADS, HEAD_SIZE, dtype=DTYPE, device="cuda")
     context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    scale = HEAD_SIZE ** -0.5
-    out = torch.empty_like(queries[0])
+    return queries, key_cache, value_cache, tables, context_lens, HEAD_SIZE ** -0.5
 
+
+def time_versions(kernels, inputs, context: int, copies: int, versions) -> dict:
+    """``v{version}_ms`` of each version on the input copies, each verified first."""
+    queries, key_cache, value_cache, tables, context_lens, scale = inputs
+    out = torch.empty_like(queries[0])
     times = {}
-    for version in (1, 2, 0):
+    for version in versions:
         verify(kernels, queries[0], key_cache, value_cache, tables[0], context_lens, scale,
                version)
 
@@ -189,8 +198,23 @@ def time_paged(kernels, batch: int, context: int, copies: int, sweep_sizes=()) -
                                     scale, context, out=out, version=version)
 
         times[f"v{version}_ms"] = time_ms(paged, copies)
-    chosen, _, partition_size = kernels.paged_attention_plan(batch, NUM_HEADS, HEAD_SIZE, context)
-    times["chosen"] = f"V{chosen}" + (f"/{partition_size}" if chosen == 2 else "")
+    return times
+
+
+def plan_name(kernels, batch: int, context: int, num_kv_heads: int = NUM_KV_HEADS) -> str:
+    """What version 0 runs: V1, or V2 / V3 (grouped) with its partition size (V2/64)."""
+    chosen, _, partition_size = kernels.paged_attention_plan(batch, NUM_HEADS, HEAD_SIZE, context,
+                                                             num_kv_heads=num_kv_heads)
+    return f"V{chosen}" + (f"/{partition_size}" if chosen != 1 else "")
+
+
+def time_paged(kernels, batch: int, context: int, copies: int, sweep_sizes=()) -> dict:
+    """Our kernel, and gather + SDPA, on a shuffled pool of `copies` independent batches."""
+    inputs = paged_inputs(batch, context, copies)
+    queries, key_cache, value_cache, tables, context_lens, scale = inputs
+    out = torch.empty_like(queries[0])
+    times = time_versions(kernels, inputs, context, copies, (1, 2, 0))
+    times["chosen"] = plan_name(kernels, batch, context)
     times["paged_ms"] = times["v0_ms"]
     for size in sweep_sizes:
         kernels.force_partition_size(size)
@@ -273,6 +297,8 @@ def main() -> int:
                         help="time plain calls, not replays of a CUDA graph")
     parser.add_argument("--partitions", action="store_true",
                         help="also sweep V2's partition size for small batches")
+    parser.add_argument("--gqa", action="store_true",
+                        help="only the grouped-query table (32 query heads on 8 kv heads)")
     args = parser.parse_args()
     global USE_GRAPHS
     USE_GRAPHS = not args.eager
@@ -286,6 +312,10 @@ def main() -> int:
         print("benchmarks/kernel.py: the minipaged CUDA kernels did not build (see the warning)")
         return 1
 
+    if args.gqa:
+        gqa_table(kernels, l2_cache_bytes()[0], [1, 64] if args.quick else GQA_BATCHES,
+                  [1024, 4096] if args.quick else GQA_CONTEXTS)
+        return 0
     batches = [1, 64, 256] if args.quick else BATCHES
     contexts = [128, 1024, 4096] if args.quick else CONTEXTS
     copy_bw = copy_bandwidth()
@@ -323,7 +353,42 @@ def main() -> int:
               f"{max(goal):.0%} of copy bandwidth (goal: at least 70%)")
     if args.partitions:
         partition_sweep(kernels, copy_bw, l2_bytes)
+    gqa_table(kernels, l2_bytes, [1, 64] if args.quick else GQA_BATCHES,
+              [1024, 4096] if args.quick else GQA_CONTEXTS)
     return 0
+
+
+GQA_KV_HEADS = 8  # 32 query heads on 8 kv heads: LLaMA-3 8B's layer
+GQA_BATCHES = [1, 8, 64, 256]
+GQA_CONTEXTS = [512, 2048, 8192]
+
+
+def gqa_table(kernels, l2_bytes: int, batches, contexts) -> None:
+    """Grouped-query attention: the per-head kernels (V1, V2) against the grouped one (V3)."""
+    group = NUM_HEADS // GQA_KV_HEADS
+    print(f"\ngrouped-query attention: {NUM_HEADS} query heads on {GQA_KV_HEADS} kv heads "
+          f"(group {group}), head size {HEAD_SIZE}, fp16; us, median. 'read' is the K/V bytes "
+          f"a kernel loads: V1 and V2 load each kv head {group} times, V3 once")
+    header = (f"{'batch':>5} {'context':>7} {'K/V MB':>8} {'v1':>9} {'v2':>9} {'v3':>9} "
+              f"{'auto':>9} {'plan':>7} {'v3 speed-up':>12}")
+    print(header)
+    print("-" * len(header))
+    for batch in batches:
+        for context in contexts:
+            nbytes = batch * context * kv_bytes_per_token(1, GQA_KV_HEADS, HEAD_SIZE,
+                                                          DTYPE.itemsize)
+            copies, warning = rotation_copies(nbytes, l2_bytes)
+            if warning:
+                print(f"batch {batch}, context {context}: {warning}", flush=True)
+            inputs = paged_inputs(batch, context, copies, GQA_KV_HEADS)
+            row = time_versions(kernels, inputs, context, copies, (1, 2, 3, 0))
+            del inputs
+            torch.cuda.empty_cache()
+            per_head = min(row["v1_ms"], row["v2_ms"])
+            cells = " ".join(f"{row[f'v{v}_ms'] * 1e3:9.1f}" for v in (1, 2, 3, 0))
+            print(f"{batch:5d} {context:7d} {nbytes / 1e6:8.1f} {cells} "
+                  f"{plan_name(kernels, batch, context, GQA_KV_HEADS):>7} "
+                  f"{per_head / row['v3_ms']:11.2f}x", flush=True)
 
 
 SWEEP_SIZES = (64, 128, 256, 512)

@@ -146,6 +146,59 @@ def test_every_partition_size_matches_the_reference(kernels, dtype, size):
     assert per_sequence_err(out, expected(inputs)) < TOLERANCE[dtype]
 
 
+# ----------------------------------------------------------------------------------------------
+# The grouped kernel (version 3): one CUDA block per kv head for all the query heads it serves
+# ----------------------------------------------------------------------------------------------
+GROUPS = [(4, 2), (9, 3), (8, 2), (16, 2), (6, 1)]  # GQA 2, 3, 4, 8 and MQA (6 per kv head)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GROUPS, ids=lambda v: str(v))
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_grouped_kernel_matches_reference(kernels, dtype, head_size, block_size, num_heads,
+                                          num_kv_heads):
+    lens = [1, block_size - 1, block_size, block_size + 1, 300, 1000, 5000]
+    inputs = make_inputs(head_size, block_size, dtype, num_heads, num_kv_heads, lens,
+                         seed=head_size + block_size + num_heads)
+    ref = expected(inputs)
+    for version in (3, 0):  # forced (512-token partitions), and chosen by the plan
+        out = run_kernel(kernels, inputs, version=version)
+        assert not torch.isnan(out).any(), "some output elements were never written"
+        assert per_sequence_err(out, ref) < TOLERANCE[dtype], version
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_grouped_kernel_with_one_partition_writes_the_output_itself(kernels, dtype):
+    """Every context within one partition: no workspace, no reduce kernel."""
+    inputs = make_inputs(128, 16, dtype, 32, 8, [500, 1, 17, 64], seed=9)
+    assert kernels.paged_attention_plan(4, 32, 128, 500, 3, num_kv_heads=8) == (3, 0, 512)
+    assert per_sequence_err(run_kernel(kernels, inputs, version=3), expected(inputs)) < \
+        TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("size", [64, 128, 256, 512])
+def test_grouped_kernel_at_every_partition_size(kernels, size):
+    inputs = make_inputs(64, 16, torch.float16, 9, 3, [4096, 64, 65, 1000, 1, 2049], seed=size)
+    try:
+        kernels.force_partition_size(size)
+        out = run_kernel(kernels, inputs, version=3)
+    finally:
+        kernels.force_partition_size(0)
+    assert per_sequence_err(out, expected(inputs)) < TOLERANCE[torch.float16]
+
+
+def test_the_plan_picks_the_grouped_kernel_for_gqa(kernels):
+    plan = kernels.paged_attention_plan
+    assert plan(64, 32, 128, 2048, num_kv_heads=8)[0] == 3
+    assert plan(64, 9, 64, 2048, num_kv_heads=3)[0] == 3
+    assert plan(64, 32, 128, 2048)[0] == 1  # no sharing
+    assert plan(64, 32, 128, 2048, num_kv_heads=2)[0] == 1  # 16 per kv head: not built
+    with pytest.raises(RuntimeError, match="version 3"):
+        inputs = make_inputs(80, 16, torch.float16, 8, 2, [20])
+        run_kernel(kernels, inputs, version=3)
+
+
 def test_ops_dispatches_to_the_kernel(kernels):
     inputs = make_inputs(64, 16, torch.float16, 4, 2, [7, 90], seed=2)
     before = ops.calls.copy()

@@ -15,6 +15,11 @@ some case), plus targeted cases (4096 tokens, both sides of the shared-memory li
 ``MINIPAGED_FULL_MATRIX=1`` runs all 324 (slow). ``pytest -s`` prints the matrix size and the
 worst per-sequence relative error per dtype (``test_report_worst_error_per_dtype``).
 
+The grouped kernel (version 3: one CUDA block per kv head for its whole group of query heads)
+has a matrix of its own: 3 dtypes x 3 block sizes x 2 head sizes x 5 groupings (GQA 2, 3, 4, 8
+and MQA), pairwise, with the same contexts, plus contexts up to 5,000 tokens and every
+partition size.
+
 Slow: ~250 s on the 2-core machine (measured at load ~12), most of it the first compile of the
 kernels (`make test-all` prebuilds them).
 """
@@ -324,7 +329,7 @@ def test_an_empty_context_in_host_lengths_is_refused_by_wrapper_and_binding(kern
                                        20, 0)
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", [*VERSIONS, 3])
 def test_without_host_checks_empty_contexts_give_zeros_and_broken_promises_nan(kernels,
                                                                               version):
     """What the kernels do on a GPU, where the binding does not read the lengths back (the CPU
@@ -349,6 +354,87 @@ def test_without_host_checks_empty_contexts_give_zeros_and_broken_promises_nan(k
     assert out[too_long].isnan().all() and out[3].isnan().all()
     fine = [s for s in range(4) if s not in (1, 3, too_long)]
     assert per_sequence_error(out[fine], ref[fine]) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# The grouped kernel (version 3): each kv head read once for all the query heads that share it
+# ----------------------------------------------------------------------------------------------
+GROUPS = {"GQA2": (4, 2), "GQA3": (9, 3), "GQA4": (8, 2), "GQA8": (16, 2), "MQA": (6, 1)}
+GROUPED_MATRIX = pairwise(DTYPES, [64, 128], BLOCK_SIZES, list(GROUPS))
+
+
+@pytest.mark.parametrize("dtype,head_size,block_size,heads", GROUPED_MATRIX,
+                         ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
+def test_grouped_kernel_matches_reference(kernels, dtype, head_size, block_size, heads):
+    # the contexts of the main matrix; 600 tokens are two 512-token partitions
+    lens = [1, block_size - 1, block_size, block_size + 1, 300, 600]
+    num_heads, num_kv_heads = GROUPS[heads]
+    assert kernels.paged_attention_plan(len(lens), num_heads, head_size, 600, 3,
+                                        num_kv_heads=num_kv_heads)[:1] == (3,)
+    check(kernels, head_size, block_size, dtype, num_heads, num_kv_heads, lens, 3,
+          seed=head_size + block_size + num_heads)
+
+
+@pytest.mark.parametrize("version", [0, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_grouped_kernel_up_to_5000_tokens(kernels, dtype, version):
+    """Ten 512-token partitions (a forced 3), or the plan's short ones (0: 64 tokens for two
+    sequences of 2 kv heads), next to one-token and one-block contexts."""
+    check(kernels, 128, 16, dtype, 8, 2, [5000, 1, 16, 2049], version, seed=5)
+
+
+def test_grouped_kernel_with_one_partition_needs_no_workspace(kernels):
+    """Every context in one partition: the grouped kernel writes the outputs itself, one launch
+    and one CUDA block per (kv head, sequence), no reduce kernel."""
+    assert kernels.paged_attention_plan(2, 9, 64, 300, 3, num_kv_heads=3) == (3, 0, 512)
+    before = kernels.module.counters()
+    check(kernels, 64, 16, torch.float16, 9, 3, [300, 17], version=3)
+    launches, blocks, _, _ = (a - b for a, b in zip(kernels.module.counters(), before))
+    assert (launches, blocks) == (1, 3 * 2)
+    # two partitions: the partitions' CUDA blocks, then V2's reduce kernel per query head
+    before = kernels.module.counters()
+    check(kernels, 64, 16, torch.float16, 9, 3, [600, 17], version=3)
+    launches, blocks, _, _ = (a - b for a, b in zip(kernels.module.counters(), before))
+    assert (launches, blocks) == (2, 3 * 2 * 2 + 9 * 2)
+
+
+@pytest.mark.parametrize("partition_size", [64, 128, 256, 512])
+def test_grouped_kernel_at_every_partition_size(kernels, partition_size):
+    try:
+        kernels.force_partition_size(partition_size)
+        check(kernels, 64, 16, DTYPES[0], 9, 3, [1, 63, 64, 65, 700, 1024, 1100], 3,
+              seed=partition_size)
+    finally:
+        kernels.force_partition_size(0)
+
+
+def test_the_plan_picks_the_grouped_kernel_where_it_is_built(kernels):
+    plan = kernels.paged_attention_plan
+    assert plan(4, 9, 64, 64, num_kv_heads=3)[0] == 3  # SmolLM2: 3 query heads per kv head
+    assert plan(64, 32, 128, 8192, num_kv_heads=8)[0] == 3  # LLaMA-3 8B: 4 per kv head
+    assert plan(64, 32, 128, 8192)[0] == 1  # no sharing: V1 as before
+    assert plan(4, 16, 128, 64, num_kv_heads=1)[0] == 1  # 16 per kv head: more than 8
+    assert plan(4, 8, 80, 64, num_kv_heads=2)[0] == 1  # head size 80: not built
+    assert plan(4, 8, 128, 64, num_kv_heads=2, cache_8bit=True)[0] == 1  # 8-bit cache
+    # the grid it must fill has one row per (sequence, kv head): batch 1 of LLaMA-3 at 4,096
+    # tokens has 8 rows, so 64-token partitions (512 CUDA blocks, the most the plan makes)
+    assert plan(1, 32, 128, 4096, num_kv_heads=8) == (3, 32 * 64 * (2 + 128) * 4, 64)
+    # 8 sequences: 64 rows; 128-token partitions give 2,048 CUDA blocks at 4,096 tokens (one
+    # CUDA block per query head keeps 512 tokens: test_v2_partitions_shrink_...)
+    assert plan(8, 32, 128, 4096, num_kv_heads=8)[2] == 128
+    assert plan(1, 32, 128, 4096, 3, num_kv_heads=8)[2] == 512  # forced: 512 tokens
+
+
+@pytest.mark.parametrize("heads,head_size,match", [
+    ((16, 1), 64, "at most 8 query heads per kv head"),
+    ((8, 2), 80, "head sizes 64 and 128"),
+])
+def test_a_forced_grouped_kernel_is_refused_where_it_is_not_built(kernels, heads, head_size,
+                                                                  match):
+    clean, _ = make_inputs(head_size, 16, torch.float32, *heads, [20])
+    with pytest.raises(RuntimeError, match=match):
+        kernels.paged_attention(*clean, version=3)
+    check(kernels, head_size, 16, torch.float32, *heads, [20], version=0)  # 0 runs V1
 
 
 def test_the_kernel_refuses_a_head_size_it_was_not_built_for(kernels):

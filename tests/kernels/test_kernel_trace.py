@@ -5,7 +5,9 @@ kernel's MP_TRACE calls; ``kernel_trace.run_traced`` sorts the records. They are
 the torch reference on N(0, 1) inputs: the phase-2 logits are scale * q.k, the warps' visits
 cover every KV block of a sequence exactly once, the phase-4 sums add up to the output. Both
 key loads (ours, and vLLM's thread-group-shared one) give the reference's attention, and their
-load counts differ exactly as lesson 05 says. Each build compiles once (cached on disk).
+load counts differ exactly as lesson 05 says. The grouped kernel (version 3) loads each key and
+value once per group of query heads: a decode step's K/V bytes are the per-head kernel's divided
+by the group size, for SmolLM2's shape and LLaMA-3's (lesson 18). Each build compiles once (cached on disk).
 
 Slow: minutes on a first run (two traced builds of the kernels; `make test-all` prebuilds them),
 not measured this session.
@@ -119,6 +121,43 @@ def test_key_load_counts(head_size, block_size, dtype, traced, shared):
     assert emu.key_loads_per_block(shape, shared_group_load=True) == \
         (theirs["instructions"], theirs["bytes_per_load"])
     assert theirs["sectors"] == theirs["distinct_sectors"]  # each instruction: whole sectors
+
+
+# Grouped-query attention: the K/V bytes of one decode step (one layer), per-head kernel (V1)
+# against the grouped one (version 3); benchmarks/RESULTS.md keeps the numbers.
+GQA_SHAPES = {"SmolLM2": (9, 3, 64), "LLaMA-3": (32, 8, 128)}  # query heads, kv heads, head
+
+
+@pytest.mark.parametrize("model", list(GQA_SHAPES))
+def test_the_grouped_kernel_loads_each_key_and_value_once_per_group(model, traced):
+    num_heads, num_kv_heads, head_size = GQA_SHAPES[model]
+    group = num_heads // num_kv_heads
+    lens = (100, 37)
+    inputs = make_inputs(head_size, 16, torch.float16, lens=lens, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads)
+    key_cache = inputs[1]
+    ref = reference.paged_attention(*inputs)
+    out_head, per_head = kernel_trace.run_traced(*inputs, version=1, kernels=traced)
+    out_group, grouped = kernel_trace.run_traced(*inputs, version=3, kernels=traced)
+    for out in (out_head, out_group):
+        assert rel_err(out, ref) < TOL[torch.float16]
+    # the cache bytes of the step: every KV block of every sequence, keys and values, for each
+    # CUDA block that reads them (whole blocks: the tail of a last block is loaded too)
+    once = sum(-(-n // 16) * 16 for n in lens) * num_kv_heads * head_size * 2  # bytes
+    head_bytes, group_bytes = (kernel_trace.loaded_bytes(t) for t in (per_head, grouped))
+    assert group_bytes == {"key": once, "value": once, "total": 2 * once}
+    assert head_bytes["total"] == group * group_bytes["total"]
+    # who loaded which key: the group's query heads each (V1), one CUDA block per kv head (3)
+    for (kv_head, _, _), readers in kernel_trace.key_readers(per_head, key_cache).items():
+        assert {h for h, _, _ in readers} == set(range(kv_head * group, (kv_head + 1) * group))
+    for (kv_head, _, _), readers in kernel_trace.key_readers(grouped, key_cache).items():
+        assert {h for h, _, _ in readers} == {kv_head}
+    # the grouped CUDA block computed every query head's logits of its group
+    for (kv_head, seq, _), t in grouped.items():
+        assert t["group_logits"].shape == (group, lens[seq])
+        for h in range(group):
+            want = kernel_trace.reference_logits(*inputs, seq=seq, head=kv_head * group + h)
+            assert rel_err(t["group_logits"][h], want) < 1e-3
 
 
 def test_untraced_build_records_nothing():
