@@ -6,6 +6,7 @@ Renderers (plain functions, snapshot in, SVG string out; no ipywidgets needed):
     render_scheduler(Scheduler.snapshot())                 lesson 04
     render_butterfly(butterfly_steps(trace, phase="max"))  lessons 05, 06
     render_key_loads({variant: loads})                     lesson 05
+    render_key_readers({kernel: who}, kv_heads, tokens)    lesson 18 (grouped-query reads)
     render_warp_visits(t), render_logits(t, block_size),
     render_phase4_sums(t, out_row)                          lesson 06 (the real kernel's loops)
     render_memory_waste(contiguous_report, paged_report)   lesson 01
@@ -28,8 +29,8 @@ from visualizer.events import EventRecorder, RecordedStep, describe
 from visualizer.fork_tree import (fork_tree_dot, fork_tree_nodes, fork_tree_text,
                                   render_fork_tree, show_fork_tree)
 from visualizer.charts import render_line_chart
-from visualizer.kernel_trace import (render_key_loads, render_logits, render_phase4_sums,
-                                     render_warp_visits)
+from visualizer.kernel_trace import (render_key_loads, render_key_readers, render_logits,
+                                     render_phase4_sums, render_warp_visits)
 from visualizer.memory_waste import render_memory_waste
 from visualizer.rotary import render_pair_rotation
 from visualizer.scheduler_view import render_scheduler
@@ -38,7 +39,7 @@ from visualizer.source import show_file_part, show_source
 __all__ = [
     "render_block_tables", "render_scheduler", "render_butterfly", "butterfly_steps",
     "render_memory_waste", "render_line_chart", "render_warp_visits", "render_logits",
-    "render_phase4_sums", "render_key_loads", "render_pair_rotation", "EventRecorder",
+    "render_phase4_sums", "render_key_loads", "render_key_readers", "render_pair_rotation", "EventRecorder",
     "RecordedStep", "describe",
     "fork_tree_nodes", "show_source", "show_file_part",
     "fork_tree_dot", "fork_tree_text", "render_fork_tree", "show_fork_tree",

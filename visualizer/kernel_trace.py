@@ -8,11 +8,14 @@ lists of one warp. Four drawings:
     render_logits(t, block_size)    phase 2: one bar per token (scale * q.k), the maximum marked
     render_phase4_sums(t, out_row)  phase 4: each warp's row sums, added up into the output
     render_key_loads({name: loads}) phase 2: the bytes each load instruction of a warp reads
+    render_key_readers({name: who})  kv heads x tokens: which CUDA blocks loaded each key (a
+                                    per-head kernel against the grouped one, lesson 18)
 
 Elements for tests: ``visit`` (data-warp, data-block, data-physical, data-order), ``logit``
 (data-token, data-warp, data-value), ``max-marker`` (data-token, data-value), ``warp-sum``
 (data-row, data-warp, data-value), ``row-total`` and ``output`` (data-row, data-value), ``load``
-(data-variant, data-instruction, data-lane, data-offset, data-bytes).
+(data-variant, data-instruction, data-lane, data-offset, data-bytes), ``reader`` (data-kernel,
+data-kv-head, data-token, data-cuda-block).
 """
 from __future__ import annotations
 
@@ -222,4 +225,47 @@ def render_key_loads(loads_by_variant: dict, group_size: int, title: str | None 
     what = (f"the {span} bytes of one KV block's keys" if window is None
             else f"bytes {lo}-{hi} of the {span} bytes of one KV block's keys, magnified")
     text(root, 10, height - 8, f"x: {what}, in memory order", size=10, fill=MUTED)
+    return to_string(root)
+
+
+def render_key_readers(readers_by_kernel: dict, num_kv_heads: int, num_tokens: int,
+                       title: str | None = None) -> str:
+    """One grid per kernel: a row per kv head, a column per token of one sequence; each cell is
+    cut into one stripe per CUDA block that loaded some of that key, in the CUDA block's colour
+    (its blockIdx.x: the query head in V1 and V2, the kv head in the grouped kernel).
+    ``readers_by_kernel[name][(kv_head, token)]`` lists those CUDA blocks' blockIdx.x (built from
+    ``minipaged.lab.kernel_trace.key_readers`` and the block table)."""
+    if not readers_by_kernel or num_kv_heads < 1 or num_tokens < 1:
+        raise ValueError("nothing to draw")
+    left, cell, row_h = 90, min(16, 760 / num_tokens), 26
+    top = 40 if title else 20
+    panel_h = 24 + num_kv_heads * row_h + 14
+    height = top + len(readers_by_kernel) * panel_h + 20
+    footer = "x: the sequence's tokens; colour: the CUDA block (blockIdx.x) that loaded the key"
+    width = max(left + num_tokens * cell + 20, 20 + text_width(footer, 10))
+    root = svg_root(width, height, "key-readers")
+    if title:
+        caption(root, 10, 18, title)
+    y = top
+    for name, readers in readers_by_kernel.items():
+        most = max((len(r) for r in readers.values()), default=0)
+        text(root, 10, y + 12, f"{name}: each key loaded by {most} CUDA block"
+             + ("s" if most != 1 else ""), size=11, weight="bold")
+        y += 22
+        for kv_head in range(num_kv_heads):
+            text(root, left - 6, y + row_h / 2 + 4, f"kv head {kv_head}", size=9, anchor="end",
+                 fill=MUTED)
+            for token in range(num_tokens):
+                loaders = sorted(readers.get((kv_head, token), []))
+                if not loaders:
+                    el(root, "rect", x=left + token * cell, y=y, width=cell - 1,
+                       height=row_h - 2, fill=FREE_FILL)
+                stripe = (row_h - 2) / max(len(loaders), 1)
+                for i, block in enumerate(loaders):
+                    el(root, "rect", x=left + token * cell, y=y + i * stripe, width=cell - 1,
+                       height=stripe, fill=colour(block), class_="reader", data_kernel=name,
+                       data_kv_head=kv_head, data_token=token, data_cuda_block=block)
+            y += row_h
+        y += 14
+    text(root, 10, height - 6, footer, size=10, fill=MUTED)
     return to_string(root)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from svg_layout import assert_clean_layout
-from visualizer import render_key_loads, render_logits, render_phase4_sums, render_warp_visits
+from visualizer import (render_key_loads, render_key_readers, render_logits, render_phase4_sums,
+                        render_warp_visits)
 
 pytestmark = pytest.mark.lesson06
 NS = "{http://www.w3.org/2000/svg}"
@@ -115,6 +116,27 @@ def test_key_loads_draw_every_lane_load_of_both_variants():
         assert sum(int(r.get("data-bytes")) for r in mine) == 4096
     labels = "".join(ET.fromstring(svg).itertext())
     assert "8 load instructions of 16 B" in labels and "16 load instructions of 8 B" in labels
+
+
+def test_key_readers_draw_one_stripe_per_cuda_block_that_loaded_a_key():
+    """Lesson 18: 9 query heads on 3 kv heads; V1's CUDA blocks are query heads, 3 per key, the
+    grouped kernel's are kv heads, 1 per key."""
+    tokens = 20
+    readers = {"V1": {(kv, t): [3 * kv, 3 * kv + 1, 3 * kv + 2] for kv in range(3)
+                      for t in range(tokens)},
+               "version 3": {(kv, t): [kv] for kv in range(3) for t in range(tokens)}}
+    svg = render_key_readers(readers, 3, tokens, title="who loads which key")
+    assert_clean_layout(svg, "key readers")
+    rects = [r for r in ET.fromstring(svg).iter(NS + "rect") if r.get("class") == "reader"]
+    for name, who in readers.items():
+        drawn = {}
+        for r in rects:
+            if r.get("data-kernel") == name:
+                key = (int(r.get("data-kv-head")), int(r.get("data-token")))
+                drawn.setdefault(key, []).append(int(r.get("data-cuda-block")))
+        assert drawn == who
+    labels = "".join(ET.fromstring(svg).itertext())
+    assert "each key loaded by 3 CUDA blocks" in labels and "loaded by 1 CUDA block" in labels
 
 
 def test_bad_input_is_refused():
