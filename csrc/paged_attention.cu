@@ -30,6 +30,10 @@
 //            of the block's tokens; lanes that share a row add up with a butterfly, then the
 //            four warps add up through shared memory.
 //
+// With grouped-query attention a third kernel (version 3, after V2 below) gives one CUDA block
+// to each (kv head, sequence, partition) and runs the four phases for all the query heads that
+// share the kv head, so each key and value is loaded once per group, not once per query head.
+//
 // V1 keeps one fp32 logit per token of the context in (dynamic) shared memory: one CUDA block
 // per sequence and head, the whole context. Long contexts would leave most SMs idle and run out
 // of shared memory, so V2 splits the context into partitions: each CUDA block writes its
