@@ -568,8 +568,10 @@ def test_recorded_shuffles_of_one_warp_match_the_emulator(kernels):
     inputs = (query, key_cache, value_cache, tables, lens, head_size ** -0.5)
     trace = []
     emu.paged_attention(*inputs, trace=trace, trace_filter=(1, 0))
-    out, steps = cuda_on_cpu.trace_shuffles(kernels, lambda: kernels.paged_attention(*inputs),
-                                            block=(0, 1, 0), warp=0)
+    # version 1: one CUDA block per query head, as the emulator (version 0 would run the grouped
+    # kernel for these 2 query heads per kv head)
+    out, steps = cuda_on_cpu.trace_shuffles(
+        kernels, lambda: kernels.paged_attention(*inputs, version=1), block=(0, 1, 0), warp=0)
     assert torch.allclose(out, reference.paged_attention(*inputs), rtol=1e-4, atol=1e-5)
     assert steps and all(len(s["src_lanes"]) == 32 for s in steps)
     for phase, index in (("max", 0), ("sum", 1)):
