@@ -324,6 +324,23 @@ __device__ __forceinline__ float key_dot_shared_chunks(const T* k, const float* 
   return partial;
 }
 
+// ---- phase 4's value load ------------------------------------------------------------------
+// One lane's 16-byte slice of a value row: the values of tokens first_token .. + X - 1 (from
+// the range's start), as floats. Tokens at or past num_tokens (the tail of the last block) get
+// value 0: their cache slots were never written, and 0 * NaN = NaN.
+template <typename C>
+__device__ __forceinline__ void load_value_slice(const C* p, int first_token, int num_tokens,
+                                                 float (&vals)[Vec16<C>::N]) {
+  unpack<C>(load16(p), vals);
+  MP_TRACE(TRACE_VALUE_LOAD, reinterpret_cast<uintptr_t>(p), 16, 0);
+  if (first_token + Vec16<C>::N > num_tokens) {
+#pragma unroll
+    for (int j = 0; j < Vec16<C>::N; ++j) {
+      if (first_token + j >= num_tokens) vals[j] = 0.f;
+    }
+  }
+}
+
 // C is the cache's element type: T itself, or an 8-bit code (int8_t, fp8_e4m3) with `scales`.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename C = T>
 __device__ __forceinline__ PartitionStats attend(
@@ -436,8 +453,8 @@ __device__ __forceinline__ PartitionStats attend(
     const C* v = value_cache + physical_block * v_block_stride +
                  slice * V_VEC;  // row r of this lane's slice is at v + r * BLOCK_SIZE
     const int first_token = b * BLOCK_SIZE + slice * V_VEC;  // from `start`
-    // Tokens past the range (the tail of the last block) get probability 0 *and* value 0:
-    // neither their logits slots nor their cache slots were written, and 0 * NaN = NaN.
+    // Tokens past the range (the tail of the last block) get probability 0 *and* value 0
+    // (load_value_slice): neither their logits slots nor their cache slots were written.
     float probs[V_VEC];
 #pragma unroll
     for (int j = 0; j < V_VEC; ++j) {
@@ -449,21 +466,13 @@ __device__ __forceinline__ PartitionStats attend(
         }
       }
     }
-    const bool last_block = b == num_blocks - 1;
 
 #pragma unroll
     for (int i = 0; i < ROWS_PER_LANE; ++i) {
       const int row = row_in_pass + i * ROWS_PER_PASS;
       if (row < HEAD_SIZE) {
         float vals[V_VEC];
-        unpack<C>(load16(v + row * BLOCK_SIZE), vals);
-        MP_TRACE(TRACE_VALUE_LOAD, reinterpret_cast<uintptr_t>(v + row * BLOCK_SIZE), 16, 0);
-        if (last_block) {
-#pragma unroll
-          for (int j = 0; j < V_VEC; ++j) {
-            if (first_token + j >= num_tokens) vals[j] = 0.f;
-          }
-        }
+        load_value_slice<C>(v + row * BLOCK_SIZE, first_token, num_tokens, vals);
 #pragma unroll
         for (int j = 0; j < V_VEC; ++j) acc[i] += probs[j] * vals[j];
       }
@@ -797,6 +806,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
   // ---- phase 3: one softmax per query head ----------------------------------------------------
   // `attend`'s two reductions for each head, each in its own red_smem slots. The first barrier
   // (in the first block_reduce) also makes every head's logits visible to every thread.
+  // NOTE: written again here rather than shared with `attend`: attend's phase 3 is lesson 06's
+  // exercise (the learner's code replaces those lines, between the softmax_phase markers).
   PartitionStats stats[MAX_GROUP];
 #pragma unroll
   for (int h = 0; h < MAX_GROUP; ++h) {
@@ -844,20 +855,12 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
                           ? logits[h * PARTITION_SIZE + first_token + j] : 0.f;
       }
     }
-    const bool last_block = b == num_blocks - 1;
 #pragma unroll
     for (int i = 0; i < ROWS_PER_LANE; ++i) {
       const int row = row_in_pass + i * ROWS_PER_PASS;
       if (row < HEAD_SIZE) {
-        float vals[V_VEC];
-        unpack<T>(load16(v + row * BLOCK_SIZE), vals);  // once for the whole group
-        MP_TRACE(TRACE_VALUE_LOAD, reinterpret_cast<uintptr_t>(v + row * BLOCK_SIZE), 16, 0);
-        if (last_block) {
-#pragma unroll
-          for (int j = 0; j < V_VEC; ++j) {
-            if (first_token + j >= num_tokens) vals[j] = 0.f;
-          }
-        }
+        float vals[V_VEC];  // loaded once for the whole group
+        load_value_slice<T>(v + row * BLOCK_SIZE, first_token, num_tokens, vals);
 #pragma unroll
         for (int h = 0; h < MAX_GROUP; ++h) {
           if (h < group) {

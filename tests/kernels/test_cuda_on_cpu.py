@@ -206,12 +206,13 @@ def test_automatic_plan_with_short_partitions_matches_the_reference(kernels, dty
     check(kernels, 128, 16, dtype, 2, 1, [4096, 5], 0, seed=11)
 
 
+@pytest.mark.parametrize("version,heads", [(2, (4, 2)), (3, (9, 3))])  # 3: the grouped kernel
 @pytest.mark.parametrize("partition_size", [64, 128, 256, 512])
-def test_every_partition_size_matches_the_reference(kernels, partition_size):
+def test_every_partition_size_matches_the_reference(kernels, partition_size, version, heads):
     """Several sequences, GQA, contexts that end inside a partition and on its edge."""
     try:
         kernels.force_partition_size(partition_size)
-        check(kernels, 64, 16, DTYPES[0], 4, 2, [1, 63, 64, 65, 700, 1024, 1100], 2,
+        check(kernels, 64, 16, DTYPES[0], *heads, [1, 63, 64, 65, 700, 1024, 1100], version,
               seed=partition_size)
     finally:
         kernels.force_partition_size(0)
@@ -396,16 +397,6 @@ def test_grouped_kernel_with_one_partition_needs_no_workspace(kernels):
     check(kernels, 64, 16, torch.float16, 9, 3, [600, 17], version=3)
     launches, blocks, _, _ = (a - b for a, b in zip(kernels.module.counters(), before))
     assert (launches, blocks) == (2, 3 * 2 * 2 + 9 * 2)
-
-
-@pytest.mark.parametrize("partition_size", [64, 128, 256, 512])
-def test_grouped_kernel_at_every_partition_size(kernels, partition_size):
-    try:
-        kernels.force_partition_size(partition_size)
-        check(kernels, 64, 16, DTYPES[0], 9, 3, [1, 63, 64, 65, 700, 1024, 1100], 3,
-              seed=partition_size)
-    finally:
-        kernels.force_partition_size(0)
 
 
 def test_the_plan_picks_the_grouped_kernel_where_it_is_built(kernels):
