@@ -905,7 +905,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
 }
 
 // ----------------------------------------------------------------------------------------------
-// Launch: choose V1, V2 or the grouped kernel, pick the template instance, size the shared memory, check errors
+// Launch: choose V1, V2 or the grouped kernel, pick the template instance, size the shared
+// memory, check errors
 // ----------------------------------------------------------------------------------------------
 constexpr int NUM_THREADS = 128;
 constexpr int MAX_GRID_Y = 65535;      // gridDim.y (sequences) and gridDim.z (partitions)

@@ -39,7 +39,8 @@ from visualizer.source import show_file_part, show_source
 __all__ = [
     "render_block_tables", "render_scheduler", "render_butterfly", "butterfly_steps",
     "render_memory_waste", "render_line_chart", "render_warp_visits", "render_logits",
-    "render_phase4_sums", "render_key_loads", "render_key_readers", "render_pair_rotation", "EventRecorder",
+    "render_phase4_sums", "render_key_loads", "render_key_readers", "render_pair_rotation",
+    "EventRecorder",
     "RecordedStep", "describe",
     "fork_tree_nodes", "show_source", "show_file_part",
     "fork_tree_dot", "fork_tree_text", "render_fork_tree", "show_fork_tree",

@@ -7,7 +7,8 @@ cover every KV block of a sequence exactly once, the phase-4 sums add up to the 
 key loads (ours, and vLLM's thread-group-shared one) give the reference's attention, and their
 load counts differ exactly as lesson 05 says. The grouped kernel (version 3) loads each key and
 value once per group of query heads: a decode step's K/V bytes are the per-head kernel's divided
-by the group size, for SmolLM2's shape and LLaMA-3's (lesson 18). Each build compiles once (cached on disk).
+by the group size, for SmolLM2's shape and LLaMA-3's (lesson 18). Each build compiles once
+(cached on disk).
 
 Slow: minutes on a first run (two traced builds of the kernels; `make test-all` prebuilds them),
 not measured this session.
