@@ -34,6 +34,18 @@ int minipaged_paged_attention_8bit(void* out, const void* query, const void* key
                                    int64_t v_head_stride, float scale, int max_context_len,
                                    int dtype, int cache_dtype, int version, void* workspace,
                                    int64_t workspace_bytes, cudaStream_t stream);
+// layer_kernels.cu: the small operations between a LLaMA layer's matmuls (dtype as above).
+int minipaged_rms_norm(void* out, const void* input, const void* residual, void* sum_out,
+                       const void* weight, float eps, int num_tokens, int hidden,
+                       int64_t out_stride, int64_t input_stride, int64_t residual_stride,
+                       int64_t sum_stride, int dtype, cudaStream_t stream);
+int minipaged_rotary(void* q_out, void* k_out, const void* q, const void* k,
+                     const int64_t* positions, const void* cos, const void* sin, int num_tokens,
+                     int num_heads, int num_kv_heads, int head_size, int64_t q_stride,
+                     int64_t k_stride, int64_t q_out_stride, int64_t k_out_stride, int dtype,
+                     cudaStream_t stream);
+int minipaged_silu_and_mul(void* out, const void* gate, const void* up, int64_t n, int dtype,
+                           cudaStream_t stream);
 int minipaged_paged_attention_v1_limits(int head_size, int block_size, int dtype,
                                         int64_t* static_bytes, int64_t* max_context_len);
 int minipaged_reshape_and_cache(const void* key, const void* value, void* key_cache,

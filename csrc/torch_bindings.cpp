@@ -508,6 +508,107 @@ void reshape_and_cache_8bit(torch::Tensor key, torch::Tensor value, torch::Tenso
              "reshape_and_cache_8bit");
 }
 
+// ---------------------------------------------------------------------------------------------
+// The small operations between a LLaMA layer's matmuls (layer_kernels.cu, lesson 15)
+// ---------------------------------------------------------------------------------------------
+void check_rows(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+  check_device(t, name, like.device());
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ", "x (",
+              like.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [num_tokens, hidden] with a "
+              "contiguous last dimension, got sizes ", t.sizes(), " strides ", t.strides());
+  TORCH_CHECK(t.sizes() == like.sizes(), name, " must have x's shape ", like.sizes(), ", got ",
+              t.sizes());
+}
+
+// out = weight * rms_norm(x); with `residual`: sum_out = x + residual, out = weight *
+// rms_norm(sum_out). All [num_tokens, hidden] of one dtype; weight [hidden].
+void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual,
+              c10::optional<torch::Tensor> sum_out, torch::Tensor weight, double eps) {
+  check_rows(x, "x", x);
+  check_rows(out, "out", x);
+  TORCH_CHECK(residual.has_value() == sum_out.has_value(),
+              "rms_norm: residual and sum_out come together");
+  if (residual.has_value()) {
+    check_rows(*residual, "residual", x);
+    check_rows(*sum_out, "sum_out", x);
+  }
+  check_device(weight, "weight", x.device());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "weight must be a contiguous [", x.size(1), "] tensor of x's dtype, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  const DeviceGuard guard(x.device());
+  check_code(minipaged_rms_norm(
+                 out.data_ptr(), x.data_ptr(),
+                 residual.has_value() ? residual->data_ptr() : nullptr,
+                 sum_out.has_value() ? sum_out->data_ptr() : nullptr, weight.data_ptr(),
+                 (float)eps, (int)x.size(0), (int)x.size(1), out.stride(0), x.stride(0),
+                 residual.has_value() ? residual->stride(0) : 0,
+                 sum_out.has_value() ? sum_out->stride(0) : 0, dtype_code(x), current_stream()),
+             "rms_norm");
+}
+
+void check_heads(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+  check_device(t, name, like.device());
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have q's dtype");
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
+              " must be [num_tokens, heads, head_size] with contiguous heads, got sizes ",
+              t.sizes(), " strides ", t.strides());
+}
+
+// q_out, k_out = q, k rotated by `positions` (int64 [num_tokens]) through the cos and sin
+// tables [max_position, head_size] (q's dtype).
+void rotary(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor q, torch::Tensor k,
+            torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  check_heads(q, "q", q);
+  check_heads(k, "k", q);
+  check_heads(q_out, "q_out", q);
+  check_heads(k_out, "k_out", q);
+  TORCH_CHECK(q_out.sizes() == q.sizes() && k_out.sizes() == k.sizes(),
+              "q_out and k_out must have q's and k's shapes");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "q and k must have the same tokens and head size");
+  TORCH_CHECK(q.size(2) % 2 == 0, "the head size must be even, got ", q.size(2));
+  check_device(positions, "positions", q.device());
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.size(0) == q.size(0) && positions.is_contiguous(),
+              "positions must be a contiguous int64 [", q.size(0), "] tensor");
+  for (const auto* table : {&cos, &sin}) {
+    check_device(*table, "cos/sin", q.device());
+    TORCH_CHECK(table->scalar_type() == q.scalar_type() && table->dim() == 2 &&
+                    table->size(1) == q.size(2) && table->is_contiguous(),
+                "cos and sin must be contiguous [max_position, ", q.size(2),
+                "] tables of q's dtype");
+  }
+  if (check_host_data(positions) && positions.numel()) {
+    const int64_t lo = positions.min().item<int64_t>(), hi = positions.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < cos.size(0), "positions must be in [0, ", cos.size(0),
+                "), got ", lo, " .. ", hi);
+  }
+  const DeviceGuard guard(q.device());
+  check_code(minipaged_rotary(q_out.data_ptr(), k_out.data_ptr(), q.data_ptr(), k.data_ptr(),
+                              positions.data_ptr<int64_t>(), cos.data_ptr(), sin.data_ptr(),
+                              (int)q.size(0), (int)q.size(1), (int)k.size(1), (int)q.size(2),
+                              q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0),
+                              dtype_code(q), current_stream()),
+             "rotary");
+}
+
+// out = silu(gate) * up, elementwise; all contiguous, one shape and dtype.
+void silu_and_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
+  for (const auto* t : {&out, &gate, &up}) {
+    check_device(*t, "silu_and_mul's tensors", gate.device());
+    TORCH_CHECK(t->scalar_type() == gate.scalar_type() && t->sizes() == gate.sizes() &&
+                    t->is_contiguous(),
+                "silu_and_mul: out, gate and up must be contiguous, of one shape and dtype");
+  }
+  const DeviceGuard guard(gate.device());
+  check_code(minipaged_silu_and_mul(out.data_ptr(), gate.data_ptr(), up.data_ptr(), gate.numel(),
+                                    dtype_code(gate), current_stream()),
+             "silu_and_mul");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -536,6 +637,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "reshape_and_cache_8bit(key, value, key_cache, value_cache, key_scales, value_scales, "
         "slot_mapping): quantize into an 8-bit cache, one scale per token and kv head");
   m.def("copy_blocks", &copy_blocks, "copy_blocks(key_caches, value_caches, block_pairs)");
+  m.def("rms_norm", &rms_norm,
+        "rms_norm(out, x, residual, sum_out, weight, eps): out = weight * rms_norm(x), or with "
+        "a residual sum_out = x + residual and out = weight * rms_norm(sum_out)");
+  m.def("rotary", &rotary, "rotary(q_out, k_out, q, k, positions, cos, sin): rotate-half RoPE");
+  m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(out, gate, up): out = silu(gate) * up");
   m.def("swap_blocks", &swap_blocks, "swap_blocks(src, dst, block_pairs)");
 #ifdef MINIPAGED_CUDA_ON_CPU
   m.def("set_device", [](int device) { check_code((int)cudaSetDevice(device), "set_device"); },

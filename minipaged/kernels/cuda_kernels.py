@@ -159,6 +159,43 @@ class CudaKernels:
         static_bytes, longest = self.module.paged_attention_v1_limits(head_size, block_size, code)
         return static_bytes, longest
 
+    # -- the small operations between a LLaMA layer's matmuls (csrc/layer_kernels.cu) -----------
+    def rms_norm(self, x, weight, eps):
+        """``weight * rms_norm(x)`` over the last dimension, as ``reference.rms_norm``."""
+        import torch
+
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty_like(rows)
+        self.module.rms_norm(out, rows, None, None, weight, float(eps))
+        return out.view(x.shape)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        """``(rms_norm(x + residual), x + residual)`` in one kernel, as
+        ``reference.add_rms_norm``."""
+        import torch
+
+        rows, res = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
+        out, total = torch.empty_like(rows), torch.empty_like(rows)
+        self.module.rms_norm(out, rows, res, total, weight, float(eps))
+        return out.view(x.shape), total.view(x.shape)
+
+    def rotary(self, positions, q, k, cos, sin):
+        """q (T, H, D) and k (T, KVH, D) rotated by their positions, as ``reference.rotary``."""
+        import torch
+
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        self.module.rotary(q_out, k_out, q, k, positions.to(torch.long), cos, sin)
+        return q_out, k_out
+
+    def silu_and_mul(self, gate, up):
+        """``silu(gate) * up``, as ``reference.silu_and_mul``."""
+        import torch
+
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        self.module.silu_and_mul(out, gate, up)
+        return out
+
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         pairs = [(src, dst) for src, dsts in block_mapping.items() for dst in dsts]
         if pairs:

@@ -44,7 +44,7 @@ from minipaged.kernels.build import CSRC, CUDA_HEADERS, CUDA_PROBE, JitBuild, co
 from minipaged.kernels.cuda_kernels import CudaKernels
 
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
-CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu")
+CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu")
 RUNTIME_SOURCES = ("cuda_on_cpu.cpp",)
 FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-pthread"]
 

@@ -218,6 +218,49 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: dict[int, i
     return run(src, dst, block_mapping)
 
 
+# ----------------------------------------------------------------------------------------------
+# The small operations between a LLaMA layer's matmuls: our CUDA kernels on a GPU (one launch
+# each where torch needed 2 to 12), the torch reference everywhere else
+# ----------------------------------------------------------------------------------------------
+def _layer_op(tensor: torch.Tensor):
+    """("cuda", kernels) for a CUDA tensor when our kernels are on, else ("reference", None)."""
+    if tensor.is_cuda:
+        name, op = _pick(tensor)
+        if op is not None and hasattr(op, "rms_norm"):
+            return name, op
+    return "reference", None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rms_norm(x)`` (LLaMA's RMSNorm, transformers' arithmetic)."""
+    name, op = _layer_op(x)
+    calls["rms_norm", name] += 1
+    return (reference if op is None else op).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: the residual add and the next norm."""
+    name, op = _layer_op(x)
+    calls["add_rms_norm", name] += 1
+    return (reference if op is None else op).add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by their positions (RoPE, rotate-half layout)."""
+    name, op = _layer_op(q)
+    calls["rotary", name] += 1
+    return (reference if op is None else op).rotary(positions, q, k, cos, sin)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (LLaMA's SwiGLU)."""
+    name, op = _layer_op(gate)
+    calls["silu_and_mul", name] += 1
+    return (reference if op is None else op).silu_and_mul(gate, up)
+
+
 _warned_shapes: set = set()
 
 

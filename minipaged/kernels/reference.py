@@ -233,3 +233,39 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: dict[int, i
     """Copy blocks between two caches of one layer (GPU <-> CPU): ``dst[d] = src[s]``."""
     for s, d in block_mapping.items():
         dst[d].copy_(src[s], non_blocking=src.is_cuda or dst.is_cuda)
+
+
+# ----------------------------------------------------------------------------------------------
+# The small operations between a LLaMA layer's matmuls (csrc/layer_kernels.cu runs them on a GPU)
+# ----------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))``, the norm in float32 and rounded to x's dtype
+    before the weight multiplies it, as transformers computes LLaMA's RMSNorm."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: the residual stream's add and the next norm."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (T, H, D) and k (T, KVH, D) rotated by their positions (rotate-half layout), with the
+    tables cos and sin (max_position, D) in q's dtype."""
+    c = cos[positions][:, None, :]  # (T, 1, D)
+    s = sin[positions][:, None, :]
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``: LLaMA's SwiGLU between its two MLP matmuls."""
+    return F.silu(gate) * up

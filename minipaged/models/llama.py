@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipaged.kernels import ops
 from minipaged.model_shape import ModelShape
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
@@ -31,12 +32,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in float32, as transformers computes it. F.rms_norm is one
-        # fused kernel on a GPU where the five separate ops were five launches: with 65 norms
-        # per LLaMA-7B step that was about 1 ms of a decode step (benchmarks/RESULTS.md).
-        dtype = x.dtype
-        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * x.to(dtype)
+        # weight * (x * rsqrt(mean(x^2) + eps)), the norm in float32 as transformers computes it;
+        # on a GPU one kernel of ours (csrc/layer_kernels.cu) where torch launches four
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor):
+        """``(self(x + residual), x + residual)``: on a GPU, the add and the norm in one kernel."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -80,7 +82,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (LLaMA uses silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,8 +94,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        # hidden + attended, and its norm for the MLP (one kernel on a GPU)
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attended, hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):

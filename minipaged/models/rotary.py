@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minipaged.kernels import ops
+
 
 def rope_inv_freq(config, head_size: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scaling factor, from ``config.rope_parameters``."""
@@ -48,11 +50,6 @@ class RotaryEmbedding(nn.Module):
             # rounding, without a cast per layer and step
             self.cos_cache = self.cos_cache.to(q.dtype)
             self.sin_cache = self.sin_cache.to(q.dtype)
-        cos = self.cos_cache[positions][:, None, :]  # (T, 1, D)
-        sin = self.sin_cache[positions][:, None, :]  # (T, 1, D)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # q * cos + rotate_half(q) * sin, and the same for k (kernels/reference.py); on a GPU one
+        # kernel of ours where torch launches twelve
+        return ops.rotary(positions, q, k, self.cos_cache, self.sin_cache)
