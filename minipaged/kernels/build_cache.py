@@ -84,7 +84,8 @@ def copy_sources(files: dict[str, bytes], folder: Path) -> None:
 @contextlib.contextmanager
 def build_lock(folder: Path, what: str, notice_after: float = WAIT_NOTICE_SECONDS):
     """Hold the folder's build lock: an ``flock`` the operating system drops when the holder
-    dies. Under it a torch ``lock`` file left by a killed build is removed.
+    dies. Under it a torch ``lock`` file left by a killed build is removed, and so is the one a
+    finished build leaves (torch 2.14 keeps its lock file).
 
     Args:
         folder: the build's folder (created if missing).
@@ -112,6 +113,11 @@ def build_lock(folder: Path, what: str, notice_after: float = WAIT_NOTICE_SECOND
                         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
             yield
         finally:
+            # The build ended (built, or raised): torch 2.14 and later keep their lock as a
+            # file they flock, and leave it behind. Found at the next build, it would read as a
+            # killed build's and wipe a good folder; so it goes now. (Only a killed process
+            # skips this, and its file is then the stale one above.)
+            (folder / TORCH_LOCK_NAME).unlink(missing_ok=True)
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 

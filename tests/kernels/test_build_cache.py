@@ -77,6 +77,19 @@ def test_a_live_holder_keeps_the_folder_and_its_torch_lock(tmp_path):
         holder.wait()
 
 
+def test_a_finished_build_leaves_no_torch_lock_and_its_folder_is_kept(tmp_path, capsys):
+    """torch 2.14 flocks a ``lock`` file and leaves it after the build: read at the next
+    build as a killed build's, it would wipe a good folder (and rebuild every time)."""
+    folder = tmp_path / "build"
+    with build_cache.build_lock(folder, "a test op"):
+        (folder / "lock").write_text("")  # torch's lock, still there when its build returns
+        (folder / "op.so").write_text("built")
+    assert not (folder / "lock").exists()
+    with build_cache.build_lock(folder, "a test op"):
+        assert (folder / "op.so").read_text() == "built"
+    assert "a build was killed here" not in capsys.readouterr().err
+
+
 def test_the_key_names_everything_a_library_is_made_from():
     base = ("op", [("src/op.cpp", b"int f();")], ["-O2"])
     assert build_cache.build_key(*base) == build_cache.build_key(*base)
