@@ -1286,7 +1286,47 @@ int dispatch_grouped(int dtype, int head_size, int block_size, F f) {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Version 3's launch for any built (dtype, head size, block size): defined in the translation
+// unit of the grouped instances (below).
+int launch_grouped_any(const AttentionArgs& a, int dtype, int head_size, int block_size);
+
 }  // namespace minipaged
+
+// ---- three translation units ------------------------------------------------------------------
+// Every template instance of this file in one nvcc run took 78 s on this project's 2-core machine
+// (2026-11-26). The GPU build compiles the file three times, each time instantiating one part:
+// this file alone, the entry points of 16- and 32-bit caches (V1, V2); paged_attention_8bit.cu,
+// the 8-bit cache's (lesson 18); paged_attention_grouped.cu, version 3. The CPU builds define
+// MINIPAGED_ALL_PARTS and take everything from this one file.
+#if defined(MINIPAGED_ALL_PARTS)
+#define MP_PART_MAIN 1
+#define MP_PART_8BIT 1
+#define MP_PART_GROUPED 1
+#elif defined(MINIPAGED_PART_8BIT)
+#define MP_PART_MAIN 0
+#define MP_PART_8BIT 1
+#define MP_PART_GROUPED 0
+#elif defined(MINIPAGED_PART_GROUPED)
+#define MP_PART_MAIN 0
+#define MP_PART_8BIT 0
+#define MP_PART_GROUPED 1
+#else
+#define MP_PART_MAIN 1
+#define MP_PART_8BIT 0
+#define MP_PART_GROUPED 0
+#endif
+
+#if MP_PART_GROUPED
+int minipaged::launch_grouped_any(const AttentionArgs& a, int dtype, int head_size,
+                                  int block_size) {
+  return dispatch_grouped(dtype, head_size, block_size, [&](auto type, auto head, auto block) {
+    using T = typename decltype(type)::type;
+    return launch_grouped<T, decltype(head)::value, decltype(block)::value>(a);
+  });
+}
+#endif
+
+#if MP_PART_MAIN
 
 // Which kernel runs for this batch (1, 2 or 3), its partition size in tokens (0 for V1) and the
 // bytes of device workspace the caller must pass to minipaged_paged_attention (0 for V1, and for
@@ -1349,13 +1389,7 @@ extern "C" int minipaged_paged_attention(
       minipaged::KernelArgs{block_tables, context_lens, max_blocks_per_seq, num_kv_heads,
                             q_seq_stride, q_head_stride, k_block_stride, k_head_stride,
                             v_block_stride, v_head_stride, scale}};
-  if (plan.version == 3) {
-    return minipaged::dispatch_grouped(dtype, head_size, block_size,
-                                       [&](auto type, auto head, auto block) {
-      using T = typename decltype(type)::type;
-      return minipaged::launch_grouped<T, decltype(head)::value, decltype(block)::value>(a);
-    });
-  }
+  if (plan.version == 3) return minipaged::launch_grouped_any(a, dtype, head_size, block_size);
   return minipaged::dispatch(dtype, head_size, block_size, [&](auto type, auto head, auto block) {
     using T = typename decltype(type)::type;
     return a.plan.version == 1 ? minipaged::launch_v1<T, decltype(head)::value, decltype(block)::value>(a)
@@ -1380,7 +1414,9 @@ extern "C" int minipaged_paged_attention_v1_limits(int head_size, int block_size
     return 0;
   });
 }
+#endif  // MP_PART_MAIN
 
+#if MP_PART_8BIT
 // The same kernels on an 8-bit cache (lesson 18): key_cache and value_cache hold int8
 // (cache_dtype 3) or fp8 e4m3 (4) codes, key_scales and value_scales [num_blocks, num_kv_heads,
 // block_size] float32 their scales (contiguous); dtype is the query's and out's. Strides are in
@@ -1422,3 +1458,4 @@ extern "C" int minipaged_paged_attention_8bit(
                               : minipaged::launch_v2<T, H, B, C>(a);
       });
 }
+#endif  // MP_PART_8BIT

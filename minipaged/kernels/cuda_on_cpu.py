@@ -46,7 +46,10 @@ from minipaged.kernels.cuda_kernels import CudaKernels
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
 CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu")
 RUNTIME_SOURCES = ("cuda_on_cpu.cpp",)
-FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-pthread"]
+# MINIPAGED_ALL_PARTS: every instance of paged_attention.cu from that one file (the GPU build
+# splits them over three files: see "three translation units" there)
+FLAGS = ["-std=c++17", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-pthread",
+         "-DMINIPAGED_ALL_PARTS"]
 
 _LAUNCH = re.compile(r"<<<(.*?)>>>", re.S)
 _EXTERN_SHARED = re.compile(
