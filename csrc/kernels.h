@@ -44,7 +44,8 @@ int minipaged_rotary(void* q_out, void* k_out, const void* q, const void* k,
                      int num_heads, int num_kv_heads, int head_size, int64_t q_stride,
                      int64_t k_stride, int64_t q_out_stride, int64_t k_out_stride, int dtype,
                      cudaStream_t stream);
-int minipaged_silu_and_mul(void* out, const void* gate, const void* up, int64_t n, int dtype,
+int minipaged_silu_and_mul(void* out, const void* gate, const void* up, int64_t rows,
+                           int64_t cols, int64_t gate_stride, int64_t up_stride, int dtype,
                            cudaStream_t stream);
 int minipaged_paged_attention_v1_limits(int head_size, int block_size, int dtype,
                                         int64_t* static_bytes, int64_t* max_context_len);

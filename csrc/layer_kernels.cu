@@ -9,7 +9,8 @@
 //                   with `residual`: x = T(input + residual) is written to `sum_out` first
 //                   (the residual stream), then normalised: the add and the norm in one kernel
 //   rotary          q and k rotated by their positions (rotate-half layout): one block per token
-//   silu_and_mul    out = T(T(silu(gate)) * up)                          elementwise
+//   silu_and_mul    out = T(T(silu(gate)) * up)                          elementwise, gate and
+//                   up rows at any stride (the halves of one fused matmul's output)
 //
 // The arithmetic and its roundings are torch's (and transformers'): every product or sum that
 // torch rounds to the tensor's dtype T is rounded to T here too, so fp16 and bf16 results match
@@ -132,11 +133,15 @@ __global__ void __launch_bounds__(NUM_THREADS) rotary_kernel(
 
 template <typename T, int NUM_THREADS>
 __global__ void __launch_bounds__(NUM_THREADS) silu_and_mul_kernel(
-    T* __restrict__ out, const T* __restrict__ gate, const T* __restrict__ up, int64_t n) {
-  for (int64_t i = (int64_t)blockIdx.x * NUM_THREADS + threadIdx.x; i < n;
+    T* __restrict__ out, const T* __restrict__ gate, const T* __restrict__ up, int64_t rows,
+    int64_t cols, int64_t gate_stride, int64_t up_stride) {
+  // out is [rows, cols] contiguous; gate and up rows start gate_stride / up_stride elements
+  // apart (the two halves of one [gate | up] matmul output, LLaMA's MLP, are such rows)
+  for (int64_t i = (int64_t)blockIdx.x * NUM_THREADS + threadIdx.x; i < rows * cols;
        i += (int64_t)gridDim.x * NUM_THREADS) {
-    const float g = to_float(gate[i]);
-    out[i] = round_to<T>(in_t<T>(g / (1.f + expf(-g))) * to_float(up[i]));
+    const int64_t row = i / cols, col = i - row * cols;
+    const float g = to_float(gate[row * gate_stride + col]);
+    out[i] = round_to<T>(in_t<T>(g / (1.f + expf(-g))) * to_float(up[row * up_stride + col]));
   }
 }
 
@@ -195,9 +200,11 @@ extern "C" int minipaged_rotary(void* q_out, void* k_out, const void* q, const v
   });
 }
 
-extern "C" int minipaged_silu_and_mul(void* out, const void* gate, const void* up, int64_t n,
+extern "C" int minipaged_silu_and_mul(void* out, const void* gate, const void* up, int64_t rows,
+                                      int64_t cols, int64_t gate_stride, int64_t up_stride,
                                       int dtype, cudaStream_t stream) {
   using namespace minipaged::layer;
+  const int64_t n = rows * cols;
   if (n == 0) return 0;
   (void)cudaGetLastError();
   const int64_t blocks64 = (n + ELEMENTWISE_THREADS - 1) / ELEMENTWISE_THREADS;
@@ -205,7 +212,8 @@ extern "C" int minipaged_silu_and_mul(void* out, const void* gate, const void* u
   return by_dtype(dtype, [&](auto type) {
     using T = decltype(type);
     silu_and_mul_kernel<T, ELEMENTWISE_THREADS><<<blocks, ELEMENTWISE_THREADS, 0, stream>>>(
-        static_cast<T*>(out), static_cast<const T*>(gate), static_cast<const T*>(up), n);
+        static_cast<T*>(out), static_cast<const T*>(gate), static_cast<const T*>(up), rows, cols,
+        gate_stride, up_stride);
     return launched();
   });
 }

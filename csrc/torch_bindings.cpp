@@ -595,16 +595,24 @@ void rotary(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor q, torch::Te
              "rotary");
 }
 
-// out = silu(gate) * up, elementwise; all contiguous, one shape and dtype.
+// out = silu(gate) * up, elementwise: out contiguous; gate and up [rows, cols] with contiguous
+// rows at any stride (the two halves of one [gate | up] matmul output), or contiguous of any shape.
 void silu_and_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
   for (const auto* t : {&out, &gate, &up}) {
     check_device(*t, "silu_and_mul's tensors", gate.device());
-    TORCH_CHECK(t->scalar_type() == gate.scalar_type() && t->sizes() == gate.sizes() &&
-                    t->is_contiguous(),
-                "silu_and_mul: out, gate and up must be contiguous, of one shape and dtype");
+    TORCH_CHECK(t->scalar_type() == gate.scalar_type() && t->sizes() == gate.sizes(),
+                "silu_and_mul: out, gate and up must have one shape and dtype");
   }
+  TORCH_CHECK(out.is_contiguous(), "silu_and_mul: out must be contiguous");
+  const bool rows = gate.dim() == 2 && gate.stride(1) == 1 && up.stride(1) == 1;
+  TORCH_CHECK(rows || (gate.is_contiguous() && up.is_contiguous()),
+              "silu_and_mul: gate and up must be contiguous, or [rows, cols] with contiguous "
+              "rows, got strides ", gate.strides(), " and ", up.strides());
+  const int64_t cols = gate.dim() == 0 ? 1 : gate.size(-1);
+  const int64_t num_rows = cols == 0 ? 0 : gate.numel() / cols;
   const DeviceGuard guard(gate.device());
-  check_code(minipaged_silu_and_mul(out.data_ptr(), gate.data_ptr(), up.data_ptr(), gate.numel(),
+  check_code(minipaged_silu_and_mul(out.data_ptr(), gate.data_ptr(), up.data_ptr(), num_rows,
+                                    cols, rows ? gate.stride(0) : cols, rows ? up.stride(0) : cols,
                                     dtype_code(gate), current_stream()),
              "silu_and_mul");
 }

@@ -23,23 +23,22 @@ class SequenceStatus(enum.Enum):
 
     @staticmethod
     def is_finished(status: SequenceStatus) -> bool:
-        return status in _FINISHED
+        # (identity tests: asked several times per sequence and step, and an enum member's
+        # hash, which a set lookup needs, is a Python call)
+        return not (status is _WAITING or status is _RUNNING or status is _SWAPPED)
 
     @staticmethod
     def get_finished_reason(status: SequenceStatus) -> str | None:
-        return {
-            SequenceStatus.FINISHED_STOPPED: "stop",
-            SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
-            SequenceStatus.FINISHED_ABORTED: "abort",
-            SequenceStatus.FINISHED_IGNORED: "length",
-        }.get(status)
+        return _FINISH_REASONS.get(status)
 
 
-_FINISHED = {
-    SequenceStatus.FINISHED_STOPPED,
-    SequenceStatus.FINISHED_LENGTH_CAPPED,
-    SequenceStatus.FINISHED_ABORTED,
-    SequenceStatus.FINISHED_IGNORED,
+_WAITING, _RUNNING, _SWAPPED = (SequenceStatus.WAITING, SequenceStatus.RUNNING,
+                                SequenceStatus.SWAPPED)
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
 }
 
 
@@ -104,7 +103,8 @@ class Sequence:
         return self.prompt_token_ids[-1]
 
     def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
+        status = self.status
+        return not (status is _WAITING or status is _RUNNING or status is _SWAPPED)
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache is gone, every token will be computed again."""
@@ -169,7 +169,10 @@ class SequenceGroup:
         raise ValueError(f"sequence {seq_id} is not in request {self.request_id}")
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs)
+        for seq in self.seqs:
+            if not seq.is_finished():
+                return False
+        return True
 
     def is_prompt(self) -> bool:
         """True while some unfinished sequence still needs its tokens computed (a prefill run)."""

@@ -8,7 +8,8 @@ needed), fp16, 64 sequences of 128-token prompts (``--prompt-len``). It prints
 2. the engine's decode step with CUDA graphs (as it serves), the median of ``--steps`` steps,
    each closed by a synchronisation, as a multiple of the weight-read floor and of the whole floor;
 3. the same steps by section (``lab/step_breakdown.py``: schedule, prepare, the model's one graph
-   replay, sample, update; each section closed by a synchronisation);
+   replay, sample, update; each section closed by a synchronisation), and the q/k/v and gate/up
+   projections of one layer as one matmul each (as the model runs them) against one by one;
 4. an eager step under torch.profiler (a graph replay would hide the kernels from it): the top 20
    ops by GPU time. With ``$OUT`` set, its Chrome trace goes to ``$OUT/profile_decode.json``.
 
@@ -70,6 +71,47 @@ def fill(engine, args, params) -> None:
                                              for j in range(args.prompt_len)])
     while engine.scheduler.waiting:
         engine.step()  # the prompts
+
+
+def gpu_time(fn, device: str, repeats: int = 50) -> float:
+    """Seconds per call of ``fn``, the median of ``repeats`` back-to-back calls (CUDA events on
+    a GPU: the kernels' time, not the launches')."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def projection_timing(model, batch: int, device: str) -> None:
+    """LLaMA's q/k/v and gate/up projections as one matmul each (models/parallel_layers
+    .FusedColumns) against the matmuls one by one, on layer 0's weights, ``batch`` tokens."""
+    layer = model.layers[0]
+    dtype = layer.self_attn.q_proj.weight.dtype
+    x = torch.randn(batch, model.config.hidden_size, device=device, dtype=dtype)
+    rows = []
+    for name, fused in (("q/k/v", layer.self_attn.qkv), ("gate/up", layer.mlp.gate_up)):
+        together = gpu_time(lambda: fused(x), device)
+        apart = gpu_time(lambda: [l(x) for l in fused.linears], device)
+        rows.append((name, together, apart))
+    saved = sum(apart - together for _, together, apart in rows) * len(model.layers)
+    what = "the kernels' time" if device == "cuda" else "wall time"
+    print(f"projections, one matmul vs one by one (us per layer, {what}): "
+          + "; ".join(f"{name} {1e6 * t:.1f} vs {1e6 * a:.1f}" for name, t, a in rows)
+          + f"; over {len(model.layers)} layers the fused ones save {1e3 * saved:.2f} ms a step",
+          flush=True)
 
 
 def timed_steps(engine, device: str, num_steps: int) -> list[float]:
@@ -144,6 +186,7 @@ def main(argv=None) -> int:
     host = b["step"] - b["model"]
     print(f"the model: {1e3 * b['model']:.2f} ms = {b['model'] / weight_floor:.2f}x the weight "
           f"floor; everything else (host work, the sampler): {1e3 * host:.2f} ms", flush=True)
+    projection_timing(engine.worker.model, args.batch, device)
     llm.shutdown()
     del llm, engine
     if args.no_profile:

@@ -191,8 +191,9 @@ class CudaKernels:
         """``silu(gate) * up``, as ``reference.silu_and_mul``."""
         import torch
 
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
+        if not (gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1):
+            gate, up = gate.contiguous(), up.contiguous()  # (rows at a stride need no copy)
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         self.module.silu_and_mul(out, gate, up)
         return out
 

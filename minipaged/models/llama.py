@@ -18,8 +18,9 @@ from minipaged.kernels import ops
 from minipaged.model_shape import ModelShape
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
-from minipaged.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead,
-                                              RowParallelLinear, VocabParallelEmbedding, divide,
+from minipaged.models.parallel_layers import (ColumnParallelLinear, FusedColumns,
+                                              ParallelLMHead, RowParallelLinear,
+                                              VocabParallelEmbedding, divide,
                                               get_tensor_parallel_state)
 from minipaged.models.rotary import RotaryEmbedding
 from minipaged.models.weights import load_checkpoint_weights
@@ -56,15 +57,18 @@ class LlamaAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
         self.v_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
         self.o_proj = RowParallelLinear(num_heads * D, hidden, bias=bias)
+        # The three read the same input: one matmul computes them (their weights share a tensor)
+        self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
         self.rotary = RotaryEmbedding(config, self.head_size, shape.max_positions)
         self.attn = PagedAttention(self.num_heads, self.head_size, self.head_size ** -0.5,
                                    self.num_kv_heads)
 
     def forward(self, positions, hidden, kv_cache, meta: InputMetadata) -> torch.Tensor:
         T = hidden.shape[0]
-        q = self.q_proj(hidden).view(T, self.num_heads, self.head_size)  # (T, H, D)
-        k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_size)  # (T, KVH, D)
-        v = self.v_proj(hidden)  # (T, KVH * D)   (H, KVH: this rank's heads)
+        q, k, v = self.qkv(hidden)  # q_proj(hidden), k_proj(hidden), v_proj(hidden): one matmul
+        q = q.view(T, self.num_heads, self.head_size)  # (T, H, D)
+        k = k.view(T, self.num_kv_heads, self.head_size)  # (T, KVH, D)
+        # v: (T, KVH * D)   (H, KVH: this rank's heads)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, meta)  # (T, H * D)
         return self.o_proj(out)
@@ -78,11 +82,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inner, bias=bias)
         self.up_proj = ColumnParallelLinear(hidden, inner, bias=bias)
         self.down_proj = RowParallelLinear(inner, hidden, bias=bias)
+        self.gate_up = FusedColumns(self.gate_proj, self.up_proj)  # one matmul for the two
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (LLaMA uses silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up(x)  # gate_proj(x), up_proj(x): one matmul
+        return self.down_proj(ops.silu_and_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -139,6 +139,61 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class FusedColumns:
+    """Column-parallel linears that read the same input, computed as one matmul.
+
+    LLaMA's q, k and v projections (and its MLP's gate and up) each read the same activations.
+    Their weights are made consecutive rows of one tensor, each linear's own parameter a view of
+    its rows, so one ``F.linear`` with the whole tensor gives every output at once: one launch
+    and one larger matmul (a decode step's matmuls are bound by reading the weights, and a larger
+    one reads them at a better rate) instead of two or three. Checkpoints, the state dict and
+    code that calls ``q_proj`` alone see nothing different.
+
+    The fused tensor is no parameter of the module; if anything re-binds a weight (``.to()``,
+    ``.half()``), the views no longer point into it and the linears run one by one, as correct
+    as before (``fused`` says which).
+
+    Args:
+        linears: ColumnParallelLinear layers (weights stored (out, in)) with the same input
+            size, bias or no bias alike.
+    """
+
+    def __init__(self, *linears: ColumnParallelLinear) -> None:
+        first = linears[0]
+        assert all(not l.transposed for l in linears), "(out, in) weights only"
+        assert all(l.weight.shape[1] == first.weight.shape[1] for l in linears)
+        assert all((l.bias is None) == (first.bias is None) for l in linears)
+        self.linears = linears
+        self.sizes = [l.weight.shape[0] for l in linears]
+        self.weight = self._share_rows([l.weight for l in linears])
+        self.bias = None if first.bias is None else self._share_rows([l.bias for l in linears])
+        self._pointers = self._current_pointers()
+
+    def _share_rows(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """One tensor holding the parameters' rows; each parameter becomes a view of its rows."""
+        whole = torch.cat([p.detach() for p in params])  # (sum of rows, ...)
+        for linear, old, rows in zip(self.linears, params, whole.split(self.sizes)):
+            new = nn.Parameter(rows, requires_grad=old.requires_grad)
+            if hasattr(old, "load_shard"):  # tensor parallel: the same shard of the checkpoint
+                new.load_shard = old.load_shard
+            setattr(linear, "weight" if old is linear.weight else "bias", new)
+        return whole
+
+    def _current_pointers(self) -> list[int]:
+        return [t.data_ptr() for l in self.linears
+                for t in ((l.weight,) if l.bias is None else (l.weight, l.bias))]
+
+    @property
+    def fused(self) -> bool:
+        """Whether every linear's parameters are still views of the fused tensors."""
+        return self._current_pointers() == self._pointers
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (T, in) -> outputs
+        if not self.fused:
+            return tuple(l(x) for l in self.linears)
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)  # views
+
+
 class RowParallelLinear(nn.Module):
     """``y = sum_r x_r @ W_r + b``: this rank's input features in, all-reduced output out.
 

@@ -105,57 +105,81 @@ class Sampler:
         ``generators`` holds one random generator per sequence id (see ``draw``).
         """
         logits = apply_penalties(logits, rows)  # (R, V)
+        params = [r.seq_group.sampling_params for r in rows]
         # NOTE: as in vLLM v0.1, returned logprobs are those of the distribution after penalties
         # and temperature (temperature 1 for greedy and beam search), before top-k/top-p.
-        temps = torch.tensor([1.0 if r.seq_group.sampling_params.greedy
-                              or r.seq_group.sampling_params.use_beam_search
-                              else r.seq_group.sampling_params.temperature for r in rows],
-                             device=logits.device)
-        logits = logits / temps[:, None]
-        logprobs = torch.log_softmax(logits, dim=-1)  # (R, V)
+        temps = [1.0 if p.greedy or p.use_beam_search else p.temperature for p in params]
+        if any(t != 1.0 for t in temps):  # (a batch at temperature 1 divides nothing)
+            logits = logits / torch.tensor(temps, device=logits.device)[:, None]
+        # log_softmax(logits) = logits - logsumexp(logits): one number per row; the (R, V)
+        # logprobs are formed only for the rows that read them whole (beam search).
+        lse = torch.logsumexp(logits, dim=-1)  # (R,)
 
         by_group: dict[str, list[int]] = {}
         for i, row in enumerate(rows):
             by_group.setdefault(row.seq_group.request_id, []).append(i)
 
-        # Greedy rows of every group at once: one argmax, one transfer to the host.
-        greedy = [i for i, r in enumerate(rows) if r.seq_group.sampling_params.greedy]
-        greedy_tokens = dict(zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist())) \
-            if greedy else {}
+        # Greedy rows of every group at once: the argmax and its logprob, one transfer to the
+        # host for the whole batch (on a GPU each transfer waits for the GPU).
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        greedy_choice: dict[int, tuple[int, float]] = {}  # row -> (token, its logprob)
+        if greedy:
+            every_row = len(greedy) == len(rows)  # the common case: no copy of the logits
+            g_logits = logits if every_row else logits[greedy]  # (G, V)
+            g_tokens = torch.argmax(g_logits, dim=-1)  # (G,)
+            g_lps = g_logits.gather(1, g_tokens[:, None])[:, 0] - (lse if every_row
+                                                                   else lse[greedy])
+            tokens, lps = torch.stack([g_tokens.double(), g_lps.double()]).tolist()
+            greedy_choice = {i: (int(t), lp) for i, t, lp in zip(greedy, tokens, lps)}
         # Random rows move to the host together, where each request's own generator draws.
-        random_rows = [i for i, r in enumerate(rows)
-                       if not r.seq_group.sampling_params.greedy
-                       and not r.seq_group.sampling_params.use_beam_search]
+        random_rows = [i for i, p in enumerate(params)
+                       if not p.greedy and not p.use_beam_search]
         host_logits = logits[random_rows].cpu() if random_rows else None  # (random rows, V)
+        host_lse = lse[random_rows].cpu().tolist() if random_rows else None
         host_pos = {row: k for k, row in enumerate(random_rows)}
 
-        # (request id, seq id, global row, parent seq id, token) for every sequence
+        # (request id, seq id, global row, parent seq id, token) for every sequence, and the
+        # chosen token's logprob where the host has it already
         chosen: list[tuple[str, int, int, int, int]] = []
+        chosen_lp: list[float | None] = []
         for request_id, idx in by_group.items():
             seq_group = rows[idx[0]].seq_group
-            params = seq_group.sampling_params
+            group_params = seq_group.sampling_params
             group_rows = [rows[i] for i in idx]
-            if params.use_beam_search:
-                choices = self._beam_search(seq_group, group_rows, logprobs[idx])
-            elif params.greedy:
-                choices = {seq_id: (k, seq_id, greedy_tokens[i])
+            if group_params.use_beam_search:
+                choices = self._beam_search(seq_group, group_rows,
+                                            logits[idx] - lse[idx, None])  # (beams, V)
+            elif group_params.greedy:
+                choices = {seq_id: (k, seq_id, greedy_choice[i][0])
                            for k, i in enumerate(idx) for seq_id in rows[i].seq_ids}
             else:
                 choices = self._random(group_rows, host_logits[[host_pos[i] for i in idx]],
-                                       params, generators)
-            chosen += [(request_id, seq_id, idx[k], parent, token)
-                       for seq_id, (k, parent, token) in choices.items()]
+                                       group_params, generators)
+            for seq_id, (k, parent, token) in choices.items():
+                row = idx[k]
+                chosen.append((request_id, seq_id, row, parent, token))
+                if group_params.greedy:
+                    chosen_lp.append(greedy_choice[row][1])
+                elif not group_params.use_beam_search:
+                    chosen_lp.append(float(host_logits[host_pos[row], token])
+                                     - host_lse[host_pos[row]])
+                else:
+                    chosen_lp.append(None)  # gathered below
 
-        # The logprobs of all chosen tokens, and the top-k where asked, in one gather each.
-        row_idx = torch.tensor([c[2] for c in chosen], device=logprobs.device)
-        token_idx = torch.tensor([c[4] for c in chosen], device=logprobs.device)
-        chosen_lp = logprobs[row_idx, token_idx].tolist()
-        num_top = [min(rows[c[2]].seq_group.sampling_params.logprobs or 0, logprobs.shape[-1])
+        beam = [j for j, lp in enumerate(chosen_lp) if lp is None]
+        if beam:  # the chosen tokens' logprobs of the beam rows, in one gather
+            row_idx = torch.tensor([chosen[j][2] for j in beam], device=logits.device)
+            token_idx = torch.tensor([chosen[j][4] for j in beam], device=logits.device)
+            for j, lp in zip(beam, (logits[row_idx, token_idx] - lse[row_idx]).tolist()):
+                chosen_lp[j] = lp
+        # The top-k logprobs, where asked, in one topk.
+        num_top = [min(rows[c[2]].seq_group.sampling_params.logprobs or 0, logits.shape[-1])
                    for c in chosen]
         top_ids = top_lps = None
         if max(num_top, default=0) > 0:
-            top = torch.topk(logprobs[row_idx], max(num_top), dim=-1)
-            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+            row_idx = torch.tensor([c[2] for c in chosen], device=logits.device)
+            top = torch.topk(logits[row_idx], max(num_top), dim=-1)
+            top_ids, top_lps = top.indices.tolist(), (top.values - lse[row_idx, None]).tolist()
 
         results: dict[str, dict[int, SequenceOutput]] = {r: {} for r in by_group}
         for j, (request_id, seq_id, _, parent, token) in enumerate(chosen):

@@ -82,3 +82,13 @@ def test_kernel_benchmark_rotates_past_twice_the_l2_and_warns_when_capped():
     assert bench.rotation_copies(bench.kv_bytes(1, 128), l2)[0] > 16  # the old cap was 16
     copies, warning = bench.rotation_copies(2**20, l2, max_bytes=8 * 2**20)
     assert copies == 8 and "warning" in warning and "L2" in warning
+
+
+def test_host_step_benchmark_prints_its_table():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/host_step.py", "--batches", "3", "--steps", "2", "--vocab",
+         "500", "--prompt-len", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 3 |"))
+    cells = [float(c) for c in row.strip("|").split("|")[1:]]
+    assert len(cells) == 8 and all(c >= 0 for c in cells[:5])

@@ -86,3 +86,4 @@ def test_the_decode_profile_runs_small_on_the_cpu():
                      done.stdout)
     assert "x the weight floor" in done.stdout and "aten::mm" in done.stdout
     assert re.search(r"by section .*schedule [\d.]+, prepare [\d.]+, model [\d.]+", done.stdout)
+    assert re.search(r"q/k/v [\d.]+ vs [\d.]+; gate/up [\d.]+ vs [\d.]+", done.stdout)

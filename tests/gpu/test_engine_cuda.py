@@ -102,3 +102,18 @@ def test_engine_on_cuda_with_chunks_and_cached_prefixes_matches(case, kernel_cal
     assert [o.outputs[0].token_ids for o in again] == refs
     assert llm.llm_engine.stats.num_cached_prompt_tokens > 0
     assert kernel_calls
+
+
+def test_a_steps_inputs_reach_the_gpu_in_one_copy_unchanged():
+    """prepare_inputs packs a step's nine tensors into one pinned buffer and one copy
+    (model_runner.to_device_at_once): on the GPU they equal the host's, dtype and shape."""
+    from minipaged.worker.model_runner import to_device_at_once
+
+    host = [torch.arange(5), torch.tensor([7, -1, 3], dtype=torch.int32),
+            torch.zeros(0, 0, dtype=torch.int32),
+            torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32), torch.empty(0).long()]
+    on_gpu = to_device_at_once(host, torch.device("cuda"))
+    torch.cuda.synchronize()
+    for h, g in zip(host, on_gpu):
+        assert g.is_cuda and g.dtype == h.dtype and g.shape == h.shape
+        assert torch.equal(g.cpu(), h)

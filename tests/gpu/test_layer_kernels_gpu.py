@@ -46,8 +46,11 @@ def test_the_layer_ops_run_our_kernels_and_match_the_reference(dtype):
 
     gate, up = 3 * rand(64, 11008), rand(64, 11008)
     close(ops.silu_and_mul(gate, up), reference.silu_and_mul(gate, up), dtype, 2.01)
+    gate, up = (3 * rand(64, 2 * 11008)).split(11008, dim=-1)  # one [gate | up] matmul's halves
+    close(ops.silu_and_mul(gate, up), reference.silu_and_mul(gate, up), dtype, 2.01)
     for name in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
-        assert ops.calls[name, "cuda"] == before[name, "cuda"] + 1, name
+        assert ops.calls[name, "cuda"] == before[name, "cuda"] + (2 if name == "silu_and_mul"
+                                                                  else 1), name
 
 
 def test_the_kernels_capture_in_a_cuda_graph():

@@ -92,6 +92,22 @@ def test_silu_and_mul(kernels, dtype):
     close(kernels.silu_and_mul(gate, up), reference.silu_and_mul(gate, up), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_on_the_halves_of_one_matmul(kernels, dtype):
+    """LLaMA's MLP computes gate and up as one matmul (models/parallel_layers.FusedColumns):
+    the kernel reads the two halves of its output in place, rows at a stride, no copy."""
+    gen = torch.Generator().manual_seed(6)
+    fused = (3 * torch.randn(29, 2 * 300 + 7, generator=gen)).to(dtype)[:, 7:]  # odd offset
+    gate, up = fused.split(300, dim=-1)
+    assert not gate.is_contiguous() and gate.stride(0) == 607
+    close(kernels.silu_and_mul(gate, up), reference.silu_and_mul(gate, up), dtype)
+    three_d = fused.reshape(29, 2, 300).contiguous()  # contiguous of any shape: one row each
+    close(kernels.silu_and_mul(three_d[:, 0].contiguous(), three_d[:, 1].contiguous()),
+          reference.silu_and_mul(three_d[:, 0], three_d[:, 1]), dtype)
+    close(kernels.silu_and_mul(gate[:1], up[:1]), reference.silu_and_mul(gate[:1], up[:1]), dtype)
+    assert kernels.silu_and_mul(gate[:0], up[:0]).shape == (0, 300)  # an empty batch
+
+
 def test_bad_inputs_name_what_is_wrong(kernels):
     x = torch.randn(3, 64)
     with pytest.raises(RuntimeError, match=r"weight must be a contiguous \[64\] tensor"):
@@ -100,6 +116,8 @@ def test_bad_inputs_name_what_is_wrong(kernels):
         kernels.add_rms_norm(x, torch.randn(3, 64, dtype=torch.float16), torch.randn(64), 1e-5)
     with pytest.raises(RuntimeError, match="one shape and dtype"):
         kernels.silu_and_mul(torch.randn(4), torch.randn(5))
+    with pytest.raises(RuntimeError, match="contiguous rows"):  # a column at a stride
+        kernels.module.silu_and_mul(torch.empty(4, 3), torch.randn(3, 4).t(), torch.randn(4, 3))
     with pytest.raises(RuntimeError, match="head size must be even"):
         kernels.rotary(torch.tensor([0]), torch.randn(1, 1, 3), torch.randn(1, 1, 3),
                        torch.randn(4, 3), torch.randn(4, 3))

@@ -115,3 +115,20 @@ def test_buffers_refuse_what_a_graph_cannot_hold(tiny_llama):
     assert wide.context_lens[1:4].tolist() == [1, 1, 1]
     with pytest.raises(ValueError, match="CUDA device"):
         GraphRunner(worker.model, worker.cache_engine.gpu_cache, 4, 64, 4, capture=True)
+
+
+def test_a_steps_inputs_pack_into_one_buffer_and_come_back_unchanged():
+    """prepare_inputs moves a step's nine tensors to a GPU in one copy (model_runner.pack):
+    every dtype, shape and odd length comes back bit for bit, each view 8-byte aligned."""
+    from minipaged.worker.model_runner import pack, unpack
+
+    tensors = [torch.arange(5, dtype=torch.long), torch.tensor([7, -1, 3], dtype=torch.int32),
+               torch.zeros(0, 0, dtype=torch.int32), torch.tensor([[1, 2, 3], [4, 5, 6]],
+                                                                  dtype=torch.int32),
+               torch.tensor([0], dtype=torch.int32), torch.empty(0, dtype=torch.long),
+               torch.tensor([2 ** 40, -(2 ** 40)], dtype=torch.long)]
+    host, offsets = pack(tensors)
+    assert all(o % 8 == 0 for o in offsets)
+    back = unpack(host.clone(), tensors, offsets)
+    for t, b in zip(tensors, back):
+        assert b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t)
