@@ -126,9 +126,9 @@ class Sampler:
         if greedy:
             every_row = len(greedy) == len(rows)  # the common case: no copy of the logits
             g_logits = logits if every_row else logits[greedy]  # (G, V)
-            g_tokens = torch.argmax(g_logits, dim=-1)  # (G,)
-            g_lps = g_logits.gather(1, g_tokens[:, None])[:, 0] - (lse if every_row
-                                                                   else lse[greedy])
+            # the largest logit and its token (the first of equals, as argmax) in one pass
+            g_max, g_tokens = torch.max(g_logits, dim=-1)  # (G,), (G,)
+            g_lps = g_max - (lse if every_row else lse[greedy])  # the chosen tokens' logprobs
             tokens, lps = torch.stack([g_tokens.double(), g_lps.double()]).tolist()
             greedy_choice = {i: (int(t), lp) for i, t, lp in zip(greedy, tokens, lps)}
         # Random rows move to the host together, where each request's own generator draws.
