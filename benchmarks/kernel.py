@@ -28,7 +28,9 @@ small, is served from L2; a case whose copies would not fit in memory is capped,
     PYTHONPATH=. python3 benchmarks/kernel.py [--quick] [--eager] [--partitions]
 
 --partitions adds a table for small batches: V2 with each forced partition size (64 to 512
-tokens) next to the automatic plan.
+tokens) next to the automatic plan; for batch 1 also the same with the fused reduce (fused/64 ..
+fused/512, fused auto: the partitions' last CUDA block combines them, no second kernel; off by
+default until these columns are measured, see docs/ARCHITECTURE.md).
 
 A second table (--gqa for it alone) takes grouped-query attention, 32 query heads on 8 kv heads
 (a LLaMA-3 8B layer): today's per-head kernels (V1, V2: each kv head read once per query head,
@@ -208,26 +210,20 @@ def plan_name(kernels, batch: int, context: int, num_kv_heads: int = NUM_KV_HEAD
     return f"V{chosen}" + (f"/{partition_size}" if chosen != 1 else "")
 
 
-def time_paged(kernels, batch: int, context: int, copies: int, sweep_sizes=()) -> dict:
-    """Our kernel, and gather + SDPA, on a shuffled pool of `copies` independent batches."""
+def time_paged(kernels, batch: int, context: int, copies: int, sweep_sizes=(),
+               fused_sizes=()) -> dict:
+    """Our kernel, and gather + SDPA, on a shuffled pool of `copies` independent batches:
+    ``p{size}_ms`` for each of ``sweep_sizes``, ``f{size}_ms`` for each of ``fused_sizes``
+    (the fused reduce; size 0 is the automatic plan)."""
     inputs = paged_inputs(batch, context, copies)
     queries, key_cache, value_cache, tables, context_lens, scale = inputs
-    out = torch.empty_like(queries[0])
     times = time_versions(kernels, inputs, context, copies, (1, 2, 0))
     times["chosen"] = plan_name(kernels, batch, context)
     times["paged_ms"] = times["v0_ms"]
     for size in sweep_sizes:
-        kernels.force_partition_size(size)
-        try:
-            verify(kernels, queries[0], key_cache, value_cache, tables[0], context_lens, scale, 2)
-
-            def forced(i):
-                kernels.paged_attention(queries[i], key_cache, value_cache, tables[i],
-                                        context_lens, scale, context, out=out, version=2)
-
-            times[f"p{size}_ms"] = time_ms(forced, copies)
-        finally:
-            kernels.force_partition_size(0)
+        times[f"p{size}_ms"] = time_forced(kernels, inputs, context, copies, size, fused=False)
+    for size in fused_sizes:
+        times[f"f{size}_ms"] = time_forced(kernels, inputs, context, copies, size, fused=True)
     if 2 * kv_bytes(batch, context) <= BASELINE_LIMIT:
         from minipaged.kernels.reference import gather_kv
 
@@ -238,6 +234,28 @@ def time_paged(kernels, batch: int, context: int, copies: int, sweep_sizes=()) -
 
         times["gather_ms"] = time_ms(gather, copies)
     return times
+
+
+def time_forced(kernels, inputs, context: int, copies: int, size: int, fused: bool) -> float:
+    """V2 with ``size``-token partitions (0: version 0, the plan's choice), combined by the
+    reduce kernel or, ``fused``, by the partitions' last CUDA block; verified first."""
+    queries, key_cache, value_cache, tables, context_lens, scale = inputs
+    out = torch.empty_like(queries[0])
+    version = 2 if size else 0
+    kernels.force_partition_size(size)
+    kernels.set_v2_reduce(1 if fused else 0)
+    try:
+        verify(kernels, queries[0], key_cache, value_cache, tables[0], context_lens, scale,
+               version)
+
+        def forced(i):
+            kernels.paged_attention(queries[i], key_cache, value_cache, tables[i], context_lens,
+                                    scale, context, out=out, version=version)
+
+        return time_ms(forced, copies)
+    finally:
+        kernels.set_v2_reduce(0)
+        kernels.force_partition_size(0)
 
 
 def verify(kernels, query, key_cache, value_cache, tables, context_lens, scale, version,
@@ -277,13 +295,14 @@ def kv_bytes(batch: int, context: int) -> int:
     return batch * context * kv_bytes_per_token(1, NUM_KV_HEADS, HEAD_SIZE, DTYPE.itemsize)
 
 
-def bench_one(kernels, batch: int, context: int, l2_bytes: int, sweep_sizes=()) -> dict:
+def bench_one(kernels, batch: int, context: int, l2_bytes: int, sweep_sizes=(),
+              fused_sizes=()) -> dict:
     copies, warning = rotation_copies(kv_bytes(batch, context), l2_bytes)
     if warning:
         print(f"batch {batch}, context {context}: {warning}", flush=True)
     row = {"batch": batch, "context": context, "kv_bytes": kv_bytes(batch, context),
            "copies": copies}
-    row.update(time_paged(kernels, batch, context, copies, sweep_sizes))
+    row.update(time_paged(kernels, batch, context, copies, sweep_sizes, fused_sizes))
     torch.cuda.empty_cache()  # each helper's tensors are gone once it returns
     row.update(time_contiguous(batch, context, copies))
     torch.cuda.empty_cache()
@@ -392,23 +411,33 @@ def gqa_table(kernels, l2_bytes: int, batches, contexts) -> None:
 
 
 SWEEP_SIZES = (64, 128, 256, 512)
+FUSED_SIZES = (*SWEEP_SIZES, 0)  # 0: the automatic plan ("fused auto")
+FUSED_BATCHES = (1,)  # the fused reduce's columns only here: the sweep stays within its budget
 
 
 def partition_sweep(kernels, copy_bw: float, l2_bytes: int) -> None:
-    """Small batches: V2 with each partition size forced, next to V1 and the automatic plan."""
-    print(f"\nsmall batches, V2 by partition size (us; % of copy for auto)")
+    """Small batches: V2 with each partition size forced, next to V1 and the automatic plan;
+    batch 1 also with the fused reduce (the partitions' last CUDA block combines them)."""
+    print(f"\nsmall batches, V2 by partition size, then (batch 1) the same with the fused "
+          f"reduce (us; % of copy for auto)")
+    fused_names = [f"fused/{s}" if s else "fused auto" for s in FUSED_SIZES]
     header = (f"{'batch':>5} {'context':>7} {'v1':>9} "
               + " ".join(f"{'v2/' + str(s):>9}" for s in SWEEP_SIZES)
-              + f" {'auto':>9} {'plan':>7} {'of copy':>8}")
+              + f" {'auto':>9} {'plan':>7} {'of copy':>8} "
+              + " ".join(f"{name:>10}" for name in fused_names))
     print(header)
     print("-" * len(header))
     for batch in (1, 4, 16):
         for context in (256, 1024, 4096, 16384):
-            row = bench_one(kernels, batch, context, l2_bytes, SWEEP_SIZES)
+            fused = FUSED_SIZES if batch in FUSED_BATCHES else ()
+            row = bench_one(kernels, batch, context, l2_bytes, SWEEP_SIZES, fused)
             fraction = row["kv_bytes"] / (row["v0_ms"] * 1e-3) / copy_bw
             cells = " ".join(f"{row[f'p{s}_ms'] * 1e3:9.1f}" for s in SWEEP_SIZES)
+            fused_cells = " ".join(f"{row[f'f{s}_ms'] * 1e3:10.1f}" if f"f{s}_ms" in row
+                                   else f"{'-':>10}" for s in FUSED_SIZES)
             print(f"{batch:5d} {context:7d} {row['v1_ms'] * 1e3:9.1f} {cells} "
-                  f"{row['v0_ms'] * 1e3:9.1f} {row['chosen']:>7} {fraction:8.0%}", flush=True)
+                  f"{row['v0_ms'] * 1e3:9.1f} {row['chosen']:>7} {fraction:8.0%} {fused_cells}",
+                  flush=True)
 
 
 if __name__ == "__main__":

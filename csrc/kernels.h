@@ -14,6 +14,7 @@ int minipaged_paged_attention_plan(int num_seqs, int num_heads, int num_kv_heads
                                    int* chosen_version, int* partition_size,
                                    int64_t* workspace_bytes);
 int minipaged_force_partition_size(int tokens);
+int minipaged_set_v2_reduce(int mode);  // 0 = a reduce kernel (default), 1 = fused
 int minipaged_paged_attention(void* out, const void* query, const void* key_cache,
                               const void* value_cache, const int* block_tables,
                               const int* context_lens, int num_seqs, int num_heads,

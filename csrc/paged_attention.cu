@@ -38,7 +38,10 @@
 // per sequence and head, the whole context. Long contexts would leave most SMs idle and run out
 // of shared memory, so V2 splits the context into partitions: each CUDA block writes its
 // partition's maximum logit, sum of exponentials and normalised output, and a second kernel
-// combines the partitions (softmax is a weighted average of the partitions' softmaxes).
+// combines the partitions (softmax is a weighted average of the partitions' softmaxes). With the
+// fused reduce (minipaged_set_v2_reduce(1); off by default until it is timed on a GPU) there is
+// no second kernel: the CUDA block that finishes a (sequence, head)'s partitions last combines
+// them (see "The fused reduce" below).
 //
 // Readability first: every reduction says which lanes exchange values. The emulator in
 // minipaged/lab/emulator.py follows this file step by step.
@@ -605,14 +608,92 @@ constexpr int PARTITION_SIZE = 512;  // tokens per partition: 2 KiB of logits, a
 constexpr int MIN_PARTITION_SIZE = 64;
 constexpr int V2_BLOCKS_PER_SM = 8;
 
+// ---- combining the partitions -------------------------------------------------------------
+// Softmax over the whole context from the partitions' softmaxes: with m = max_p max_logits[p]
+// and weight[p] = exp_sums[p] * exp(max_logits[p] - m), the output is
+// sum_p weight[p] * tmp_out[p] / sum_p weight[p]. The pointers are this (sequence, head)'s
+// partition 0; weights[num_partitions] and red_smem[2 * NUM_WARPS] are shared memory.
+// Run by V2's reduce kernel (a launch of its own) and by the fused reduce (the last partition's
+// CUDA block, FROM_L2: see `load_partition_result`).
+template <bool FROM_L2>
+__device__ __forceinline__ float load_partition_result(const float* p) {
+  // The fused reduce reads what *other* CUDA blocks of the same launch wrote, maybe on other
+  // SMs: from L2 (ld.global.cg), past this SM's L1, which is not kept coherent with their
+  // writes. (A cache line of the workspace holds several (sequence, head)s' results, so this SM
+  // may have read the line before they were all written.)
+  if constexpr (FROM_L2) return __ldcg(p);
+  return *p;
+}
+
+template <typename T, int HEAD_SIZE, int NUM_THREADS, bool FROM_L2>
+__device__ __forceinline__ void combine_partitions(
+    T* out_row, const float* max_logits, const float* exp_sums, const float* tmp_out,
+    int num_partitions, float* weights, float* red_smem) {
+  constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
+  float m = -FLT_MAX;
+  for (int p = threadIdx.x; p < num_partitions; p += NUM_THREADS) {
+    m = fmaxf(m, load_partition_result<FROM_L2>(max_logits + p));
+  }
+  m = block_reduce<NUM_WARPS, 1>(m, red_smem, -FLT_MAX, MaxOp());
+  float total = 0.f;
+  for (int p = threadIdx.x; p < num_partitions; p += NUM_THREADS) {
+    const float w = load_partition_result<FROM_L2>(exp_sums + p) *
+                    expf(load_partition_result<FROM_L2>(max_logits + p) - m);
+    weights[p] = w;
+    total += w;
+  }
+  // The barrier inside block_reduce also makes every weight visible to every thread.
+  total = block_reduce<NUM_WARPS, 1>(total, red_smem + NUM_WARPS, 0.f, SumOp());
+  const float inv_total = 1.f / total;
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) {
+    float sum = 0.f;
+    for (int p = 0; p < num_partitions; ++p) {
+      sum += weights[p] * load_partition_result<FROM_L2>(tmp_out + p * HEAD_SIZE + d);
+    }
+    out_row[d] = from_float<T>(sum * inv_total);
+  }
+}
+
+// ---- the fused reduce ---------------------------------------------------------------------
+// Instead of a second kernel, each partition's CUDA block counts itself done on its (sequence,
+// head)'s counter (an int in the workspace, zeroed before the launch); the block that brings the
+// count to the sequence's own number of partitions runs `combine_partitions` on the results the
+// others left in the workspace, and sets the counter back to 0. Partitions at or past a shorter
+// context never start, so they never count: the target is the sequence's own partitions. What
+// the reduce kernel writes for an empty or broken context, partition 0's block writes instead.
+// The weights go to the finished block's logits buffer (PARTITION_SIZE floats, free once
+// `attend` is done): more partitions than that run the separate reduce (make_plan).
+//
+// Returns, in every thread, whether this block finished last. Every thread's writes to the
+// workspace are fenced (visible to the whole GPU) before thread 0 counts the block, and thread
+// 0 fences again once it sees it finished last, before any thread reads the others' results.
+__device__ __forceinline__ bool finished_last(int* counter, int num_partitions, int* last_smem) {
+  __threadfence();
+  __syncthreads();  // every thread's results are out before the block is counted
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(counter, 1) == num_partitions - 1;
+    if (last) {
+      __threadfence();
+      *counter = 0;  // every partition has counted: ready for the next call
+    }
+    *last_smem = last;
+  }
+  __syncthreads();
+  return *last_smem != 0;
+}
+
 // Partition p of a sequence covers tokens [p * partition_size, (p + 1) * partition_size) of its
-// context (partition_size: PARTITION_SIZE or a power-of-two fraction of it, >= MIN_PARTITION_SIZE). Writes, for partition p, max_logits[seq, head, p], exp_sums[seq, head, p] and the
-// partition's own softmax-weighted values tmp_out[seq, head, p, :] (fp32).
+// context (partition_size: PARTITION_SIZE or a power-of-two fraction of it, at least
+// MIN_PARTITION_SIZE). Writes, for partition p, max_logits[seq, head, p], exp_sums[seq, head, p]
+// and the partition's own softmax-weighted values tmp_out[seq, head, p, :] (fp32). With the fused
+// reduce (`counters` not null) the last block of a (sequence, head) also writes out[seq, head].
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, typename C = T>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
     float* __restrict__ max_logits,       // [num_seqs, num_heads, max_partitions]
     float* __restrict__ exp_sums,         // [num_seqs, num_heads, max_partitions]
     float* __restrict__ tmp_out,          // [num_seqs, num_heads, max_partitions, HEAD_SIZE]
+    T* __restrict__ out,                  // fused reduce: [num_seqs, num_heads, HEAD_SIZE]
+    int* __restrict__ counters,           // fused reduce: [num_seqs, num_heads], zeroed; or null
     const T* __restrict__ query, const C* __restrict__ key_cache,
     const C* __restrict__ value_cache, const KernelArgs a, const int partition_size) {
   static_assert(MIN_PARTITION_SIZE % BLOCK_SIZE == 0, "a partition is whole KV blocks");
@@ -624,6 +705,17 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
   const int max_partitions = gridDim.z;
   const int kv_head = head / (num_heads / a.num_kv_heads);
   const int context_len = a.context_lens[seq];
+  const int num_partitions = (context_len + partition_size - 1) / partition_size;
+  const int64_t first = ((int64_t)seq * num_heads + head) * max_partitions;  // partition 0's slot
+  if (counters != nullptr && (context_len <= 0 || num_partitions > max_partitions)) {
+    // The fused reduce: no reduce kernel follows to write an empty or broken context's row
+    // (see fill_row), so partition 0's block does. Uniform over the CUDA block.
+    if (partition == 0) {
+      fill_row<T, HEAD_SIZE, NUM_THREADS>(out + ((int64_t)seq * num_heads + head) * HEAD_SIZE,
+                                          context_len == 0 ? 0.f : quiet_nan());
+    }
+    return;
+  }
   const int start = partition * partition_size;
   // This sequence has fewer partitions than the longest one (or an empty context, for which the
   // reduce kernel writes zeros): nothing to do. Uniform over the CUDA block.
@@ -634,6 +726,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
   __shared__ __align__(16) float q_smem[HEAD_SIZE];
   __shared__ float red_smem[2 * NUM_WARPS];
   __shared__ float out_smem[NUM_WARPS * HEAD_SIZE];
+  __shared__ int finished_last_smem;  // the fused reduce: this block finished last
 
   const PartitionStats stats = attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>(
       query + seq * a.q_seq_stride + head * a.q_head_stride,
@@ -641,17 +734,25 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
       a.block_tables + (int64_t)seq * a.max_blocks_per_seq, start, end, a.k_block_stride,
       a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem,
       code_scales<BLOCK_SIZE>(a, kv_head));
-  const int64_t slot = ((int64_t)seq * num_heads + head) * max_partitions + partition;
+  const int64_t slot = first + partition;
   if (threadIdx.x == 0) {
     max_logits[slot] = stats.max_logit;
     exp_sums[slot] = stats.exp_sum;
   }
   write_output<float, HEAD_SIZE, NUM_THREADS>(tmp_out + slot * HEAD_SIZE, out_smem);
+
+  if (counters == nullptr ||
+      !finished_last(counters + (int64_t)seq * num_heads + head, num_partitions,
+                     &finished_last_smem)) {
+    return;
+  }
+  // The last of this (sequence, head)'s partitions: combine them, the weights in `logits`.
+  combine_partitions<T, HEAD_SIZE, NUM_THREADS, true>(
+      out + ((int64_t)seq * num_heads + head) * HEAD_SIZE, max_logits + first, exp_sums + first,
+      tmp_out + first * HEAD_SIZE, num_partitions, logits, red_smem);
 }
 
-// Softmax over the whole context from the partitions' softmaxes: with m = max_p max_logits[p]
-// and weight[p] = exp_sums[p] * exp(max_logits[p] - m), the output is
-// sum_p weight[p] * tmp_out[p] / sum_p weight[p].
+// V2's separate reduce: one CUDA block per (head, sequence) runs `combine_partitions`.
 template <typename T, int HEAD_SIZE, int NUM_THREADS>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE]
@@ -675,25 +776,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     return;
   }
   const int64_t first = ((int64_t)seq * num_heads + head) * max_partitions;
-  float m = -FLT_MAX;
-  for (int p = threadIdx.x; p < num_partitions; p += NUM_THREADS) {
-    m = fmaxf(m, max_logits[first + p]);
-  }
-  m = block_reduce<NUM_WARPS, 1>(m, red_smem, -FLT_MAX, MaxOp());
-  float total = 0.f;
-  for (int p = threadIdx.x; p < num_partitions; p += NUM_THREADS) {
-    const float w = exp_sums[first + p] * expf(max_logits[first + p] - m);
-    weights[p] = w;
-    total += w;
-  }
-  // The barrier inside block_reduce also makes every weight visible to every thread.
-  total = block_reduce<NUM_WARPS, 1>(total, red_smem + NUM_WARPS, 0.f, SumOp());
-  const float inv_total = 1.f / total;
-  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) {
-    float sum = 0.f;
-    for (int p = 0; p < num_partitions; ++p) sum += weights[p] * tmp_out[(first + p) * HEAD_SIZE + d];
-    out_row[d] = from_float<T>(sum * inv_total);
-  }
+  combine_partitions<T, HEAD_SIZE, NUM_THREADS, false>(
+      out_row, max_logits + first, exp_sums + first, tmp_out + first * HEAD_SIZE, num_partitions,
+      weights, red_smem);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -713,7 +798,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
 //            accumulators, one per query head; GROUP outputs leave through out_smem
 // A partition's results go to V2's workspace, one slot per *query* head, and V2's reduce kernel
 // combines them. When one partition holds every context of the batch, the kernel writes the
-// outputs itself (`out` not null) and there is nothing to combine.
+// outputs itself (`out` not null, no workspace) and there is nothing to combine. With the fused
+// reduce (`counters` not null) one counter per (sequence, kv head) counts the partitions' CUDA
+// blocks, and the last one combines the partitions of all GROUP query heads, one after another.
 constexpr int MAX_GROUP = 8;  // query heads per kv head: registers hold MAX_GROUP accumulators
 
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
@@ -722,6 +809,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
     float* __restrict__ max_logits,       // [num_seqs, num_heads, max_partitions] or null
     float* __restrict__ exp_sums,         // [num_seqs, num_heads, max_partitions] or null
     float* __restrict__ tmp_out,          // [num_seqs, num_heads, max_partitions, HEAD_SIZE]
+    int* __restrict__ counters,           // fused reduce: [num_seqs, num_kv_heads], zeroed; or null
     const T* __restrict__ query, const T* __restrict__ key_cache,
     const T* __restrict__ value_cache, const KernelArgs a, const int num_heads,
     const int partition_size, const int max_context_len) {
@@ -746,10 +834,19 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
     return out + ((int64_t)seq * num_heads + first_head + h) * HEAD_SIZE;
   };
 
-  if (out != nullptr && (context_len <= 0 || context_len > max_context_len)) {
-    // One partition, no reduce kernel: the empty and broken contexts of fill_row, here.
-    for (int h = 0; h < group; ++h) {
-      fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row(h), context_len == 0 ? 0.f : quiet_nan());
+  const bool fused = counters != nullptr;
+  const int num_partitions = (context_len + partition_size - 1) / partition_size;
+  // Broken: a negative context, or one longer than the kernel can take (one partition: longer
+  // than max_context_len; the fused reduce: more partitions than the grid has, as V2's reduce).
+  const bool broken = context_len < 0 || (fused ? num_partitions > max_partitions
+                                                : context_len > max_context_len);
+  if (out != nullptr && (context_len == 0 || broken)) {
+    // One partition or the fused reduce: no reduce kernel follows, so the empty and broken
+    // contexts of fill_row are written here, by partition 0's block.
+    if (partition == 0) {
+      for (int h = 0; h < group; ++h) {
+        fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row(h), context_len == 0 ? 0.f : quiet_nan());
+      }
     }
     return;
   }
@@ -767,6 +864,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
   __shared__ __align__(16) float q_smem[MAX_GROUP * HEAD_SIZE];
   __shared__ float red_smem[MAX_GROUP * 2 * NUM_WARPS];        // each head's own slots
   __shared__ float out_smem[MAX_GROUP * NUM_WARPS * HEAD_SIZE];  // head h, warp w: row h*4+w
+  __shared__ int finished_last_smem;  // the fused reduce: this block finished last
 
   // ---- phase 1: the group's queries into shared memory -------------------------------------
   for (int i = threadIdx.x; i < group * HEAD_SIZE; i += NUM_THREADS) {
@@ -887,20 +985,36 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
   __syncthreads();
 
   // One partition: the outputs themselves. Else V2's workspace, one slot per query head.
+  auto first_slot = [&](int h) {  // query head h's partition 0 in the workspace
+    return ((int64_t)seq * num_heads + first_head + h) * max_partitions;
+  };
 #pragma unroll
   for (int h = 0; h < MAX_GROUP; ++h) {
     if (h >= group) break;
     const float* head_out = out_smem + h * NUM_WARPS * HEAD_SIZE;
-    if (out != nullptr) {
+    if (max_logits == nullptr) {
       write_output<T, HEAD_SIZE, NUM_THREADS>(out_row(h), head_out);
       continue;
     }
-    const int64_t slot = ((int64_t)seq * num_heads + first_head + h) * max_partitions + partition;
+    const int64_t slot = first_slot(h) + partition;
     if (threadIdx.x == 0) {
       max_logits[slot] = stats[h].max_logit;
       exp_sums[slot] = stats[h].exp_sum;
     }
     write_output<float, HEAD_SIZE, NUM_THREADS>(tmp_out + slot * HEAD_SIZE, head_out);
+  }
+
+  if (!fused || !finished_last(counters + (int64_t)seq * a.num_kv_heads + kv_head,
+                               num_partitions, &finished_last_smem)) {
+    return;
+  }
+  // The last of this (sequence, kv head)'s partitions: combine each query head's, its weights
+  // in its own logits rows and its own reduction slots.
+  for (int h = 0; h < group; ++h) {
+    combine_partitions<T, HEAD_SIZE, NUM_THREADS, true>(
+        out_row(h), max_logits + first_slot(h), exp_sums + first_slot(h),
+        tmp_out + first_slot(h) * HEAD_SIZE, num_partitions, logits + h * PARTITION_SIZE,
+        red_smem + h * 2 * NUM_WARPS);
   }
 }
 
@@ -926,6 +1040,7 @@ enum ErrorCode {
   BAD_VERSION = -9,
   BAD_PARTITION_SIZE = -10,      // a forced partition size that is no power of two in [64, 512]
   NOT_GROUPED_SHAPE = -11,       // version 3 forced where the grouped kernel is not built
+  BAD_REDUCE_MODE = -12,         // minipaged_set_v2_reduce's mode is neither 0 nor 1
 };
 
 // Where the grouped kernel (version 3) is built: at most MAX_GROUP query heads per kv head,
@@ -952,6 +1067,21 @@ inline int choose_version(int num_seqs, int num_heads, int max_context_len, int 
 inline std::atomic<int>& forced_partition_size() {
   static std::atomic<int> size{0};
   return size;
+}
+
+// How V2 and version 3 combine the partitions, for every caller (benchmarks, tests): a reduce
+// kernel of its own (SEPARATE_REDUCE, the default) or the partitions' last CUDA block
+// (FUSED_REDUCE, "The fused reduce" above). The fused reduce puts its weights in the logits
+// buffer, so it takes at most FUSED_MAX_PARTITIONS partitions; longer contexts keep the
+// separate reduce.
+// NOTE: the fused reduce saves the second launch and the reduce kernel's wait for the slowest
+// partition, but adds a memset of the counters before the launch; off by default until a GPU
+// has timed both (benchmarks/kernel.py --partitions).
+enum ReduceMode { SEPARATE_REDUCE = 0, FUSED_REDUCE = 1 };
+constexpr int FUSED_MAX_PARTITIONS = PARTITION_SIZE;
+inline std::atomic<int>& v2_reduce_mode() {
+  static std::atomic<int> mode{SEPARATE_REDUCE};
+  return mode;
 }
 
 // Device facts, queried once per device rather than on every call.
@@ -982,6 +1112,7 @@ struct Plan {
   int version = 1;
   int partition_size = 0;  // tokens (V2 and version 3)
   int partitions = 0;      // of the longest context (V2 and version 3)
+  bool fused_reduce = false;  // the partitions' last CUDA block combines them (no reduce kernel)
 };
 
 // What a batch needs: num_seqs sequences of num_heads query heads over num_kv_heads kv heads,
@@ -1020,15 +1151,26 @@ inline Plan make_plan(int num_seqs, int num_heads, int num_kv_heads, int head_si
   }
   plan.partition_size = size;
   plan.partitions = (max_context_len + size - 1) / size;
+  // (version 3 with one partition writes the outputs itself: there is nothing to combine)
+  plan.fused_reduce = v2_reduce_mode().load() == FUSED_REDUCE &&
+                      plan.partitions <= FUSED_MAX_PARTITIONS &&
+                      !(plan.version == 3 && plan.partitions == 1);
   return plan;
 }
 
-// V2's scratch: max_logits and exp_sums [num_seqs, num_heads, P] then tmp_out [..., P, head_size].
+// V2's scratch: max_logits and exp_sums [num_seqs, num_heads, P] then tmp_out [..., P, head_size],
+// then, with the fused reduce, its counters: num_seqs * num_heads int32s in float-sized slots
+// (V2 counts per (sequence, head), version 3 per (sequence, kv head): fewer).
 // (The grouped kernel needs none when one partition holds every context: it writes the output.)
+inline int64_t fused_counters(int num_seqs, int num_heads, const Plan& plan) {
+  return plan.fused_reduce ? (int64_t)num_seqs * num_heads : 0;
+}
 inline int64_t workspace_floats(int num_seqs, int num_heads, int head_size, const Plan& plan) {
   if (plan.version == 1 || (plan.version == 3 && plan.partitions == 1)) return 0;
-  return (int64_t)num_seqs * num_heads * plan.partitions * (2 + head_size);
+  return (int64_t)num_seqs * num_heads * plan.partitions * (2 + head_size) +
+         fused_counters(num_seqs, num_heads, plan);
 }
+static_assert(sizeof(int) == sizeof(float), "a counter takes one float's slot");
 
 
 // Static shared memory of a kernel, and permission to use all the rest dynamically (a kernel
@@ -1100,12 +1242,14 @@ int launch_v1(const AttentionArgs& a) {
   return launch_error();
 }
 
-// V2's workspace cut into its three arrays (see workspace_floats), once checked for size.
+// V2's workspace cut into its three arrays and the fused reduce's counters (see
+// workspace_floats), once checked for size.
 struct PartitionResults {
   int error = 0;
   float* max_logits = nullptr;
   float* exp_sums = nullptr;
   float* tmp_out = nullptr;
+  int* counters = nullptr;  // null: the separate reduce
 };
 template <typename T, int HEAD_SIZE>
 PartitionResults partition_results(const AttentionArgs& a) {
@@ -1125,7 +1269,17 @@ PartitionResults partition_results(const AttentionArgs& a) {
   r.max_logits = a.workspace;
   r.exp_sums = r.max_logits + stats;
   r.tmp_out = r.exp_sums + stats;
+  if (a.plan.fused_reduce) r.counters = reinterpret_cast<int*>(r.tmp_out + stats * HEAD_SIZE);
   return r;
+}
+
+// The fused reduce's counters start at 0 on every call: the workspace is fresh memory (and a
+// call that failed half-way may have left counts behind). On the launch's stream, so a CUDA
+// graph captures it as a memset node before the kernel.
+inline int zero_counters(const AttentionArgs& a, const PartitionResults& r) {
+  if (r.counters == nullptr) return 0;
+  const size_t bytes = (size_t)fused_counters(a.num_seqs, a.num_heads, a.plan) * sizeof(int);
+  return (int)cudaMemsetAsync(r.counters, 0, bytes, a.stream);
 }
 
 // V2's second kernel: one CUDA block per (head, sequence) combines the partitions.
@@ -1139,22 +1293,25 @@ int launch_reduce(const AttentionArgs& a, const PartitionResults& r) {
   return launch_error();
 }
 
+// The partitions, then the reduce kernel; or, with the fused reduce, the counters' memset and
+// the partitions alone. (An 8-bit cache, C, takes the same paths.)
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, typename C = T>
 int launch_v2(const AttentionArgs& a) {
   const PartitionResults r = partition_results<T, HEAD_SIZE>(a);
   if (r.error) return r.error;
   constexpr auto kernel = paged_attention_v2_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>;
+  if (const int err = zero_counters(a, r)) return err;
   clear_stale_error();
   kernel<<<dim3(a.num_heads, a.num_seqs, a.plan.partitions), NUM_THREADS, 0, a.stream>>>(
-      r.max_logits, r.exp_sums, r.tmp_out, static_cast<const T*>(a.query),
-      static_cast<const C*>(a.key_cache), static_cast<const C*>(a.value_cache), a.k,
-      a.plan.partition_size);
+      r.max_logits, r.exp_sums, r.tmp_out, r.counters ? static_cast<T*>(a.out) : nullptr,
+      r.counters, static_cast<const T*>(a.query), static_cast<const C*>(a.key_cache),
+      static_cast<const C*>(a.value_cache), a.k, a.plan.partition_size);
   const int err = launch_error();
-  return err ? err : launch_reduce<T, HEAD_SIZE>(a, r);
+  return err || r.counters ? err : launch_reduce<T, HEAD_SIZE>(a, r);
 }
 
 // Version 3: one CUDA block per (kv head, sequence, partition); with one partition it writes
-// the outputs and no reduce kernel runs.
+// the outputs and no reduce kernel runs; with the fused reduce neither does one.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 int launch_grouped(const AttentionArgs& a) {
   constexpr auto kernel = paged_attention_grouped_kernel<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS>;
@@ -1162,14 +1319,16 @@ int launch_grouped(const AttentionArgs& a) {
   const PartitionResults r =
       one_partition ? PartitionResults{} : partition_results<T, HEAD_SIZE>(a);
   if (r.error) return r.error;
+  if (const int err = zero_counters(a, r)) return err;
+  const bool writes_out = one_partition || r.counters != nullptr;
   clear_stale_error();
   kernel<<<dim3(a.k.num_kv_heads, a.num_seqs, a.plan.partitions), NUM_THREADS, 0, a.stream>>>(
-      one_partition ? static_cast<T*>(a.out) : nullptr, r.max_logits, r.exp_sums, r.tmp_out,
-      static_cast<const T*>(a.query), static_cast<const T*>(a.key_cache),
+      writes_out ? static_cast<T*>(a.out) : nullptr, r.max_logits, r.exp_sums, r.tmp_out,
+      r.counters, static_cast<const T*>(a.query), static_cast<const T*>(a.key_cache),
       static_cast<const T*>(a.value_cache), a.k, a.num_heads, a.plan.partition_size,
       a.max_context_len);
   const int err = launch_error();
-  return err || one_partition ? err : launch_reduce<T, HEAD_SIZE>(a, r);
+  return err || writes_out ? err : launch_reduce<T, HEAD_SIZE>(a, r);
 }
 
 // ---- one switch for every (dtype, head size, block size) the kernels are built for ------------
@@ -1358,6 +1517,17 @@ extern "C" int minipaged_force_partition_size(int tokens) {
     return minipaged::BAD_PARTITION_SIZE;
   }
   minipaged::forced_partition_size().store(tokens);
+  return 0;
+}
+
+// How V2 and version 3 combine their partitions in every later call: 0 = a reduce kernel of
+// their own (the default), 1 = the fused reduce, in the partitions' last CUDA block (up to
+// FUSED_MAX_PARTITIONS partitions; more keep the reduce kernel). The plan's workspace follows.
+extern "C" int minipaged_set_v2_reduce(int mode) {
+  if (mode != minipaged::SEPARATE_REDUCE && mode != minipaged::FUSED_REDUCE) {
+    return minipaged::BAD_REDUCE_MODE;
+  }
+  minipaged::v2_reduce_mode().store(mode);
   return 0;
 }
 

@@ -69,6 +69,7 @@ void check_code(int code, const std::string& what) {
     case -10: why = "a forced partition size must be 0 or a power of two from 64 to 512"; break;
     case -11: why = "the grouped kernel (version 3) is built for at most 8 query heads per kv "
                     "head, head sizes 64 and 128 and a 16- or 32-bit cache"; break;
+    case -12: why = "the reduce mode must be 0 (a reduce kernel) or 1 (fused)"; break;
     default:
       why = code > 0 ? std::string("CUDA error: ") +
                            cudaGetErrorString(static_cast<cudaError_t>(code)) + error_detail()
@@ -633,6 +634,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                         "force_partition_size"); },
         "force_partition_size(tokens): V2's partition size from now on (64, 128, 256 or 512), "
         "0 = the plan chooses (benchmarks)");
+  m.def("set_v2_reduce",
+        [](int64_t mode) { check_code(minipaged_set_v2_reduce((int)mode), "set_v2_reduce"); },
+        "set_v2_reduce(mode): how V2 and version 3 combine partitions from now on: 0 = a reduce "
+        "kernel (the default), 1 = fused into the partitions' last CUDA block (benchmarks)");
   m.def("paged_attention_v1_limits", &paged_attention_v1_limits,
         "paged_attention_v1_limits(head_size, block_size, dtype_code) -> [static shared bytes, "
         "longest context V1 takes]");
@@ -657,6 +662,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_host_checks", [](bool enabled) { g_host_checks = enabled; },
         "set_host_checks(enabled): False skips the checks of context_lens, block_tables and "
         "slot_mapping contents, as on a GPU, to see what the kernels do with such input");
+  m.def("set_block_order", [](int64_t order, int64_t seed) {
+    TORCH_CHECK(order >= 0 && order <= 2, "set_block_order: order must be 0, 1 or 2");
+    cuda_on_cpu::set_block_order(static_cast<cuda_on_cpu::BlockOrder>(order), (unsigned)seed);
+  }, "set_block_order(order, seed): how later launches order their CUDA blocks: 0 = blockIdx "
+     "order, 1 = reversed, 2 = shuffled (a new permutation per launch, drawn from seed)");
   m.def("counters", [] {
     const auto c = cuda_on_cpu::counters();
     return std::vector<int64_t>{c.launches, c.blocks, c.block_barriers, c.warp_exchanges};

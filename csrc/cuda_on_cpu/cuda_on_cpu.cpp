@@ -26,6 +26,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,6 +60,11 @@ void set_error(cudaError_t error, std::string detail) {
 }
 
 std::atomic<long long> g_launches{0}, g_blocks{0}, g_block_barriers{0}, g_warp_exchanges{0};
+
+// set_block_order: how later launches order their blocks (the permutations' generator is
+// used under g_launch_mutex, one launch at a time).
+std::atomic<int> g_block_order{IN_ORDER};
+std::mt19937_64 g_block_shuffle;
 
 // The shuffle recorder (trace_warp): which block and warp, and what they exchanged.
 std::atomic<int> g_trace_warp{-1};
@@ -213,6 +220,7 @@ struct Job {
   const KernelInfo* kernel = nullptr;
   std::unique_ptr<char[], AlignedDelete> dynamic_smem;  // exactly the launch's size
   size_t dynamic_bytes = 0;
+  std::vector<long long> order;  // the n-th block to run (its linear index); empty: in order
   BlockState state;
 };
 
@@ -341,7 +349,8 @@ void run_thread(Job& job, int t) {
   threadIdx = {t % bd.x, t / bd.x % bd.y, t / (bd.x * bd.y)};
   blockDim = bd;
   gridDim = gd;
-  for (long long linear = 0; linear < job.num_blocks; ++linear) {
+  for (long long n = 0; n < job.num_blocks; ++n) {
+    const long long linear = job.order.empty() ? n : job.order[n];
     blockIdx = {(unsigned)(linear % gd.x), (unsigned)(linear / gd.x % gd.y),
                 (unsigned)(linear / ((long long)gd.x * gd.y))};
     tl_parity = 0;
@@ -421,6 +430,12 @@ Counters counters() {
   return {g_launches.load(), g_blocks.load(), g_block_barriers.load(), g_warp_exchanges.load()};
 }
 const char* last_error_detail() { return tl_error_detail.c_str(); }
+
+void set_block_order(BlockOrder order, unsigned seed) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  g_block_order.store(order);
+  g_block_shuffle.seed(seed);
+}
 
 void trace_warp(dim3 block, int warp) {
   std::lock_guard<std::mutex> lock(g_trace_mutex);
@@ -545,6 +560,15 @@ void launch(const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem, Kern
   job->body = body;
   job->kernel = &info;
   job->dynamic_bytes = dynamic_smem;
+  if (g_block_order.load() != IN_ORDER) {
+    job->order.resize(job->num_blocks);
+    std::iota(job->order.begin(), job->order.end(), 0LL);
+    if (g_block_order.load() == REVERSED) {
+      std::reverse(job->order.begin(), job->order.end());
+    } else {
+      std::shuffle(job->order.begin(), job->order.end(), g_block_shuffle);
+    }
+  }
   if (dynamic_smem) {
     job->dynamic_smem.reset(static_cast<char*>(::operator new[](dynamic_smem, std::align_val_t(16))));
   }
@@ -624,6 +648,14 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   return cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
+}
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t) {
+  if (bytes && dst == nullptr) return cudaErrorInvalidValue;
+  if (bytes) std::memset(dst, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  return cudaMemsetAsync(dst, value, bytes, nullptr);
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }  // launches are synchronous
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }

@@ -1,7 +1,8 @@
 // CUDA on the CPU: just enough of CUDA for the host C++ compiler to build and run csrc/*.cu.
 //
 // Every CUDA thread is a host thread. A launch runs the grid's blocks one after another on a pool
-// of host threads (one per thread of the block, reused across launches), so
+// of host threads (one per thread of the block, reused across launches), in blockIdx order
+// (x fastest) unless set_block_order asks for another (a GPU promises none), so
 //   threadIdx, blockIdx, blockDim, gridDim   are thread_local variables set per CUDA thread;
 //   __syncthreads()                          is a real barrier of the block's threads;
 //   __shfl_xor_sync / __shfl_sync / ...      are a real exchange among the 32 lanes of a warp;
@@ -12,7 +13,10 @@
 //                                            both are filled with 0xff bytes (NaN) before each
 //                                            block, so a read before a write shows up;
 //   __half, __nv_bfloat16                    are 16-bit structs with round-to-nearest-even
-//                                            conversions, bit for bit as on the GPU.
+//                                            conversions, bit for bit as on the GPU;
+//   atomicAdd, __threadfence, __ldcg         are a host atomic, a host fence and a plain load:
+//                                            blocks run one at a time, so a block sees all that
+//                                            the blocks before it wrote.
 // The launch limits are those of an sm_90 part (device 0, H100) or an sm_80 part (device 1,
 // A100): 1024 threads per block, 48 KiB of shared memory without opting in, 227 / 163 KiB with.
 //
@@ -226,6 +230,8 @@ const char* cudaGetErrorString(cudaError_t error);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream = nullptr);
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t stream = nullptr);
+cudaError_t cudaMemset(void* dst, int value, size_t bytes);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaDeviceSynchronize();
 
@@ -263,6 +269,11 @@ void record_event(int kind, long long a, long long b, float value);
 std::vector<TraceEvent> take_events();
 // Why the last failed launch of this host thread failed, in words ("" if it did not).
 const char* last_error_detail();
+// The order in which later launches run their blocks: IN_ORDER (blockIdx order, x fastest),
+// REVERSED, or SHUFFLED (a new permutation per launch, drawn from `seed`). On a GPU blocks run
+// in any order, so code that counts blocks (V2's fused reduce) is tested in several.
+enum BlockOrder { IN_ORDER = 0, REVERSED = 1, SHUFFLED = 2 };
+void set_block_order(BlockOrder order, unsigned seed = 0);
 
 namespace detail {
 cudaError_t func_attributes(cudaFuncAttributes* attributes, const void* kernel);
@@ -348,6 +359,20 @@ template <typename T>
 cudaError_t cudaFuncSetAttribute(T* kernel, cudaFuncAttribute attribute, int value) {
   return cuda_on_cpu::detail::func_set_attribute(reinterpret_cast<const void*>(kernel), attribute,
                                                  value);
+}
+
+// ---- global memory atomics, fences and cache hints -------------------------------------------
+// Real host atomics (ThreadSanitizer sees them), although blocks run one at a time.
+inline int atomicAdd(int* address, int value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+template <typename T>
+inline T __ldcg(const T* p) {  // "cache globally" (L2, not L1): one memory here
+  return *p;
 }
 
 // ---- block and warp synchronisation ------------------------------------------------------------

@@ -29,6 +29,7 @@ std::mt19937 rng(1234);
 int failures = 0;
 const char* only = nullptr;  // run only the cases whose name contains this
 bool selected(const char* name) { return !only || std::strstr(name, only); }
+const char* variant = "";  // appended to the attention cases' names (e.g. the fused reduce)
 
 // Element types and their conversions.
 float to_f(float v) { return v; }
@@ -66,9 +67,9 @@ template <typename T>
 void attention_case(int version, std::vector<int> lens, double tolerance, int num_heads = 2,
                     int num_kv_heads = 1) {
   char what[128];
-  std::snprintf(what, sizeof what, "paged_attention V%d %s, %d sequences up to %d tokens",
+  std::snprintf(what, sizeof what, "paged_attention V%d %s, %d sequences up to %d tokens%s",
                 version, dtype_name<T>(), (int)lens.size(),
-                *std::max_element(lens.begin(), lens.end()));
+                *std::max_element(lens.begin(), lens.end()), variant);
   if (!selected(what)) return;
   constexpr int head_size = 64, block_size = 16;
   constexpr int x = 16 / sizeof(T);
@@ -236,6 +237,20 @@ int main(int argc, char** argv) {
   attention_case<__nv_bfloat16>(3, {16, 3}, 1e-2, 6, 2);
   attention_case<float>(3, {0, 20}, 1e-5, 6, 2);
   attention_case<float>(3, {530, 0}, 1e-5, 6, 2);
+  // The fused reduce (the partitions' last CUDA block combines them), its counters at the end
+  // of the exact-size workspace; the blocks in a shuffled order, as a GPU may run them. 64-token
+  // partitions: sequences of 10, 3, 1 and no partitions in one launch.
+  minipaged_set_v2_reduce(1);
+  minipaged_force_partition_size(64);
+  cuda_on_cpu::set_block_order(cuda_on_cpu::SHUFFLED, 5);
+  variant = ", fused reduce";
+  attention_case<float>(2, {600, 130, 64, 0, 7}, 1e-5);
+  attention_case<__half>(2, {530, 1}, 2e-3);
+  attention_case<float>(3, {600, 130, 0, 7}, 1e-5, 6, 2);
+  attention_case<__nv_bfloat16>(3, {200, 65}, 1e-2, 6, 2);
+  cuda_on_cpu::set_block_order(cuda_on_cpu::IN_ORDER);
+  minipaged_force_partition_size(0);
+  minipaged_set_v2_reduce(0);
   cache_cases();
   std::printf("%s\n", failures ? "FAILED" : "all cases passed");
   return failures ? 1 : 0;

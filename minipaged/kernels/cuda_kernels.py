@@ -151,6 +151,13 @@ class CudaKernels:
         or 512); 0 lets the plan choose again. For benchmarks that compare partition sizes."""
         self.module.force_partition_size(int(tokens))
 
+    def set_v2_reduce(self, mode: int) -> None:
+        """How every later V2 (and version 3) call combines its partitions: 0 = a reduce kernel
+        of its own (the default), 1 = fused, by the partitions' last CUDA block (no second
+        launch; contexts of more than 512 partitions keep the reduce kernel). For benchmarks
+        and tests that compare the two; the plan's workspace follows the mode."""
+        self.module.set_v2_reduce(int(mode))
+
     def v1_limits(self, head_size, block_size, dtype):
         """(static shared bytes, longest context) of the V1 kernel on the current device."""
         import torch

@@ -22,7 +22,9 @@ seconds. The build is a ``minipaged.kernels.build.JitBuild`` like the CPU and CU
 raises when it fails (there is nothing to fall back to when the point is to run these kernels).
 Here every tensor is on the host, so the binding also checks the contents of ``context_lens``,
 ``block_tables`` and ``slot_mapping``; ``kernels.module.set_host_checks(False)`` skips those
-checks, as a GPU build must, to show what the kernels themselves do with such input.
+checks, as a GPU build must, to show what the kernels themselves do with such input. Blocks run
+one at a time, in blockIdx order unless ``kernels.module.set_block_order`` asks for them reversed
+or shuffled (a GPU promises no order; V2's fused reduce is tested in all three).
 
 Two bits of CUDA syntax that the preprocessor cannot handle are rewritten on a temporary copy of
 each ``.cu`` file, line for line, so that compiler messages and sanitizer reports name the real

@@ -5,6 +5,7 @@ CPU from the very same low-precision inputs); the output is filled with NaN befo
 element the kernel forgot to write fails the test. The cache kernels move bits, so they must be
 exact.
 """
+import contextlib
 import math
 
 import pytest
@@ -197,6 +198,119 @@ def test_the_plan_picks_the_grouped_kernel_for_gqa(kernels):
     with pytest.raises(RuntimeError, match="version 3"):
         inputs = make_inputs(80, 16, torch.float16, 8, 2, [20])
         run_kernel(kernels, inputs, version=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# V2's fused reduce (set_v2_reduce(1)): the partitions' last CUDA block combines them, no reduce
+# kernel. The CPU runs the same cases in tests/kernels/test_fused_reduce.py (CUDA on the CPU,
+# blocks in several orders); here real blocks race for the counters.
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fused_reduce(kernels, partition_size=0):
+    """Every call inside combines its partitions in their last CUDA block."""
+    kernels.set_v2_reduce(1)
+    kernels.force_partition_size(partition_size)
+    try:
+        yield
+    finally:
+        kernels.force_partition_size(0)
+        kernels.set_v2_reduce(0)
+
+
+# 0 and 1 token, exactly one and two 64-token partitions, a multiple of every partition size
+# (1024), and contexts of 1 to 64 partitions side by side in one launch
+FUSED_LENS = [0, 1, 64, 128, 700, 1024, 1100, 4096]
+
+
+def check_fused(out, ref, lens, dtype):
+    """Empty contexts give zeros; every other sequence is within tolerance of the reference."""
+    empty = [s for s, n in enumerate(lens) if n == 0]
+    full = [s for s, n in enumerate(lens) if n > 0]
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert not torch.isnan(out[full]).any(), "some output elements were never written"
+    assert per_sequence_err(out[full], ref[full]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("version,heads", [(2, (8, 8)), (3, (8, 2))], ids=["V2", "V3-GQA4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_fused_reduce_matches_the_reference_and_the_reduce_kernel(kernels, dtype, version, heads):
+    """Every partition size forced, then the automatic plan (version 0, which picks `version`
+    for these heads); the contexts of FUSED_LENS, an empty one among them, in one launch."""
+    inputs = make_inputs(128, 16, dtype, *heads, FUSED_LENS, seed=version)
+    ref = expected(inputs)  # once: the reference is the slow part
+    full = [s for s, n in enumerate(FUSED_LENS) if n > 0]
+    for size in (64, 128, 256, 512, 0):
+        chosen = version if size else 0
+        try:
+            kernels.force_partition_size(size)
+            separate = run_kernel(kernels, inputs, version=chosen)
+        finally:
+            kernels.force_partition_size(0)
+        with fused_reduce(kernels, size):
+            fused = run_kernel(kernels, inputs, version=chosen)
+        check_fused(fused, ref, FUSED_LENS, dtype)
+        assert per_sequence_err(fused[full], separate[full]) < TOLERANCE[dtype], size
+
+
+@pytest.mark.parametrize("version,heads", [(2, (4, 4)), (3, (6, 1))], ids=["V2", "V3-MQA"])
+def test_fused_reduce_twice_gives_the_same_bits(kernels, version, heads):
+    """The counters are zeroed before each call and back at 0 after it: a second call agrees
+    with the first bit for bit, whichever blocks finished last."""
+    lens = [4096, 650, 64, 0, 200]
+    inputs = make_inputs(64, 8, torch.float32, *heads, lens, seed=12)
+    with fused_reduce(kernels, 64):
+        first = run_kernel(kernels, inputs, version=version)
+        second = run_kernel(kernels, inputs, version=version)
+    check_fused(first, expected(inputs), lens, torch.float32)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_fused_reduce_writes_empty_and_broken_contexts(kernels, version):
+    """Zeros for an empty context, NaN for a negative one and for one with more partitions
+    than max_context_len allows, as the reduce kernel writes them; the rest are right."""
+    lens = [40, 0, 600, 7, 300]
+    inputs = make_inputs(64, 16, torch.float32, 4, 2 if version == 2 else 1, lens, seed=13)
+    ref = expected(inputs)
+    inputs["context_lens"][3] = -5
+    with fused_reduce(kernels, 128):  # 4 partitions for max_context_len 512; 600 tokens need 5
+        out = run_kernel(kernels, inputs, max_context_len=512, version=version)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isnan(out[2]).all() and torch.isnan(out[3]).all()
+    assert per_sequence_err(out[[0, 4]], ref[[0, 4]]) < 1e-5
+
+
+def test_fused_reduce_replays_from_a_cuda_graph(kernels):
+    """The counters' memset is captured as a graph node before the kernel: every replay
+    starts from zeroed counters and gives the eager call's output."""
+    lens = [4096, 700, 1]
+    inputs = make_inputs(128, 16, torch.float16, 8, 8, lens, seed=21)
+    with fused_reduce(kernels, 64):
+        eager = run_kernel(kernels, inputs, max_context_len=4096)
+        out = torch.empty_like(inputs["query"])
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as before a capture
+            kernels.paged_attention(**inputs, max_context_len=4096, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernels.paged_attention(**inputs, max_context_len=4096, out=out)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), eager)
+    check_fused(eager, expected(inputs), lens, torch.float16)
+
+
+def test_fused_reduce_adds_its_counters_to_the_plan(kernels):
+    plan = kernels.paged_attention_plan
+    with fused_reduce(kernels, 64):
+        separate = (2, 1 * 32 * 64 * (2 + 128) * 4, 64)
+        assert plan(1, 32, 128, 4096, 2) == (separate[0], separate[1] + 32 * 4, 64)
+        assert plan(1, 4, 64, 64 * 513, 2)[1] == 4 * 513 * (2 + 64) * 4  # too many: no counters
+    assert plan(1, 32, 128, 4096, 2)[1] == 1 * 32 * 8 * (2 + 128) * 4  # 512 tokens again
 
 
 def test_ops_dispatches_to_the_kernel(kernels):

@@ -148,13 +148,15 @@ def test_binding_calls_every_launcher_and_exports_the_ops():
     cpu_only = text[text.index("#ifdef MINIPAGED_CUDA_ON_CPU", text.index("PYBIND11_MODULE")):]
     exported = set(re.findall(r'm\.def\(\s*"(\w+)"', text.replace(cpu_only, "")))
     assert exported == {"paged_attention", "paged_attention_plan", "paged_attention_v1_limits",
-                        "force_partition_size", "reshape_and_cache", "copy_blocks", "swap_blocks",
+                        "force_partition_size", "set_v2_reduce", "reshape_and_cache",
+                        "copy_blocks", "swap_blocks",
                         "paged_attention_8bit", "reshape_and_cache_8bit",  # (lesson 18)
                         "rms_norm", "rotary", "silu_and_mul"}  # (layer_kernels.cu)
     # the CPU build (minipaged.kernels.cuda_on_cpu) adds the emulated device's controls only: the device
     # number, the switch that skips the host-data checks as a GPU must, the launch counters, the
-    # one-warp shuffle trace and the MP_TRACE event record that lesson 06 draws
+    # one-warp shuffle trace and the MP_TRACE event record that lesson 06 draws, and the order
+    # of the blocks (the fused reduce's tests)
     assert set(re.findall(r'm\.def\(\s*"(\w+)"', cpu_only)) == {
         "set_device", "set_host_checks", "counters", "trace_warp", "take_warp_trace",
-        "trace_events", "take_events"}
+        "trace_events", "take_events", "set_block_order"}
     assert "getCurrentCUDAStream" in text and "CUDAGuard" in text
