@@ -605,8 +605,12 @@ constexpr int PARTITION_SIZE = 512;  // tokens per partition: 2 KiB of logits, a
 // shorter partitions, as FlashDecoding does. The reduce kernel's work grows with the number of
 // partitions, but it reads 4 + 4 + 4 * head_size bytes per partition, against a partition's
 // 2 * 64 * head_size * sizeof(T) bytes of cache.
+// NOTE: 4 CUDA blocks per SM, from the H200's partition sweep (benchmarks/RESULTS.md): batch 1,
+// 32 heads of 128, at 1,024 / 4,096 / 16,384 tokens the fastest partitions were 64 / 128 / 512
+// tokens (11.5 / 24.1 / 69.0 us), which is what 4 per SM chooses; 8 per SM chose 64 / 64 / 256
+// (11.5 / 26.7 / 73.0 us).
 constexpr int MIN_PARTITION_SIZE = 64;
-constexpr int V2_BLOCKS_PER_SM = 8;
+constexpr int V2_BLOCKS_PER_SM = 4;
 
 // ---- combining the partitions -------------------------------------------------------------
 // Softmax over the whole context from the partitions' softmaxes: with m = max_p max_logits[p]

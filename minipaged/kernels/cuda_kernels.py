@@ -135,7 +135,7 @@ class CudaKernels:
 
         The version (1, 2 or 3 = grouped) that runs; its workspace in bytes and its partition
         size in tokens (0 for V1). With ``version=0`` the plan also shrinks the partitions from
-        512 tokens down to 64 while the grid has fewer than 8 CUDA blocks per SM (few sequences,
+        512 tokens down to 64 while the grid has fewer than 4 CUDA blocks per SM (few sequences,
         long contexts: batch 1 at 4,096 tokens); a forced ``version=2`` or 3 keeps 512 tokens.
         ``num_kv_heads`` defaults to ``num_heads`` (no query heads share a kv head);
         ``cache_8bit`` plans for an 8-bit cache (lesson 18), which has no grouped kernel.

@@ -171,17 +171,21 @@ def test_v2_takes_over_from_v1_by_context_length(kernels):
 
 
 def test_v2_partitions_shrink_until_the_grid_fills_the_gpu(kernels):
-    """The emulated H100 has 132 SMs: the plan wants 8 CUDA blocks per SM (1,056)."""
+    """The emulated H100 has 132 SMs: the plan wants 4 CUDA blocks per SM (528)."""
     plan = kernels.paged_attention_plan
-    # batch 1, 32 heads, 4,096 tokens: 512-token partitions give 256 CUDA blocks, 128 give
-    # 1,024 (still short), 64 give 2,048
-    assert plan(1, 32, 128, 4096) == (2, 1 * 32 * 64 * (2 + 128) * 4, 64)
+    # batch 1, 32 heads, 4,096 tokens: 512-token partitions give 256 CUDA blocks, 256 give 512
+    # (still short), 128 give 1,024
+    assert plan(1, 32, 128, 4096) == (2, 1 * 32 * 32 * (2 + 128) * 4, 128)
+    # 1,024 tokens: 64-token partitions (512 CUDA blocks, the most the plan makes)
+    assert plan(1, 32, 128, 1024)[2] == 64
+    # 16,384 tokens: 512-token partitions already give 1,024
+    assert plan(1, 32, 128, 16384)[2] == 512
     # a batch that already fills the GPU keeps 512-token partitions
     assert plan(64, 8, 128, 8193) == (2, 64 * 8 * 17 * (2 + 128) * 4, 512)
     # 8 sequences of 32 heads, 4,096 tokens: 512-token partitions give 2,048 CUDA blocks
     assert plan(8, 32, 128, 4096)[2] == 512
-    # 4 sequences: 4 * 32 * 4 = 512 at 512 tokens, 1,024 at 256, 2,048 at 128
-    assert plan(4, 32, 128, 2048)[2] == 128
+    # 4 sequences: 4 * 32 * 4 = 512 at 512 tokens, 1,024 at 256
+    assert plan(4, 32, 128, 2048)[2] == 256
     # a forced V2 keeps the textbook 512 tokens (lesson 06)
     assert plan(1, 32, 128, 4096, 2) == (2, 1 * 32 * 8 * (2 + 128) * 4, 512)
 
@@ -196,7 +200,7 @@ def test_forced_partition_size_is_used_and_checked(kernels):
                 kernels.force_partition_size(bad)
     finally:
         kernels.force_partition_size(0)
-    assert kernels.paged_attention_plan(1, 32, 128, 4096)[2] == 64
+    assert kernels.paged_attention_plan(1, 32, 128, 4096)[2] == 128
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -410,9 +414,9 @@ def test_the_plan_picks_the_grouped_kernel_where_it_is_built(kernels):
     # the grid it must fill has one row per (sequence, kv head): batch 1 of LLaMA-3 at 4,096
     # tokens has 8 rows, so 64-token partitions (512 CUDA blocks, the most the plan makes)
     assert plan(1, 32, 128, 4096, num_kv_heads=8) == (3, 32 * 64 * (2 + 128) * 4, 64)
-    # 8 sequences: 64 rows; 128-token partitions give 2,048 CUDA blocks at 4,096 tokens (one
+    # 8 sequences: 64 rows; 256-token partitions give 1,024 CUDA blocks at 4,096 tokens (one
     # CUDA block per query head keeps 512 tokens: test_v2_partitions_shrink_...)
-    assert plan(8, 32, 128, 4096, num_kv_heads=8)[2] == 128
+    assert plan(8, 32, 128, 4096, num_kv_heads=8)[2] == 256
     assert plan(1, 32, 128, 4096, 3, num_kv_heads=8)[2] == 512  # forced: 512 tokens
 
 

@@ -201,9 +201,9 @@ def test_the_fused_reduce_is_one_launch(kernels):
 
 def test_the_plan_adds_the_counters_to_the_workspace_and_checks_the_mode(kernels):
     plan = kernels.paged_attention_plan
-    separate = plan(1, 32, 128, 4096)  # 64 partitions of 64 tokens
+    separate = plan(1, 32, 128, 4096)  # 32 partitions of 128 tokens
     with reduce_mode(kernels, FUSED):
-        assert plan(1, 32, 128, 4096) == (2, separate[1] + 32 * 4, 64)  # one int per head
+        assert plan(1, 32, 128, 4096) == (2, separate[1] + 32 * 4, 128)  # one int per head
         # version 3: one counter per (sequence, kv head) used, num_seqs * num_heads slots kept
         assert plan(2, 9, 64, 600, 3, num_kv_heads=3) == (3, 2 * 9 * 2 * (2 + 64) * 4
                                                           + 2 * 9 * 4, 512)
