@@ -39,9 +39,12 @@ import torch
 
 from minipaged.sampling_params import SamplingParams
 from minipaged.kernels import ops
-from minipaged.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from minipaged.models.parallel_layers import (ColumnParallelLinear, FusedColumns,
+                                              RowParallelLinear)
 
-LINEAR_LAYERS = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear)
+# (FusedColumns: several column-parallel linears as one matmul; when it runs them one by one,
+# only the FusedColumns call is counted)
+LINEAR_LAYERS = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear, FusedColumns)
 
 ATTENTION_OPS = ("reshape_and_cache", "paged_attention", "prefill_attention",
                  "paged_prefill_attention")
@@ -81,6 +84,7 @@ class _Instruments:
         self._originals = {name: getattr(ops, name) for name in ATTENTION_OPS}
         self._hooks = []
         self._started: dict[int, float] = {}
+        self._depth = 0  # linear calls open now
         for name in ATTENTION_OPS:
             setattr(ops, name, self._timed(name, self._originals[name]))
         for module in model.modules():
@@ -107,15 +111,22 @@ class _Instruments:
         return wrapper
 
     def _linear_start(self, module, inputs):
-        self.sync()
-        self._started[id(module)] = time.perf_counter()
+        self._depth += 1
+        if self._depth == 1:  # (a linear inside a FusedColumns call is the call's)
+            self.sync()
+            self._started[id(module)] = time.perf_counter()
 
     def _linear_end(self, module, inputs, output):
+        self._depth -= 1
+        if self._depth:
+            return
         self.sync()
         self.time["linear"] += time.perf_counter() - self._started.pop(id(module))
-        weight = module.weight  # (out, in) or, transposed, (in, out): in * out either way
-        rows = output.numel() // output.shape[-1]
-        self.flops["linear"] += 2.0 * rows * weight.numel()
+        # weights (out, in) or, transposed, (in, out): in * out either way
+        weights = (sum(l.weight.numel() for l in module.linears)
+                   if isinstance(module, FusedColumns) else module.weight.numel())
+        rows = inputs[0].numel() // inputs[0].shape[-1]
+        self.flops["linear"] += 2.0 * rows * weights
 
     def _timed_logits(self, hidden):
         self.sync()

@@ -139,7 +139,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class FusedColumns:
+class FusedColumns(nn.Module):
     """Column-parallel linears that read the same input, computed as one matmul.
 
     LLaMA's q, k and v projections (and its MLP's gate and up) each read the same activations.
@@ -147,11 +147,11 @@ class FusedColumns:
     its rows, so one ``F.linear`` with the whole tensor gives every output at once: one launch
     and one larger matmul (a decode step's matmuls are bound by reading the weights, and a larger
     one reads them at a better rate) instead of two or three. Checkpoints, the state dict and
-    code that calls ``q_proj`` alone see nothing different.
+    code that calls ``q_proj`` alone see nothing different: the fused tensor is no parameter
+    (nor are the linears submodules of this one).
 
-    The fused tensor is no parameter of the module; if anything re-binds a weight (``.to()``,
-    ``.half()``), the views no longer point into it and the linears run one by one, as correct
-    as before (``fused`` says which).
+    If anything re-binds a weight (``.to()``, ``.half()``), the views no longer point into the
+    fused tensor and the linears run one by one, as correct as before (``fused`` says which).
 
     Args:
         linears: ColumnParallelLinear layers (weights stored (out, in)) with the same input
@@ -159,11 +159,12 @@ class FusedColumns:
     """
 
     def __init__(self, *linears: ColumnParallelLinear) -> None:
+        super().__init__()
         first = linears[0]
         assert all(not l.transposed for l in linears), "(out, in) weights only"
         assert all(l.weight.shape[1] == first.weight.shape[1] for l in linears)
         assert all((l.bias is None) == (first.bias is None) for l in linears)
-        self.linears = linears
+        self.linears = tuple(linears)  # (a tuple: not registered as submodules here)
         self.sizes = [l.weight.shape[0] for l in linears]
         self.weight = self._share_rows([l.weight for l in linears])
         self.bias = None if first.bias is None else self._share_rows([l.bias for l in linears])
@@ -188,10 +189,13 @@ class FusedColumns:
         """Whether every linear's parameters are still views of the fused tensors."""
         return self._current_pointers() == self._pointers
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (T, in) -> outputs
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (T, in) -> outputs
         if not self.fused:
             return tuple(l(x) for l in self.linears)
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)  # views
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.sizes} in one matmul"
 
 
 class RowParallelLinear(nn.Module):
