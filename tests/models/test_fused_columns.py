@@ -83,3 +83,27 @@ def test_tensor_parallel_shards_fuse_their_own_heads():
         torch.testing.assert_close(q, full_q[:, 32 * rank:32 * (rank + 1)])
         torch.testing.assert_close(k, full_k[:, 16 * rank:16 * (rank + 1)])
         torch.testing.assert_close(v, full_v[:, 16 * rank:16 * (rank + 1)])
+
+
+def test_the_step_breakdown_counts_a_fused_call_once_fused_or_not():
+    """lab/step_breakdown times linear layers by forward hooks: a FusedColumns call is one
+    linear call whose FLOPs are its linears' together, also when it runs them one by one."""
+    from minipaged.lab.step_breakdown import _Instruments
+
+    torch.manual_seed(3)
+    mlp = LlamaMLP(config())
+    x = torch.randn(5, 64)
+    flops = []
+    for rebind in (False, True):
+        if rebind:
+            mlp.to(torch.float64)
+            x = x.double()
+        mlp.compute_logits = lambda hidden: hidden  # (_Instruments wraps a model's, then drops it)
+        tools = _Instruments(mlp, lambda: None)
+        try:
+            mlp.gate_up(x)
+        finally:
+            tools.remove()
+        assert mlp.gate_up.fused is not rebind
+        flops.append(tools.flops["linear"])
+    assert flops == [2.0 * 5 * 64 * 96 * 2] * 2  # gate and up, 64 -> 96 each, 5 rows, once
