@@ -68,6 +68,9 @@ def _ray_installed() -> bool:
         return False
 
 
+MAX_SCHEDULER_STEPS = 64  # num_scheduler_steps: more only holds blocks longer, for less gain
+
+
 # name: (convert -> None when bad, check on the converted value, what is allowed)
 _RULES = {
     "block_size": (as_int, lambda v: v in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -88,6 +91,8 @@ _RULES = {
     "enable_prefix_caching": (_flag, lambda v: True, "True or False"),
     "enable_chunked_prefill": (_flag, lambda v: True, "True or False"),
     "enforce_eager": (_flag, lambda v: True, "True or False"),
+    "num_scheduler_steps": (as_int, lambda v: 1 <= v <= MAX_SCHEDULER_STEPS,
+                            f"an integer from 1 to {MAX_SCHEDULER_STEPS}"),
     "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
     "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
     "kv_cache_dtype": (lambda v: v if v in KV_CACHE_DTYPES else None, lambda v: True,
@@ -172,6 +177,11 @@ class EngineConfig:
               "same either way")
     enforce_eager: bool = setting(
         False, "on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    num_scheduler_steps: int = setting(
+        1, "multi-step decode (lesson 15): schedule once, then run up to this many greedy "
+           "decode steps back to back, each feeding its tokens to the next on the device and "
+           "read back while the next runs; 1 = a schedule per step. Batches with sampling, "
+           "penalties, beams, logprobs or prompts step one at a time")
     distributed_executor_backend: str | None = setting(
         None, "who starts the tensor-parallel ranks: mp (processes on this machine, when not "
               "given) or ray (actors on a Ray cluster; pip install 'minipaged[ray]')",
@@ -217,6 +227,9 @@ class EngineConfig:
             setattr(self, f.name, converted)
         if self.distributed_executor_backend == "ray" and not _ray_installed():
             raise ValueError(RAY_MISSING)
+        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
+            raise ValueError("num_scheduler_steps > 1 and speculative_config cannot be used "
+                             "together: both reserve the lookahead slots of a step; pick one")
 
     def batch_budget(self, max_model_len: int) -> int:
         """``max_num_batched_tokens``, or by default enough for one whole prompt (and 4096)."""

@@ -21,6 +21,7 @@ from minipaged.config import EngineConfig
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.scheduler_outputs import SchedulerOutputs
 from minipaged.engine.cache_setup import init_kv_cache
+from minipaged.engine.multi_step import MultiStep
 from minipaged.engine.output_processor import OutputProcessor, eos_token_ids
 from minipaged.engine.stats import EngineStats, StepSnapshot
 from minipaged.model_shape import ModelShape
@@ -80,6 +81,8 @@ class LLMEngine:
         self.speculator = make_speculator(cfg.speculative_config, shape.vocab_size,
                                           cfg.block_size, cache.num_gpu_blocks, self.dtype,
                                           resolved_device)
+        # multi-step decode (lesson 15): greedy decode batches run k steps per schedule
+        self.multi_step = MultiStep(cfg.num_scheduler_steps, cfg.block_size)
 
         self.stats = EngineStats()
         self._observers: list[Callable[[StepSnapshot], None]] = []
@@ -222,6 +225,7 @@ class LLMEngine:
         self._check_running()
         t = [time.perf_counter()]
         self.speculator.plan(self.scheduler.running, self.max_model_len)
+        self.multi_step.plan(self.scheduler.running, self.max_model_len)
         outs = self.scheduler.schedule()
         ended = self._collect_aborted()
         if outs.is_empty() and not outs.preempted and not self.scheduler.running:
@@ -239,11 +243,16 @@ class LLMEngine:
         drafts = self.speculator.propose(outs, self._generators)
         inputs = prepare_inputs(outs.seq_runs, self.block_size, self.device, drafts)
         t.append(time.perf_counter())
-        if inputs.computed or inputs.spec_rows:
+        num_steps = self.multi_step.steps(outs)
+        if num_steps > 1:
+            self.multi_step.run(num_steps, inputs, outs, self.worker, self.device,
+                                self.output_processor, self.scheduler, self.stats, t)
+        elif inputs.computed or inputs.spec_rows:
             self._run_model(inputs, outs, t)
         else:
             t += [time.perf_counter()] * 2
         self.speculator.end_step()
+        self.multi_step.end_step(self.scheduler)
         finished = self.scheduler.free_finished_seq_groups()
         for seq_group in finished:
             self._forget(seq_group)
