@@ -44,6 +44,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from budgets import examples
+from letters_tokenizer import LETTERS, save_letters_tokenizer
 from minipaged import LLMEngine, SamplingParams
 from minipaged.validation import max_blocks_needed
 from minipaged.worker import sampler as sampler_module
@@ -58,36 +59,16 @@ NUM_EXAMPLES = examples(int(os.environ.get("MINIPAGED_ENGINE_EXAMPLES", 300)))
 # another one, the engine under test may legitimately make that other choice; that is the only
 # difference allowed, and the comparison of that sequence ends there.
 NEAR = 1e-4
-LETTERS = "abcdef"
 
 # What the examples exercised, printed at the end of the module (pytest -s).
 EXERCISED: collections.Counter = collections.Counter()
 
 
-def spell(token_id: int) -> str:
-    """The text of a token of the test tokenizer: its id in base 6, written with a-f."""
-    text = ""
-    while True:
-        text = LETTERS[token_id % 6] + text
-        token_id //= 6
-        if token_id == 0:
-            return text
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    """A word-level tokenizer for the tiny models' 256 ids whose text is short strings over six
-    letters, so that random tokens often spell a stop string (also across two tokens)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<s>": 0, "</s>": 1, **{spell(i): i for i in range(2, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
-    tok.decoder = decoders.Fuse()  # the text is the tokens' strings joined, nothing between
-    path = tmp_path_factory.mktemp("letters_tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    return str(path)
+    """The letters tokenizer (tests/helpers/letters_tokenizer.py): random tokens often spell a
+    stop string."""
+    return save_letters_tokenizer(tmp_path_factory.mktemp("letters_tokenizer"))
 
 
 @pytest.fixture(scope="module")
