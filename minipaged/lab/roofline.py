@@ -269,6 +269,39 @@ def count_torch_ops(fn) -> int:
     return Counter.count
 
 
+def decode_run(llm, batch_size: int, new_tokens: int, prompt_len: int = 4) -> dict:
+    """Greedy decode of ``batch_size`` sequences, ``new_tokens`` tokens each, timed after their
+    prompts (lesson 15's multi-step section).
+
+    Returns a dict: "steps" decode steps per sequence and the engine's "schedules" for them;
+    per decode step, "step_s" seconds of the whole engine and "outside_s" of the engine outside
+    the model (``engine.stats``: schedule, prepare, sample, update; a multi-step run's model
+    section holds its k steps and their greedy choices, made on the device); and each
+    request's "tokens", to compare two engines.
+    """
+    from minipaged.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"run-{i}", None, params,
+                           prompt_token_ids=[(31 * i + k) % 997 + 3 for k in range(prompt_len)])
+    while engine.scheduler.waiting:
+        engine.step()  # the prompts, and each sequence's first token
+    engine.stats.reset()
+    tokens = {}
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    seconds = time.perf_counter() - t0
+    stats, steps = engine.stats, new_tokens - 1
+    outside = seconds - stats.time_model
+    return {"steps": steps, "schedules": stats.num_steps, "step_s": seconds / steps,
+            "outside_s": outside / steps, "tokens": tokens}
+
+
 def dummy_gpt2(n_embd: int = 512, n_layer: int = 6, n_head: int = 8, vocab_size: int = 8192,
                **llm_kwargs):
     """An ``LLM`` with a GPT-2-shaped model of random weights (no checkpoint, no tokenizer: feed

@@ -107,6 +107,18 @@ def test_probes_and_sweep_return_sane_numbers(tiny_llama):
     assert rl.count_torch_ops(lambda: torch.ones(3) + 1) >= 2
 
 
+def test_decode_run_counts_schedules_and_the_time_outside_the_model(tiny_llama):
+    """Lesson 15's multi-step comparison: the same tokens, k steps per schedule."""
+    from minipaged import LLM
+
+    runs = {k: rl.decode_run(LLM(tiny_llama[0], num_gpu_blocks=64, max_model_len=128,
+                                 num_scheduler_steps=k), 3, 13) for k in (1, 4)}
+    assert runs[1]["tokens"] == runs[4]["tokens"] and len(runs[1]["tokens"]) == 3
+    assert all(len(t) == 13 for t in runs[1]["tokens"].values())
+    assert (runs[1]["steps"], runs[1]["schedules"], runs[4]["schedules"]) == (12, 12, 3)
+    assert all(0 < r["outside_s"] < r["step_s"] for r in runs.values())
+
+
 def test_saturation_batch_is_where_tokens_per_s_reaches_most_of_its_best():
     assert rl.saturation_batch([1, 2, 4, 8, 16], [10, 19, 35, 50, 52]) == 8
     assert rl.saturation_batch([1, 2, 4], [10, 30, 28]) == 2
