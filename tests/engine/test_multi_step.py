@@ -317,6 +317,7 @@ def workloads(draw):
         preemption_mode=draw(st.sampled_from([None, "swap", "recompute"])),
         max_num_seqs=draw(st.sampled_from([256, 3])),
         watermark=draw(st.sampled_from([0.0, 0.1])),
+        kv_cache_dtype=draw(st.sampled_from(["auto", "auto", "int8", "fp8"])),
         eos=draw(st.integers(1, VOCAB - 1)))  # (an end-of-sequence token some outputs meet)
     reqs = []
     for _ in range(draw(st.integers(1, 8))):
@@ -393,7 +394,8 @@ def test_random_workloads_get_the_outputs_of_single_steps(tiny_llama, tiny_gpt2,
             ("prompt tokens from the prefix cache", stats.num_cached_prompt_tokens > 0),
             ("an output ended by a stop string or EOS",
              any(o.finish_reason == "stop" for r in got.values() for o in r.outputs)),
-            ("a request that samples", any(p.temperature > 0 for _, p, _ in reqs))):
+            ("a request that samples", any(p.temperature > 0 for _, p, _ in reqs)),
+            ("an 8-bit KV cache", cfg["kv_cache_dtype"] != "auto")):
         if hit:
             seen.add(label)
     EXERCISED.update(seen)
