@@ -198,6 +198,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="CPU KV budget")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
+                    help="minipaged's num_scheduler_steps (multi-step decode); each value after "
+                         "the first runs the traces again in an engine of that setting, with "
+                         "the same weights")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="on CUDA: no CUDA graphs for decode steps (compare with and without)")
     ap.add_argument("--skip", default="", help="comma list of: static, continuous")
@@ -226,9 +230,15 @@ def main(argv=None) -> int:
         llm_kwargs = {}
         model_name = args.model or EMBEDDED_MODEL
 
-    llm = LLM(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-              enforce_eager=args.enforce_eager, **llm_kwargs)
+    def build(num_scheduler_steps: int) -> LLM:
+        return LLM(model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                   max_num_seqs=args.max_num_seqs,
+                   kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+                   enforce_eager=args.enforce_eager, num_scheduler_steps=num_scheduler_steps,
+                   **llm_kwargs)
+
+    first_k, *other_ks = args.num_scheduler_steps
+    llm = build(first_k)
     engine = llm.llm_engine
     device, dtype = engine.device, engine.dtype
     machine = machine_description(device)
@@ -251,11 +261,19 @@ def main(argv=None) -> int:
     prompts = [p for p, _ in largest][:min(64, len(largest))]
     breakdown = decode_step_breakdown(llm, prompts)
     print("  " + format_decode_breakdown(breakdown, peak), flush=True)
-    mp_results = {n: r["minipaged"] for n, r in runs.items()}
     # Our weights go to transformers: same weights, and the KV pool is freed first.
     state = {k: v for k, v in engine.worker.model.state_dict().items()}
     llm.shutdown()  # the KV pool, the CUDA graphs and torch's cached blocks go back
     del llm, engine
+    for k in other_ks:  # multi-step decode: the same weights, k decode steps per schedule
+        other = build(k)
+        other.llm_engine.worker.model.load_state_dict(state)
+        name = f"minipaged, num_scheduler_steps={k}"
+        for n, trace in traces.items():
+            runs[n][name] = run_minipaged(other, trace)
+            print(f"  {n} requests: {name} {runs[n][name]['time']:.1f} s", flush=True)
+        other.shutdown()
+        del other
 
     skip = set(filter(None, args.skip.split(",")))
     hf = None
@@ -285,10 +303,10 @@ def main(argv=None) -> int:
     tables = [f"{n} requests:\n\n" + format_table(runs[n], args.static_batch, n,
                                                     sum(o for _, o in traces[n]))
               for n in traces]
-    engine_breakdowns = [f"{n} requests: " + format_breakdown(mp_results[n]["stats"],
-                                                               mp_results[n]["num_gpu_blocks"],
-                                                               device.type == "cuda")
-                         for n in traces]
+    engine_breakdowns = [f"{n} requests, {name}: " + format_breakdown(
+                             r["stats"], r["num_gpu_blocks"], device.type == "cuda")
+                         for n in traces for name, r in runs[n].items()
+                         if name.startswith("minipaged")]
     decode = format_decode_breakdown(breakdown, peak)
     report = "\n\n".join(tables + engine_breakdowns + [decode])
     last = speedup_line(runs[args.num_requests[-1]])
@@ -335,11 +353,14 @@ def format_table(results: dict, static_batch: int, num_requests: int, num_out: i
             continue
         label = f"transformers static batches of {static_batch}" if name == "hf static" \
             else ("transformers continuous batching (generate_batch)"
-                  if name == "hf continuous" else "minipaged")
-        speedup = r["time"] / base["time"]
+                  if name == "hf continuous" else name)
+        speedup = f"{r['time'] / base['time']:.2f}x"
+        if name == "minipaged":
+            speedup = "1.00"
+        elif name.startswith("minipaged"):  # another setting: its speed against the first's
+            speedup = f"(this row: {base['time'] / r['time']:.2f}x the first row's speed)"
         lines.append(f"| {label} | {r['time']:.1f} | {num_requests / r['time']:.2f} | "
-                     f"{r['tokens'] / r['time']:.1f} | "
-                     f"{'1.00' if name == 'minipaged' else f'{speedup:.2f}x'} |")
+                     f"{r['tokens'] / r['time']:.1f} | {speedup} |")
     return "\n".join(lines)
 
 

