@@ -50,6 +50,15 @@ def can_multi_step(seq_group: SequenceGroup) -> bool:
                for seq in seq_group.get_seqs(SequenceStatus.RUNNING))
 
 
+def later_steps(start: int, block_table: list[int], num_steps: int,
+                block_size: int) -> list[tuple[int, int, int]]:
+    """(position, slot, context length) of each step of a decode run whose step 0 runs the
+    token at ``start`` (lesson 15's exercise): one position further each step, the slot where
+    that position's K and V go, and the context the token attends to, itself included."""
+    return [(p, block_table[p // block_size] * block_size + p % block_size, p + 1)
+            for p in range(start, start + num_steps)]
+
+
 def to_host_soon(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Start copying ``t`` to the host; returns (the host tensor, an event to wait on before
     reading it, or None when it is readable now)."""
@@ -114,17 +123,12 @@ class MultiStep:
             output_processor, scheduler, stats: the engine's, as in an ordinary step.
         """
         runs = [r for r in outs.seq_runs if not r.is_prompt]  # one row each, as in inputs.rows
-        bs = self.block_size
-        # Steps 1 .. k-1: positions, slots and context lengths one further each step.
-        later = range(1, num_steps)
-        positions = [[r.start + j for r in runs] for j in later]
-        slots = [[r.block_table[p // bs] * bs + p % bs for r, p in zip(runs, row)]
-                 for row in positions]
-        context_lens = [[r.end + j for r in runs] for j in later]
-        positions_t, slots_t, context_lens_t = to_device_at_once([
-            torch.tensor(positions, dtype=torch.long).view(len(later), len(runs)),
-            torch.tensor(slots, dtype=torch.long).view(len(later), len(runs)),
-            torch.tensor(context_lens, dtype=torch.int32).view(len(later), len(runs))], device)
+        # Steps 1 .. k-1: (position, slot, context length) of every row, step by step.
+        layout = torch.tensor([later_steps(r.start, r.block_table, num_steps, self.block_size)[1:]
+                               for r in runs], dtype=torch.long)  # (rows, k - 1, 3)
+        layout = layout.view(len(runs), num_steps - 1, 3).permute(2, 1, 0)  # (3, k - 1, rows)
+        positions_t, slots_t, context_lens_t = to_device_at_once(
+            [layout[0].contiguous(), layout[1].contiguous(), layout[2].to(torch.int32)], device)
 
         pending = []  # per step: (host tensor (2, rows) of tokens and logprobs, event)
         step_inputs = inputs

@@ -11,13 +11,18 @@ budget allows.
     max_batch_size(kv_budget_bytes, kv_bytes_per_token, block_size, seq_len) -> int
         how many sequences of ``seq_len`` tokens fit a KV pool of ``kv_budget_bytes``: the pool
         holds whole blocks of ``block_size`` tokens, and a sequence needs whole blocks too.
+    later_steps(start, block_table, num_steps, block_size) -> list[(position, slot, context_len)]
+        multi-step decode: the inputs of each of a decode run's ``num_steps`` steps when step 0
+        runs the token at position ``start``.
 
-Expected answers: ``roofline.decode_step(...).intensity`` and ``roofline.max_batch_size``.
+Expected answers: ``roofline.decode_step(...).intensity``, ``roofline.max_batch_size`` and
+``engine.multi_step.later_steps``.
 """
 from __future__ import annotations
 
 import math
 
+from minipaged.engine.multi_step import later_steps
 from minipaged.exercises import checking
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.lab import roofline
@@ -93,9 +98,38 @@ def check_max_batch_size(fn, num_cases: int = 300, seed: int | None = 0) -> Chec
     return passed(learner, num_cases)
 
 
+@exercise
+def check_later_steps(fn, num_cases: int = 300, seed: int | None = 0) -> CheckResult:
+    learner = Learner("later_steps", fn)
+    rng = rng_for(seed)
+    for case in range(num_cases):
+        block_size = rng.choice([1, 2, 4, 8, 16, 32])
+        num_steps, start = rng.randint(1, 16), rng.randint(0, 300)
+        num_blocks = -(-(start + num_steps) // block_size) + rng.randint(0, 2)  # + lookahead
+        table = rng.sample(range(4 * num_blocks + 8), num_blocks)  # blocks anywhere in the pool
+        expected = later_steps(start, table, num_steps, block_size)
+        got = learner(start, list(table), num_steps, block_size)
+        got = [tuple(x) for x in got] if isinstance(got, (list, tuple)) else got
+        if got != expected:
+            hint = "each step: its position, the slot of that position, the context length"
+            if not isinstance(got, list) or len(got) != num_steps:
+                hint = "a list with one (position, slot, context_len) per step: num_steps of them"
+            elif got[0][0] == start + 1:
+                hint = "step 0 runs the token at start itself; step j the one j positions on"
+            elif [g[2] for g in got] == [e[0] for e in expected]:
+                hint = "the context a token attends to includes the token itself"
+            elif [g[1] for g in got] == [table[0] * block_size + e[0] for e in expected]:
+                hint = ("the blocks are anywhere in the pool: look up each position's own "
+                        "block, block_table[position // block_size]")
+            fail(learner.name, case, f"start={start}, block_table={table}, num_steps={num_steps}"
+                 f", block_size={block_size}", got, expected, hint)
+    return passed(learner, num_cases)
+
+
 def usable_max_batch_size(fn):
     """``fn`` once its check passed; until then the package's ``roofline.max_batch_size``."""
     return checking.usable("max_batch_size", fn, roofline.max_batch_size)
 
 
-__all__ = ["check_decode_intensity", "check_max_batch_size", "usable_max_batch_size"]
+__all__ = ["check_decode_intensity", "check_max_batch_size", "check_later_steps",
+           "usable_max_batch_size"]

@@ -325,6 +325,14 @@ def max_batch_size(kv_budget_bytes, kv_bytes_per_token, block_size, seq_len):
     return num_blocks // -(-seq_len // block_size)  # ceil(seq_len / block_size) blocks each
 
 
+def later_steps(start, block_table, num_steps, block_size):
+    steps = []
+    for position in range(start, start + num_steps):
+        block = block_table[position // block_size]
+        steps.append((position, block * block_size + position % block_size, position + 1))
+    return steps
+
+
 # ---- lesson 16 (capstone) ----------------------------------------------------
 
 

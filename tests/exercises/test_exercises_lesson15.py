@@ -29,11 +29,30 @@ def batch_as_a_float(kv_budget_bytes, kv_bytes_per_token, block_size, seq_len):
     return kv_budget_bytes / (kv_bytes_per_token * block_size) / -(-seq_len // block_size)
 
 
+def steps_from_the_next_position(start, block_table, num_steps, block_size):
+    return S.later_steps(start + 1, block_table + [0] * 2, num_steps, block_size)
+
+
+def context_without_the_token(start, block_table, num_steps, block_size):
+    return [(p, s, c - 1) for p, s, c in S.later_steps(start, block_table, num_steps, block_size)]
+
+
+def slots_in_the_first_block(start, block_table, num_steps, block_size):
+    return [(p, block_table[0] * block_size + p, p + 1) for p in range(start, start + num_steps)]
+
+
+def one_step_only(start, block_table, num_steps, block_size):
+    return S.later_steps(start, block_table, 1, block_size)
+
+
 CASES = [
     (lesson15.check_decode_intensity, S.decode_intensity,
      [intensity_weights_per_sequence, intensity_without_kv]),
     (lesson15.check_max_batch_size, S.max_batch_size,
      [batch_ignoring_blocks, batch_as_a_float]),
+    (lesson15.check_later_steps, S.later_steps,
+     [steps_from_the_next_position, context_without_the_token, slots_in_the_first_block,
+      one_step_only]),
 ]
 
 
