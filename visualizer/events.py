@@ -154,12 +154,12 @@ def describe(event: dict, snapshot: dict) -> str:
         return f"request {event['request_id']} {verb}, blocks {arrow}: {pairs}"
     if op == "preempt":
         return f"request {event['request_id']} preempted by {event['mode']}"
-    if op == "lookahead":  # speculative decoding (lesson 12)
+    if op == "lookahead":  # speculative decoding (lesson 12) or multi-step decode (lesson 15)
         return (f"seq {event['seq_id']} reserves {_plural(event['num_slots'], 'lookahead slot')}"
-                f" for its proposed tokens" + (f", new blocks {event['blocks']}"
-                                               if event["blocks"] else ""))
+                f" for the tokens after its newest (guesses, or a multi-step run's)"
+                + (f", new blocks {event['blocks']}" if event["blocks"] else ""))
     if op == "rollback":
-        return (f"seq {event['seq_id']} keeps {event['num_tokens']} tokens after verification"
-                + (f"; blocks {event['blocks']} held only rejected tokens: freed"
-                   if event["blocks"] else ""))
+        return (f"seq {event['seq_id']} keeps {event['num_tokens']} tokens"
+                + (f"; blocks {event['blocks']} hold none of them (rejected guesses, or steps "
+                   f"a run did not take): freed" if event["blocks"] else ""))
     return f"{op} {event}"

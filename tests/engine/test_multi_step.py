@@ -242,6 +242,24 @@ def test_no_lookahead_block_outlives_its_step(tiny_llama):
     assert multi.multi_step.num_runs > 0 and reserved
 
 
+def test_the_visualizer_names_a_runs_slots_without_speaking_of_guesses(tiny_llama):
+    """The live block-table view describes the lookahead and rollback events of multi-step
+    decode in words that fit it too (speculative decoding emits the same events)."""
+    from visualizer.events import describe
+
+    path, _ = tiny_llama
+    _, multi = engines(path, 8, block_size=4)
+    events = []
+    multi.block_manager.add_listener(
+        lambda e: events.append(e) if e["op"] in ("lookahead", "rollback") else None)
+    run(multi, [(p, SamplingParams(**GREEDY, max_tokens=m, ignore_eos=True))
+                for p, m in zip(prompts(3, seed=4, high=10), [20, 9, 30])], arrive=[0, 0, 2])
+    snapshot = multi.scheduler.block_snapshot()
+    lines = [describe(e, snapshot) for e in events]
+    assert any("lookahead slots for the tokens after its newest" in x for x in lines)
+    assert any("steps a run did not take" in x for x in lines)
+
+
 def test_every_schedule_of_a_greedy_batch_runs_k_steps(tiny_gpt2):
     """One prompt step, then m runs of k: the engine steps m + 1 times for 1 + m * k tokens."""
     path, _ = tiny_gpt2
