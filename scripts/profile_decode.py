@@ -10,10 +10,15 @@ needed), fp16, 64 sequences of 128-token prompts (``--prompt-len``). It prints
 3. the same steps by section (``lab/step_breakdown.py``: schedule, prepare, the model's one graph
    replay, sample, update; each section closed by a synchronisation), and the q/k/v and gate/up
    projections of one layer as one matmul each (as the model runs them) against one by one;
-4. an eager step under torch.profiler (a graph replay would hide the kernels from it): the top 20
+4. multi-step decode (``num_scheduler_steps``, ``engine/multi_step.py``): the same model built
+   with ``--multi-steps`` k, so that one schedule runs k greedy decode steps and the host's work
+   overlaps the graph replays; its time per decode step (each ``step()`` timed as above, divided
+   by the decode steps it ran) next to the single step's, and as a multiple of the weight floor;
+5. an eager step under torch.profiler (a graph replay would hide the kernels from it): the top 20
    ops by GPU time. With ``$OUT`` set, its Chrome trace goes to ``$OUT/profile_decode.json``.
 
     python3 scripts/profile_decode.py [--batch 64] [--prompt-len 128] [--layers 32] [--steps 8]
+                                      [--multi-steps 8]
 
 ``--device cpu --hidden 256 --layers 1 --batch 2 --prompt-len 16`` (float32) runs the same code
 on a CPU, small: how the script itself is tested (tests/entrypoints/test_gpu_check_script.py).
@@ -25,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -55,13 +61,21 @@ def copy_bandwidth(device: str, num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / best
 
 
-def build(config, args, eager: bool):
-    max_len = args.prompt_len + args.steps + 16
+def multi_step_calls(args) -> int:
+    """step() calls timed with multi-step decode: about ``--steps`` decode steps, at least 3."""
+    return max(3, -(-args.steps // args.multi_steps))
+
+
+def build(config, args, eager: bool, num_scheduler_steps: int = 1):
+    # Every engine gets the same max_model_len (it sizes the graphs' attention launch), with room
+    # for the multi-step engine's prompt token and k tokens per call: a warm-up and the timed.
+    room = 1 + args.multi_steps * (1 + multi_step_calls(args)) if args.multi_steps > 1 else 0
+    max_len = args.prompt_len + max(args.steps, room) + 16
     blocks = args.batch * -(-max_len // 16)
     dtype = "float16" if args.device == "cuda" else "float32"
     return LLM(None, hf_config=config, load_format="dummy", dtype=dtype, device=args.device,
                max_num_seqs=args.batch, max_model_len=max_len, num_gpu_blocks=blocks,
-               num_cpu_blocks=0, enforce_eager=eager)
+               num_cpu_blocks=0, enforce_eager=eager, num_scheduler_steps=num_scheduler_steps)
 
 
 def fill(engine, args, params) -> None:
@@ -125,6 +139,45 @@ def timed_steps(engine, device: str, num_steps: int) -> list[float]:
     return times
 
 
+def multi_step_decode(config, args, step: float, weight_floor: float) -> bool:
+    """The decode step with ``num_scheduler_steps = --multi-steps``: ms per decode step, next to
+    the single step's ``step`` seconds. False if a timed call did not run k steps."""
+    k, device = args.multi_steps, args.device
+    llm = build(config, args, eager=device != "cuda", num_scheduler_steps=k)
+    try:
+        engine = llm.llm_engine
+        counters = engine.multi_step
+        # (greedy, so the batch can go k steps at a time; no request stops before the last call)
+        fill(engine, args, SamplingParams(temperature=0.0, ignore_eos=True,
+                                          max_tokens=engine.max_model_len))
+        timed_steps(engine, device, 1)  # warm-up: k decode steps
+        runs, per_step, decodes = counters.num_runs, [], 0
+        for _ in range(multi_step_calls(args)):
+            later = counters.num_later_steps
+            (seconds,) = timed_steps(engine, device, 1)  # one step(): up to k decode steps
+            ran = 1 + counters.num_later_steps - later
+            per_step.append(seconds / ran)
+            decodes += ran
+        calls = len(per_step)
+        context = args.prompt_len + 1 + k + decodes // 2  # the timed decode steps' median
+        ms = statistics.median(per_step)
+        print(f"multi-step decode (num_scheduler_steps={k}): {1e3 * ms:.2f} ms per decode step "
+              f"vs {1e3 * step:.2f} ms single-step ({ms / weight_floor:.2f}x the weight floor, "
+              f"single-step {step / weight_floor:.2f}x); {decodes} decode steps in {calls} "
+              f"step() calls at ~{context} tokens, median of the calls' ms per decode step "
+              f"{1e3 * min(per_step):.2f} to {1e3 * max(per_step):.2f}; "
+              f"{1e3 * (step - ms):.2f} ms a step saved ({100 * (1 - ms / step):.0f} %)",
+              flush=True)
+        engaged = counters.num_runs - runs == calls and decodes == k * calls
+        if not engaged:
+            print(f"multi-step decode did not engage as planned: {counters.num_runs - runs} "
+                  f"multi-step runs in {calls} calls, {decodes} decode steps (want {k * calls})",
+                  flush=True)
+        return engaged
+    finally:
+        llm.shutdown()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -132,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32, help="LLaMA-7B has 32")
     ap.add_argument("--hidden", type=int, default=4096, help="LLaMA-7B's; heads of 128")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed")
+    ap.add_argument("--multi-steps", type=int, default=8,
+                    help="num_scheduler_steps of the multi-step decode measured (1: skip it)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--no-profile", action="store_true", help="skip the eager profile")
     args = ap.parse_args(argv)
@@ -189,10 +244,20 @@ def main(argv=None) -> int:
     projection_timing(engine.worker.model, args.batch, device)
     llm.shutdown()
     del llm, engine
-    if args.no_profile:
-        return 0
 
-    # 4. eager, under the profiler
+    # 4. multi-step decode: the same model and prompts, k decode steps per schedule
+    ok = True
+    if args.multi_steps > 1:
+        try:
+            ok = multi_step_decode(config, args, step, weight_floor)
+        except Exception:  # (report it and go on: the profile below is still worth having)
+            traceback.print_exc()
+            print("multi-step decode: failed (traceback above)", flush=True)
+            ok = False
+    if args.no_profile:
+        return 0 if ok else 1
+
+    # 5. eager, under the profiler
     llm = build(config, args, eager=True)
     engine = llm.llm_engine
     fill(engine, args, params)
@@ -212,7 +277,7 @@ def main(argv=None) -> int:
         prof.export_chrome_trace(path)
         print(f"Chrome trace: {path}")
     llm.shutdown()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,14 @@ section:
     update      appending tokens, stop checks, freeing finished groups
     python      the rest of the step (step wall time minus all of the above)
 
+With multi-step decode (``num_scheduler_steps = k``, ``engine/multi_step.py``) one ``step()``
+runs up to k decode steps: "model" is then the sum of its k model calls, "sample" of the k
+on-device greedy choices (each from its model call's end until its tokens' copy to the host is
+launched), "update" the host applying all k steps' tokens, and every number is per decode step
+(the step() times divided by the decode steps they ran). Each section still ends with a
+synchronisation, so the overlap multi-step decode exists for is not measured here: this is the
+host's work per token, as if nothing overlapped.
+
 NOTE: a GPU runs asynchronously: a call returns once its kernels are queued, and the work is
 waited for by whoever first reads a result on the host, usually the sampler. A clock read
 right after a call would credit the model's time to the sampler. So every section here starts
@@ -161,23 +169,46 @@ def _wrapped(obj, name: str, wrap: Callable):
 
 
 class _Sections:
-    """Synchronised clock marks around the engine's seams: each section closes with a sync."""
+    """Synchronised clock marks around the engine's seams: each section closes with a sync.
+
+    A section may run several times in a step (the k model calls of a multi-step decode): its
+    time is the sum of its runs, its "start" mark the first run's and its "end" mark the last's.
+    """
 
     def __init__(self, sync: Callable[[], None]):
         self.sync = sync
         self.marks: dict[str, float] = {}
+        self.spans: dict[str, float] = {}  # this step's time in each section
         self.total: dict[str, float] = {}
 
     def mark(self, name: str) -> None:
         self.sync()
         self.marks[name] = time.perf_counter()
 
+    def add(self, section: str, seconds: float) -> None:
+        self.spans[section] = self.spans.get(section, 0.0) + seconds
+
     def around(self, section: str) -> Callable:
         def wrap(fn):
             def timed(*args, **kwargs):
-                self.mark(f"{section} start")
+                self.sync()
+                t0 = time.perf_counter()
+                self.marks.setdefault(f"{section} start", t0)  # (the first run's)
                 out = fn(*args, **kwargs)
                 self.mark(f"{section} end")
+                self.add(section, self.marks[f"{section} end"] - t0)
+                return out
+            return timed
+        return wrap
+
+    def after(self, section: str, since: str) -> Callable:
+        """A wrapper whose call ends ``section``, begun when ``since`` last ended (multi-step
+        decode's greedy choice: from the model call's end until its copy is launched)."""
+        def wrap(fn):
+            def timed(*args, **kwargs):
+                out = fn(*args, **kwargs)
+                self.mark(f"{section} end")
+                self.add(section, self.marks[f"{section} end"] - self.marks[f"{since} end"])
                 return out
             return timed
         return wrap
@@ -185,15 +216,16 @@ class _Sections:
     def add_step(self) -> None:
         """Charge the step just marked to its sections."""
         m = self.marks
-        spans = {"schedule": m["schedule end"] - m["schedule start"],
+        last = max(m["model end"], m.get("sample end", m["model end"]))  # (sampled after)
+        spans = {"schedule": self.spans["schedule"],
                  "prepare": m["model start"] - m["schedule end"],
-                 "model": m["model end"] - m["model start"],
-                 "sample": m["sample end"] - m["sample start"],
-                 "update": m["step end"] - m["sample end"],
+                 "model": self.spans["model"],
+                 "sample": self.spans.get("sample", 0.0),
+                 "update": m["step end"] - last,
                  "step": m["step end"] - m["step start"]}
         for k, v in spans.items():
             self.total[k] = self.total.get(k, 0.0) + v
-        self.marks = {}
+        self.marks, self.spans = {}, {}
 
 
 def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4,
@@ -203,19 +235,25 @@ def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4,
     Args:
         llm: an ``LLM`` with one worker in this process (no tensor parallelism).
         prompts: one prompt (token ids) per sequence.
-        num_steps: decode steps timed (after the prompts and one warm-up step).
+        num_steps: ``step()`` calls timed (after the prompts and one warm-up call); each runs
+            one decode step, or up to k with multi-step decode.
         sync: waits for the device's queued work (default: ``torch.cuda.synchronize`` on CUDA,
             nothing on the CPU); every section is closed by it.
 
     Returns:
-        seconds per step of "step", "schedule", "prepare", "model", "attention", "linear",
-        "other model" (these three None under CUDA graphs), "sample", "update", "python", and
-        "num_seqs", "flops" (useful FLOPs per step), "graphs" (whether the model replayed a
-        CUDA graph).
+        seconds per decode step of "step", "schedule", "prepare", "model", "attention",
+        "linear", "other model" (these three None under CUDA graphs), "sample", "update",
+        "python", and "num_seqs", "flops" (useful FLOPs per decode step), "graphs" (whether the
+        model replayed a CUDA graph), "decode_steps" (how many the timed calls ran).
     """
+    from minipaged.engine import multi_step
+
     engine = llm.llm_engine
     sync = sync or device_sync(engine.device)
-    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 2, ignore_eos=True)
+    k = engine.multi_step.num_steps  # decode steps per step() call at most (num_scheduler_steps)
+    # the prompt's token, then k per call: the warm-up's and the timed calls' (all run k steps
+    # where max_model_len leaves room)
+    params = SamplingParams(temperature=0.0, max_tokens=1 + k * (num_steps + 1), ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"breakdown-{i}", None, params, prompt_token_ids=prompt)
     while engine.scheduler.waiting:
@@ -223,12 +261,14 @@ def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4,
     engine.step()  # one decode to warm up
     graph_runner = getattr(engine.worker.model_runner, "graph_runner", None)
     replays_before = graph_runner.replays if graph_runner is not None else 0
+    later_before = engine.multi_step.num_later_steps
     sections = _Sections(sync)
     tools = _Instruments(engine.worker.model, sync)
     try:
         with _wrapped(engine.scheduler, "schedule", sections.around("schedule")), \
                 _wrapped(engine.worker, "execute_model", sections.around("model")), \
-                _wrapped(engine, "sampler", sections.around("sample")):
+                _wrapped(engine, "sampler", sections.around("sample")), \
+                _wrapped(multi_step, "to_host_soon", sections.after("sample", since="model")):
             for _ in range(num_steps):
                 sections.mark("step start")
                 engine.step()
@@ -238,32 +278,34 @@ def decode_step_breakdown(llm, prompts: list[list[int]], num_steps: int = 4,
         tools.remove()
     while engine.has_unfinished_requests():
         engine.step()
-    per = {k: v / num_steps for k, v in sections.total.items()}
+    decode_steps = num_steps + engine.multi_step.num_later_steps - later_before
+    per = {name: v / decode_steps for name, v in sections.total.items()}
     graphs = (graph_runner is not None and graph_runner.capture
-              and graph_runner.replays - replays_before == num_steps)
-    result = {"num_seqs": len(prompts), "graphs": graphs, **per,
-              "flops": (tools.flops["attention"] + tools.flops["linear"]) / num_steps}
+              and graph_runner.replays - replays_before == decode_steps)
+    result = {"num_seqs": len(prompts), "graphs": graphs, "decode_steps": decode_steps, **per,
+              "flops": (tools.flops["attention"] + tools.flops["linear"]) / decode_steps}
     if graphs:  # one replay: nothing inside it was timed, and nothing is claimed
         result.update({"attention": None, "linear": None, "other model": None})
-        result["flops"] = _decode_flops(engine, prompts, num_steps)
+        result["flops"] = _decode_flops(engine, prompts, decode_steps, 1 + k)
     else:
-        result["attention"] = tools.time["attention"] / num_steps
-        result["linear"] = tools.time["linear"] / num_steps
+        result["attention"] = tools.time["attention"] / decode_steps
+        result["linear"] = tools.time["linear"] / decode_steps
         result["other model"] = per["model"] - result["attention"] - result["linear"]
     parts = ("schedule", "prepare", "model", "sample", "update")
     result["python"] = per["step"] - sum(per[p] for p in parts)
     return result
 
 
-def _decode_flops(engine, prompts: list[list[int]], num_steps: int) -> float:
-    """Useful FLOPs per timed step, counted (``roofline.decode_step``) where nothing could be
-    instrumented (a graph replay). Timed step ``i`` attends to ``len(prompt) + 2 + i`` tokens:
-    the prompt, its first token and the warm-up step's, and the ``i`` steps before."""
+def _decode_flops(engine, prompts: list[list[int]], num_steps: int, before: int) -> float:
+    """Useful FLOPs per timed decode step, counted (``roofline.decode_step``) where nothing could
+    be instrumented (a graph replay). Timed decode step ``i`` attends to ``len(prompt) + before
+    + i`` tokens: the prompt, the ``before`` tokens generated before the timed steps (its first
+    and the warm-up call's), and the ``i`` steps before it."""
     from minipaged.lab.roofline import decode_step
     from minipaged.model_shape import ModelShape
 
     dims = ModelShape.from_hf(engine.hf_config)
-    total = sum(decode_step(dims, 1, len(p) + 2 + i, 4).flops
+    total = sum(decode_step(dims, 1, len(p) + before + i, 4).flops
                 for p in prompts for i in range(num_steps))
     return total / num_steps
 

@@ -86,11 +86,16 @@ def test_kernel_benchmark_rotates_past_twice_the_l2_and_warns_when_capped():
     assert copies == 8 and "warning" in warning and "L2" in warning
 
 
-def test_host_step_benchmark_prints_its_table():
+@pytest.mark.parametrize("k", [1, 4], ids=["single-step", "multi-step"])
+def test_host_step_benchmark_prints_its_table(k):
     proc = subprocess.run(
         [sys.executable, "benchmarks/host_step.py", "--batches", "3", "--steps", "2", "--vocab",
-         "500", "--prompt-len", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "500", "--prompt-len", "5", "--num-scheduler-steps", str(k)], cwd=ROOT,
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| 3 |"))
     cells = [float(c) for c in row.strip("|").split("|")[1:]]
     assert len(cells) == 8 and all(c >= 0 for c in cells[:5])
+    # per decode step: every timed step() ran k of them (else a line says how many)
+    assert ("num_scheduler_steps=4" in proc.stdout) == (k == 4)
+    assert "decode steps, not" not in proc.stdout

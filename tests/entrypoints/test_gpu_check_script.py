@@ -74,7 +74,8 @@ def test_only_runs_the_stages_named(tmp_path):
 
 
 def test_the_decode_profile_runs_small_on_the_cpu():
-    """Stage 5's script, on a CPU and a 1-layer model: the step, the floor and the top-20 table."""
+    """Stage 5's script, on a CPU and a 1-layer model: the step, the floor, multi-step decode's
+    step and the top-20 table."""
     import sys
 
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode.py"),
@@ -87,3 +88,14 @@ def test_the_decode_profile_runs_small_on_the_cpu():
     assert "x the weight floor" in done.stdout and "aten::mm" in done.stdout
     assert re.search(r"by section .*schedule [\d.]+, prepare [\d.]+, model [\d.]+", done.stdout)
     assert re.search(r"q/k/v [\d.]+ vs [\d.]+; gate/up [\d.]+ vs [\d.]+", done.stdout)
+    # multi-step decode (--multi-steps 8 by default): every timed step() ran 8 decode steps
+    multi = re.search(r"multi-step decode \(num_scheduler_steps=8\): ([\d.]+) ms per decode step "
+                      r"vs ([\d.]+) ms single-step \(([\d.]+)x the weight floor, single-step "
+                      r"([\d.]+)x\); (\d+) decode steps in (\d+) step\(\) calls", done.stdout)
+    assert multi, done.stdout[-3000:]
+    ms, single, floors, single_floors = map(float, multi.groups()[:4])
+    assert ms > 0 and single > 0 and floors > 0
+    assert floors / single_floors == pytest.approx(ms / single, rel=0.05)  # (rounded to 0.01)
+    decodes, calls = map(int, multi.groups()[4:])
+    assert calls >= 3 and decodes == 8 * calls
+    assert "did not engage" not in done.stdout and "failed" not in done.stdout
