@@ -53,10 +53,12 @@ def main(argv=None) -> int:
                          pad_token_id=0)
     k = args.num_scheduler_steps
     # room for the prompt, its first token, k per step() (a warm-up and the timed ones), and some
-    max_len = args.prompt_len + k * (args.steps + 1) + args.steps + 16
+    # about --steps decode steps whatever k, so that k = 1 and k = 8 time the same contexts
+    calls = max(1, -(-args.steps // k))
+    max_len = args.prompt_len + k * (calls + 1) + args.steps + 16
     print(f"# host work of a decode step, {date.today()}, {machine_description()}")
     what = ("step" if k == 1 else
-            f"decode step, num_scheduler_steps={k} ({args.steps} step() calls)")
+            f"decode step, num_scheduler_steps={k} ({calls} step() calls)")
     print(f"# 1-layer LLaMA of hidden size 64, vocabulary {args.vocab}, greedy, "
           f"{args.prompt_len}-token prompts, mean ms per {what}\n")
     print("| batch | " + " | ".join(SECTIONS) + " | host us / sequence |")
@@ -68,10 +70,10 @@ def main(argv=None) -> int:
                   num_scheduler_steps=k)
         prompts = [[(7 * i + j) % (args.vocab - 100) + 100 for j in range(args.prompt_len)]
                    for i in range(batch)]
-        b = decode_step_breakdown(llm, prompts, num_steps=args.steps)
-        if b["decode_steps"] != k * args.steps:
-            print(f"# batch {batch}: the {args.steps} timed calls ran {b['decode_steps']} decode "
-                  f"steps, not {k * args.steps}")
+        b = decode_step_breakdown(llm, prompts, num_steps=calls)
+        if b["decode_steps"] != k * calls:
+            print(f"# batch {batch}: the {calls} timed calls ran {b['decode_steps']} decode "
+                  f"steps, not {k * calls}")
         host = b["step"] - b["model"]
         print(f"| {batch} | " + " | ".join(f"{1e3 * b[k]:.2f}" for k in SECTIONS)
               + f" | {1e6 * host / batch:.1f} |", flush=True)

@@ -144,6 +144,7 @@ class MultiStep:
             # largest logits, and its logprob.
             best, tokens = torch.max(logits, dim=-1)  # (rows,), (rows,)
             logprobs = best - torch.logsumexp(logits, dim=-1)
+            del logits  # (its memory serves the next step's logits)
             pending.append(to_host_soon(torch.stack([tokens.double(), logprobs.double()])))
             tokens = tokens.to(device)  # step j + 1's input tokens
         t.append(time.perf_counter())
