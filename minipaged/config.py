@@ -181,7 +181,7 @@ class EngineConfig:
         1, "multi-step decode (lesson 15): schedule once, then run up to this many greedy "
            "decode steps back to back, each feeding its tokens to the next on the device and "
            "read back while the next runs; 1 = a schedule per step. Batches with sampling, "
-           "penalties, beams, logprobs or prompts step one at a time")
+           "penalties, beams or prompts step one at a time")
     distributed_executor_backend: str | None = setting(
         None, "who starts the tensor-parallel ranks: mp (processes on this machine, when not "
               "given) or ray (actors on a Ray cluster; pip install 'minipaged[ray]')",

@@ -22,8 +22,9 @@ dropped, so each output holds the tokens single steps would give it. (Float nois
 batch keeps its rows for all k steps where single steps would drop finished ones.)
 
 Only greedy batches go k at a time: a random draw uses the sequence's own generator on the host
-(``worker/sampler.py``), and penalties, beams and top logprobs read the host's copy of the
-sequence. Any other batch, and any step with prompt tokens, is one ordinary step.
+(``worker/sampler.py``), and penalties and beams read the host's copy of the sequence. (Top-n
+logprobs are one more ``topk`` on the device.) Any other batch, and any step with prompt tokens,
+is one ordinary step.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def can_multi_step(seq_group: SequenceGroup) -> bool:
     """Can this group decode several steps with its tokens chosen on the device?"""
     params = seq_group.sampling_params
     if (not params.greedy or params.presence_penalty or params.frequency_penalty
-            or (params.logprobs or 0) > 0 or seq_group.pending_chunks):
+            or seq_group.pending_chunks):
         return False
     # plain decodes only: everything but the newest token is in the cache
     return all(seq.num_computed_tokens == seq.get_len() - 1
@@ -130,7 +131,9 @@ class MultiStep:
         positions_t, slots_t, context_lens_t = to_device_at_once(
             [layout[0].contiguous(), layout[1].contiguous(), layout[2].to(torch.int32)], device)
 
-        pending = []  # per step: (host tensor (2, rows) of tokens and logprobs, event)
+        # top-n logprobs where asked (logprobs=n), as the sampler forms them
+        num_top = [r.seq_group.sampling_params.logprobs or 0 for r in runs]
+        pending = []  # per step: (host tensor (2 + 2n, rows): tokens, logprobs, top n, event)
         step_inputs = inputs
         for j in range(num_steps):
             if j:
@@ -143,27 +146,35 @@ class MultiStep:
             # The sampler's greedy choice (worker/sampler.py), on the device: the first of the
             # largest logits, and its logprob.
             best, tokens = torch.max(logits, dim=-1)  # (rows,), (rows,)
-            logprobs = best - torch.logsumexp(logits, dim=-1)
+            lse = torch.logsumexp(logits, dim=-1)
+            parts = [tokens.double()[None], (best - lse).double()[None]]
+            top_n = min(max(num_top), logits.shape[-1])
+            if top_n:
+                top = torch.topk(logits, top_n, dim=-1)  # (rows, n)
+                parts += [top.indices.double().T, (top.values - lse[:, None]).double().T]
             del logits  # (its memory serves the next step's logits)
-            pending.append(to_host_soon(torch.stack([tokens.double(), logprobs.double()])))
+            pending.append(to_host_soon(torch.cat(parts)))
             tokens = tokens.to(device)  # step j + 1's input tokens
         t.append(time.perf_counter())
 
         for j, (host, done) in enumerate(pending):
             if done is not None:
                 done.synchronize()  # step j is done; the device goes on with the later ones
-            step_tokens, step_logprobs = host.tolist()
+            step_tokens, step_logprobs, *tops = host.tolist()
+            top_n = len(tops) // 2
             stats.count_tokens(0, len(runs), 0)
-            for run, token, logprob in zip(runs, step_tokens, step_logprobs):
+            for i, (run, token, logprob) in enumerate(zip(runs, step_tokens, step_logprobs)):
                 seq = run.seq_group.find(run.seq_ids[0])
                 if seq.is_finished():
                     continue  # it stopped at an earlier step: this token is dropped
                 seq.num_computed_tokens = run.end + j  # its tokens before this one are cached
                 token = int(token)
-                output_processor.process(run.seq_group,
-                                         {seq.seq_id: SequenceOutput(seq.seq_id, token,
-                                                                     {token: logprob})},
-                                         scheduler)
+                lps = {token: logprob}
+                for n in range(min(num_top[i], top_n)):  # (the chosen token's comes first)
+                    lps.setdefault(int(tops[n][i]), tops[top_n + n][i])
+                output_processor.process(
+                    run.seq_group, {seq.seq_id: SequenceOutput(seq.seq_id, token, lps)},
+                    scheduler)
                 stats.num_sampled_tokens += 1
         self.num_runs += 1
         self.num_later_steps += num_steps - 1

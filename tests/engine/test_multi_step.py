@@ -147,12 +147,11 @@ def test_eos_and_stop_strings_end_a_sequence_inside_a_run(tiny_llama, letters):
 
 
 def test_a_batch_that_samples_steps_one_at_a_time(tiny_gpt2):
-    """A seeded random request in the batch, or logprobs > 0, or penalties: ordinary steps while
-    it runs, k-step runs once it is gone; outputs unchanged."""
+    """A seeded random request in the batch, or penalties, or beams: ordinary steps while it
+    runs, k-step runs once it is gone; outputs unchanged."""
     path, _ = tiny_gpt2
     ps = prompts(4, seed=5)
     for odd in (SamplingParams(temperature=0.8, seed=7, max_tokens=6),
-                SamplingParams(**GREEDY, logprobs=2, max_tokens=6),
                 SamplingParams(**GREEDY, presence_penalty=0.5, max_tokens=6),
                 SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, max_tokens=6)):
         requests = [(ps[0], odd)] + [(p, SamplingParams(**GREEDY, max_tokens=30, ignore_eos=True))
@@ -168,17 +167,25 @@ def test_a_batch_that_samples_steps_one_at_a_time(tiny_gpt2):
         assert multi.multi_step.num_runs > 0  # and runs after it
 
 
-def test_logprobs_zero_runs_multi_step(tiny_llama):
-    """logprobs=0 asks only for the chosen token's logprob, which the device computes too."""
+@pytest.mark.parametrize("logprobs", [0, 1, 3, VOCAB])
+def test_logprobs_come_from_the_device_too(tiny_llama, logprobs):
+    """logprobs=0 asks for the chosen token's logprob, n > 0 for the top n as well (a topk on
+    the device; the vocabulary's size: all of it); mixed in one batch with requests
+    that ask for none or another n."""
     path, _ = tiny_llama
-    requests = [(p, SamplingParams(**GREEDY, max_tokens=20, logprobs=0, ignore_eos=True))
-                for p in prompts(3, seed=2)]
+    asks = [logprobs, None, 2]
+    requests = [(p, SamplingParams(**GREEDY, max_tokens=20, logprobs=n, ignore_eos=True))
+                for p, n in zip(prompts(3, seed=2), asks)]
     single, multi = engines(path, 5)
     want = run(single, requests)
     got = run(multi, requests)
     assert_same(got, want)
     assert multi.multi_step.num_runs > 0
-    assert all(len(lp) == 1 for o in got.values() for lp in o.outputs[0].logprobs)
+    first = got["0"].outputs[0]
+    wanted = min(logprobs, VOCAB)
+    assert all(len(lp) in (wanted, wanted + 1) and token in lp
+               for lp, token in zip(first.logprobs, first.token_ids))
+    assert got["1"].outputs[0].logprobs is None
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -339,7 +346,7 @@ def workloads(draw):
         eos=draw(st.integers(1, VOCAB - 1)))  # (an end-of-sequence token some outputs meet)
     reqs = []
     for _ in range(draw(st.integers(1, 8))):
-        style = draw(st.sampled_from(["greedy"] * 6 + ["random", "logprobs", "n"]))
+        style = draw(st.sampled_from(["greedy"] * 6 + ["random", "logprobs", "n", "penalty"]))
         common = dict(max_tokens=draw(st.integers(1, max_model_len)),
                       ignore_eos=draw(st.booleans()))
         if draw(st.booleans()):  # random text (~3 letters a token) holds one now and then
@@ -347,7 +354,9 @@ def workloads(draw):
         params = {"greedy": lambda: SamplingParams(**GREEDY, **common),
                   "random": lambda: SamplingParams(temperature=1.0, seed=draw(
                       st.integers(0, 99)), **common),
-                  "logprobs": lambda: SamplingParams(**GREEDY, logprobs=1, **common),
+                  "logprobs": lambda: SamplingParams(**GREEDY, logprobs=draw(
+                      st.sampled_from([0, 1, 3])), **common),
+                  "penalty": lambda: SamplingParams(**GREEDY, presence_penalty=0.5, **common),
                   "n": lambda: SamplingParams(**GREEDY, n=2, **common)}[style]()
         length = draw(st.integers(1, max_model_len - 1))
         prompt = draw(st.lists(st.integers(2, VOCAB - 1), min_size=length, max_size=length))
@@ -381,7 +390,8 @@ def test_random_workloads_get_the_outputs_of_single_steps(tiny_llama, tiny_gpt2,
 
     def probe(params: SamplingParams) -> SamplingParams:
         fields = {f: getattr(params, f) for f in ("n", "best_of", "temperature", "stop",
-                                                  "ignore_eos", "max_tokens", "seed")}
+                                                  "ignore_eos", "max_tokens", "seed",
+                                                  "presence_penalty", "frequency_penalty")}
         return SamplingParams(**fields, logprobs=max(2, params.logprobs or 0))
 
     arrive = [a for _, _, a in reqs]
@@ -398,6 +408,10 @@ def test_random_workloads_get_the_outputs_of_single_steps(tiny_llama, tiny_gpt2,
                         request_id, i, a.token_ids, b.token_ids)
                     seen.add("an output parted at a near-tie")
                     break
+                if params.logprobs is not None:  # the asked ones, as the reference has them
+                    assert x in a.logprobs[i] and len(a.logprobs[i]) <= params.logprobs + 1
+                    assert all(abs(v - b.logprobs[i][t]) < 1e-4
+                               for t, v in a.logprobs[i].items() if t in b.logprobs[i])
             else:
                 assert a.token_ids == b.token_ids
                 assert (a.text, a.finish_reason) == (b.text, b.finish_reason)
@@ -413,6 +427,7 @@ def test_random_workloads_get_the_outputs_of_single_steps(tiny_llama, tiny_gpt2,
             ("an output ended by a stop string or EOS",
              any(o.finish_reason == "stop" for r in got.values() for o in r.outputs)),
             ("a request that samples", any(p.temperature > 0 for _, p, _ in reqs)),
+            ("a request asking for logprobs", any(p.logprobs is not None for _, p, _ in reqs)),
             ("an 8-bit KV cache", cfg["kv_cache_dtype"] != "auto")):
         if hit:
             seen.add(label)
