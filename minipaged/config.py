@@ -91,6 +91,7 @@ _RULES = {
     "enable_prefix_caching": (_flag, lambda v: True, "True or False"),
     "enable_chunked_prefill": (_flag, lambda v: True, "True or False"),
     "enforce_eager": (_flag, lambda v: True, "True or False"),
+    "cpu_threads": (as_int, lambda v: v >= 1, "None (chosen per step) or an integer >= 1"),
     "num_scheduler_steps": (as_int, lambda v: 1 <= v <= MAX_SCHEDULER_STEPS,
                             f"an integer from 1 to {MAX_SCHEDULER_STEPS}"),
     "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
@@ -182,6 +183,9 @@ class EngineConfig:
            "decode steps back to back, each feeding its tokens to the next on the device and "
            "read back while the next runs; 1 = a schedule per step. Batches with sampling, "
            "penalties, beams or prompts step one at a time")
+    cpu_threads: int | None = setting(
+        None, "on the CPU: torch's threads for the model; when not given, chosen per step from "
+              "the step's size and the cores other programs leave free (worker/cpu_threads.py)")
     distributed_executor_backend: str | None = setting(
         None, "who starts the tensor-parallel ranks: mp (processes on this machine, when not "
               "given) or ray (actors on a Ray cluster; pip install 'minipaged[ray]')",

@@ -28,10 +28,9 @@ class BlockSpaceManager:
         num_cpu_blocks: size of the CPU pool (swap space).
         watermark: fraction of GPU blocks kept free when admitting new prompts, so that running
             sequences can still grow for a while without being preempted at once.
-        enable_prefix_caching: keep full computed blocks named by their hash chain, so that a
-            prompt starting with the same tokens takes them instead of computing them (lesson
-            07): the GPU pool gets a ``PrefixCachingAllocator`` instead of a
-            ``FreeListAllocator``. Nothing else here depends on which it is.
+        enable_prefix_caching: keep full computed blocks named by their hash chain for prompts
+            that start with the same tokens (lesson 11): the GPU pool gets a
+            ``PrefixCachingAllocator``. Nothing else here depends on which allocator it is.
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
@@ -68,10 +67,8 @@ class BlockSpaceManager:
         self._emit("preempt", request_id=seq_group.request_id, mode=mode)
 
     def _emit(self, op: str, **details) -> None:
-        if self._listeners:
-            event = {"op": op, **details}
-            for fn in list(self._listeners):
-                fn(event)
+        for fn in list(self._listeners):
+            fn({"op": op, **details})
 
     @classmethod
     def like(cls, other: BlockSpaceManager) -> BlockSpaceManager:
@@ -395,6 +392,11 @@ class BlockSpaceManager:
         self.seq_request.pop(seq.seq_id, None)
         self._emit("free", seq_id=seq.seq_id, blocks=[b.block_number for b in table])
 
+    def reset(self) -> None:
+        """Free every sequence's blocks (vLLM v0.1's name; cached blocks stay cached)."""
+        for seq_id in list(self.block_tables):
+            self.free(self.seqs[seq_id])
+
     # -- reading ---------------------------------------------------------------------------------
     def get_block_table(self, seq: Sequence) -> list[int]:
         return [block.block_number for block in self.block_tables[seq.seq_id]]
@@ -411,8 +413,7 @@ class BlockSpaceManager:
         return self.gpu_allocator.num_evictions
 
     def snapshot(self) -> dict:
-        """Plain data describing every table and block, for the visualizer and tests (see
-        ``block_snapshot.py`` for its keys)."""
+        """Every table and block as plain data, for the visualizer and tests (block_snapshot.py)."""
         return {"block_size": self.block_size, "watermark_blocks": self.watermark_blocks,
                 **snapshot_pools(self.block_tables, self.seqs, self.seq_request,
                                  self.gpu_allocator, self.cpu_allocator),

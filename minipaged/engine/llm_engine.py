@@ -59,7 +59,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, resolved_device)
         self.worker: Worker = create_worker(
             self.hf_config, source, cfg.load_format, self.dtype, resolved_device,
-            cfg.tensor_parallel_size, cfg.distributed_executor_backend, cfg.worker_timeout)
+            cfg.tensor_parallel_size, cfg.distributed_executor_backend, cfg.worker_timeout,
+            cfg.cpu_threads)
         self.tokenizer = (checkpoint.load_tokenizer(source, cfg.tokenizer)
                           if source is not None else None)
         self.model_shape = shape = ModelShape.from_hf(self.hf_config)

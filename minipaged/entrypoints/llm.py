@@ -1,6 +1,7 @@
 """``LLM``: generate text for a list of prompts in one call (lesson 08, vLLM's offline API)."""
 from __future__ import annotations
 
+import torch
 from tqdm.auto import tqdm
 
 from minipaged.engine.llm_engine import LLMEngine
@@ -127,6 +128,9 @@ class LLM:
         wanted = set(request_ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        # NOTE: the worker picks torch's threads per step (worker/cpu_threads.py); the caller's
+        # own count is theirs again when generate returns.
+        threads = torch.get_num_threads()
         try:
             while len(done) < len(wanted):
                 for output in engine.step():
@@ -140,6 +144,8 @@ class LLM:
             raise
         finally:
             bar.close()
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         return [done[r] for r in request_ids]
 
 

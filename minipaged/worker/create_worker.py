@@ -11,7 +11,8 @@ from minipaged.worker.worker import LocalWorker, Worker
 def create_worker(hf_config, source: str | None, load_format: str, dtype: torch.dtype,
                   device: torch.device, tensor_parallel_size: int = 1,
                   distributed_executor_backend: str | None = None,
-                  worker_timeout: float = DEFAULT_TIMEOUT_S) -> Worker:
+                  worker_timeout: float = DEFAULT_TIMEOUT_S,
+                  cpu_threads: int | None = None) -> Worker:
     """The ``Worker`` the settings ask for: one process, or N ranks (lesson 14).
 
     Args:
@@ -19,10 +20,12 @@ def create_worker(hf_config, source: str | None, load_format: str, dtype: torch.
         tensor_parallel_size: ranks holding a shard each (1: this process holds the model).
         distributed_executor_backend: "mp" (processes on this machine, the default) or "ray".
         worker_timeout: seconds a rank may take to answer.
+        cpu_threads: torch's threads for a model on the CPU (None: chosen per step); one
+            process only (each tensor-parallel rank sets its own share of the cores).
     """
     backend = distributed_executor_backend or "mp"
     if tensor_parallel_size == 1 and backend == "mp":
-        return LocalWorker(hf_config, source, load_format, dtype, device)
+        return LocalWorker(hf_config, source, load_format, dtype, device, cpu_threads)
     workers_class = TensorParallelWorkers
     if backend == "ray":  # NOTE: imported only when asked for: it imports Ray (seconds)
         from minipaged.worker.ray_workers import RayTensorParallelWorkers as workers_class

@@ -29,6 +29,7 @@ import torch
 from minipaged.kernels.build import start_background_build
 from minipaged.worker import gpu_memory
 from minipaged.worker.cache_engine import CacheEngine, cache_block_bytes
+from minipaged.worker.cpu_threads import ThreadChooser
 from minipaged.worker.model_loader import build_model, profile_num_gpu_blocks
 from minipaged.worker.model_runner import ModelRunner, PreparedInputs
 
@@ -136,12 +137,14 @@ class LocalWorker(Worker):
         hf_config, source, load_format: the model to build (``model_loader.build_model``).
         dtype: the weights' and the cache's dtype.
         device: where the model and the GPU pool live.
+        cpu_threads: on the CPU, torch's threads for each step: None chooses per step from
+            the step's size and the machine's load (``worker/cpu_threads.py``).
     """
 
     _HOLDS_TENSORS = ("model", "model_runner", "cache_engine")
 
     def __init__(self, hf_config, source: str | None, load_format: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, cpu_threads: int | None = None) -> None:
         self.device = device
         self.dtype = dtype
         on_gpu = self._on_gpu()
@@ -156,6 +159,9 @@ class LocalWorker(Worker):
             raise torch.OutOfMemoryError(f"{e}\n{gpu_memory.holders_report(self)}") from None
         self.model_runner = ModelRunner(self.model)
         self.cache_engine: CacheEngine | None = None  # init_cache creates it
+        # NOTE: on the CPU only: a GPU step's threads just launch kernels
+        self.threads = (None if on_gpu else
+                        ThreadChooser(cpu_threads, hf_config.hidden_size))
         # NOTE: a finalizer, not __del__: it runs once, at shutdown() or at collection, and
         # holds the attribute dict rather than the worker (gpu_memory.release says why).
         self._finalizer = weakref.finalize(self, gpu_memory.release, self.__dict__,
@@ -236,6 +242,8 @@ class LocalWorker(Worker):
         self.cache_engine.copy(src_to_dsts)
 
     def execute_model(self, inputs: PreparedInputs) -> torch.Tensor:
+        if self.threads is not None:
+            self.threads.before_step(inputs.input_ids.numel())
         return self.model_runner.execute_model(inputs, self.cache_engine.gpu_cache)
 
     def shutdown(self) -> None:

@@ -142,3 +142,35 @@ def test_snapshot_is_plain_data_describing_tables_and_free_list():
     assert [b["num_filled"] for b in seq["logical_blocks"]] == [4, 1]
     assert len(snap["free_gpu_blocks"]) == 2 and len(snap["free_cpu_blocks"]) == 2
     assert set(snap["free_gpu_blocks"]).isdisjoint(seq["block_table"])
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_reset_frees_every_table_as_vllm_v01_does(prefix_caching):
+    """vLLM v0.1's ``BlockSpaceManager.reset()``: every sequence's blocks freed, shared, forked
+    and swapped ones included; the manager serves new requests as a fresh one would."""
+    manager = BlockSpaceManager(block_size=4, num_gpu_blocks=12, num_cpu_blocks=8,
+                                watermark=0.0, enable_prefix_caching=prefix_caching)
+    parallel = make_group("a", 0, 6, best_of=2)  # 2 sequences share the prompt's 2 blocks
+    single = make_group("b", 10, 9)
+    swapped = make_group("c", 20, 5)
+    for group in (parallel, single, swapped):
+        manager.allocate(group)
+        for seq in group.get_seqs():
+            seq.status = SequenceStatus.RUNNING
+    child = Sequence(30, None, list(range(9)), 4)
+    manager.fork(single.get_seqs()[0], child)
+    manager.swap_out(swapped)
+    for seq in swapped.get_seqs():
+        seq.status = SequenceStatus.SWAPPED
+    assert manager.get_num_free_gpu_blocks() < 12 and manager.get_num_free_cpu_blocks() < 8
+
+    manager.reset()
+
+    assert manager.block_tables == {}
+    assert manager.get_num_free_gpu_blocks() == 12
+    assert manager.get_num_free_cpu_blocks() == 8
+    manager.reset()  # twice: nothing left to free, nothing raised
+    again = make_group("d", 40, 16)
+    assert manager.can_allocate(again)
+    manager.allocate(again)
+    assert len(manager.get_block_table(again.get_seqs()[0])) == 4

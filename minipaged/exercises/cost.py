@@ -1,0 +1,271 @@
+"""Cost checks of the build track: is the learner's component as cheap as the package's as the
+work grows? (lessons 02-11, 16).
+
+A component can be right and still too slow for an engine: a free list that counts its free
+blocks by scanning the whole pool is correct, and the engine asks for that count every step, so
+at 100,000 blocks every schedule scans the pool. Correctness checks cannot see it; a stopwatch
+on one machine cannot either (a slow laptop is not a slow component). What holds on any
+machine is a **ratio measured in one run**: the learner's component and the package's do the
+same work, one after the other, at a small and at a large size (pool size, running groups,
+batch size, ...); the machine's speed cancels out. A component whose ratio to the package's
+grows with the size has a cost that grows where the package's does not.
+
+Each measurement alternates the two and keeps the best of several repeats, so that a busy
+machine slows both alike rather than one of them.
+
+    verdict = measure_cost("FreeListAllocator", MyAllocator)
+    verdict.slow      # True: "correct, but 41x slower than the package's at 100,000 blocks ..."
+
+Components without a probe here (the kernel's phase, the verifications) get no cost check.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# The verdict's thresholds: slower by this much at the largest size, and the ratio grown by this
+# much from the smallest size. A constant factor (Python written another way) is not what the
+# check is about; a cost that grows with the size is.
+SLOW_RATIO = 8.0
+GROWTH = 4.0
+REPEATS = 9
+# Each timed run lasts at least this long: short enough to fit between two interruptions of a
+# busy machine's scheduler most of the time, long enough for the clock.
+MIN_SECONDS = 0.0005
+
+Work = Callable[[int], None]  # work(times): one unit of an operation, ``times`` times
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How to load a component with work of a given size.
+
+    Args:
+        what: the size's unit, for the verdict ("blocks").
+        sizes: small to large.
+        prepare: ``prepare(component, size)`` builds what the work needs (untimed) and returns
+            {operation: work}; each work leaves the state as it found it.
+    """
+
+    what: str
+    sizes: tuple[int, ...]
+    prepare: Callable[[object, int], dict[str, Work]]
+
+
+@dataclass
+class CostVerdict:
+    """Seconds per unit of work, yours and the package's, by size and operation."""
+
+    name: str
+    probe: Probe
+    rows: list[tuple[int, dict[str, tuple[float, float]]]]
+
+    def ratio(self, i: int, operation: str) -> float:
+        mine, theirs = self.rows[i][1][operation]
+        return mine / theirs if theirs > 0 else float("inf")
+
+    def slow_operations(self) -> list[str]:
+        """The operations slower by ``SLOW_RATIO`` at the last size, their ratio grown by
+        ``GROWTH`` since the first."""
+        if len(self.rows) < 2:
+            return []
+        return [op for op in self.rows[-1][1]
+                if self.ratio(-1, op) >= SLOW_RATIO
+                and self.ratio(-1, op) >= GROWTH * max(self.ratio(0, op), 1e-9)]
+
+    @property
+    def slow(self) -> bool:
+        return bool(self.slow_operations())
+
+    def message(self) -> str:
+        big = f"{self.rows[-1][0]:,} {self.probe.what}"
+        small = f"{self.rows[0][0]:,} {self.probe.what}"
+        slow = self.slow_operations()
+        if slow:
+            worst = max(slow, key=lambda op: self.ratio(-1, op))
+            names = "; ".join(slow)
+            return (f"✗ {self.name}: correct, but {self.ratio(-1, worst):.0f}x slower than the "
+                    f"package's at {big} ({self.ratio(0, worst):.1f}x at {small}): {names} "
+                    f"{'grow' if len(slow) > 1 else 'grows'} with the number of "
+                    f"{self.probe.what} where the package's does not")
+        worst = max(self.rows[-1][1], key=lambda op: self.ratio(-1, op))
+        return (f"  cost: at most {self.ratio(-1, worst):.1f}x the package's time at {big} "
+                f"({worst}), its cost grows as the package's does")
+
+
+def _seconds(work: Work, times: int) -> float:
+    start = time.perf_counter()
+    work(times)
+    return time.perf_counter() - start
+
+
+def _per_unit(work: Work) -> tuple[float, int]:
+    """(seconds per unit of work, units per timed run): the units double until a run lasts
+    ``MIN_SECONDS`` (a slow component's single unit may already last longer)."""
+    times = 1
+    while True:
+        seconds = _seconds(work, times)
+        if seconds >= MIN_SECONDS or times >= 1 << 16:
+            return seconds / times, times
+        times *= 2
+
+
+def _time_size(probe: Probe, candidate, package, size: int,
+               repeats: int) -> dict[str, tuple[float, float]]:
+    """{operation: (yours, the package's) seconds per unit} at ``size``: the two alternate, the
+    best of ``repeats`` runs each."""
+    theirs_work, mine_work = probe.prepare(package, size), probe.prepare(candidate, size)
+    times = {}
+    for op in theirs_work:
+        theirs, their_times = _per_unit(theirs_work[op])
+        mine, my_times = _per_unit(mine_work[op])
+        for _ in range(repeats):
+            theirs = min(theirs, _seconds(theirs_work[op], their_times) / their_times)
+            # NOTE: a run of half a second or more says enough by itself; more would only make
+            # the check slow.
+            if mine * my_times < 0.5:
+                mine = min(mine, _seconds(mine_work[op], my_times) / my_times)
+        times[op] = (mine, theirs)
+    return times
+
+
+def measure(name: str, probe: Probe, candidate, package, repeats: int = REPEATS) -> CostVerdict:
+    """Time ``candidate`` against ``package`` at each of ``probe.sizes``. Stops at the first size
+    that already shows a cost growing where the package's does not; such a finding is measured a
+    second time (the smallest size and that one) and stands only if the second measurement says
+    the same: a busy machine must not raise a false alarm."""
+    verdict = CostVerdict(name, probe, [])
+    gc_was = gc.isenabled()
+    gc.disable()  # NOTE: a collection inside one run and not the other would read as cost
+    try:
+        for size in probe.sizes:
+            verdict.rows.append((size, _time_size(probe, candidate, package, size, repeats)))
+            if verdict.slow:
+                again = CostVerdict(name, probe, [
+                    (s, _time_size(probe, candidate, package, s, repeats))
+                    for s in (probe.sizes[0], size)])
+                if again.slow:
+                    break
+                for i, (_, times) in zip((0, -1), again.rows):  # noise: keep the best of both
+                    verdict.rows[i] = (verdict.rows[i][0], {
+                        op: tuple(map(min, verdict.rows[i][1][op], times[op])) for op in times})
+    finally:
+        if gc_was:
+            gc.enable()
+    return verdict
+
+
+# -- the probes --------------------------------------------------------------------------------
+def _allocator_work(cls, size: int) -> dict[str, Work]:
+    """A pool of ``size`` blocks, half of them held (the free list and the held blocks both
+    grow with the pool)."""
+    from minipaged.block import Device
+
+    allocator = cls(Device.GPU, 16, size)
+    held = [allocator.allocate() for _ in range(size // 2)]
+    shared = held[len(held) // 2]
+
+    def allocate_free(times: int) -> None:
+        for _ in range(times):
+            block = allocator.allocate()
+            allocator.free(block)
+
+    def acquire_free(times: int) -> None:
+        for _ in range(times):
+            allocator.acquire(shared)
+            allocator.free(shared)
+
+    def count(times: int) -> None:
+        for _ in range(times):
+            allocator.get_num_free_blocks()
+
+    return {"allocate + free": allocate_free, "acquire + free": acquire_free,
+            "get_num_free_blocks": count}
+
+
+def _block_manager_work(cls, size: int) -> dict[str, Work]:
+    """A manager of ``size`` GPU blocks with ``size // 8`` running sequences of 2 blocks."""
+    from minipaged.sampling_params import SamplingParams
+    from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    block_size = 4
+    manager = cls(block_size, size, 64, watermark=0.0)
+    params = SamplingParams()
+    seqs = []
+    for i in range(size // 8):
+        seq = Sequence(i, None, [1, 2, 3, 4, 5, 6], block_size)
+        manager.allocate(SequenceGroup(str(i), [seq], params, arrival_time=float(i)))
+        seq.status = SequenceStatus.RUNNING
+        seqs.append(seq)
+    ids = iter(range(size, 1 << 62))
+
+    def new_seq():
+        number = next(ids)
+        seq = Sequence(number, None, [1, 2, 3, 4, 5, 6, 7], block_size)
+        return seq, SequenceGroup(str(number), [seq], params, arrival_time=float(number))
+
+    def fresh():  # a running sequence to append to and fork from
+        seq, group = new_seq()
+        manager.allocate(group)
+        seq.status = SequenceStatus.RUNNING
+        return seq
+    state = {"growing": fresh()}
+
+    def allocate_free(times: int) -> None:
+        for _ in range(times):
+            seq, group = new_seq()
+            manager.can_allocate(group)
+            manager.allocate(group)
+            seq.status = SequenceStatus.RUNNING
+            manager.free(seq)
+
+    def append(times: int) -> None:  # one sequence grows: a new block every 4 tokens
+        for _ in range(times):
+            growing = state["growing"]
+            if growing.get_len() >= 64:  # (once in 57 appends: back to a short sequence)
+                manager.free(growing)
+                growing = state["growing"] = fresh()
+            growing.append_token_id(8, {8: 0.0})
+            manager.append_slot(growing)
+
+    def fork_free(times: int) -> None:
+        for _ in range(times):
+            child, _ = new_seq()
+            child.copy_state_from(state["growing"])
+            child.status = SequenceStatus.RUNNING
+            manager.fork(state["growing"], child)
+            manager.free(child)
+
+    def count(times: int) -> None:
+        for _ in range(times):
+            manager.get_num_free_gpu_blocks()
+
+    return {"allocate + free": allocate_free, "append_slot": append, "fork + free": fork_free,
+            "get_num_free_gpu_blocks": count}
+
+
+PROBES: dict[str, Probe] = {
+    "FreeListAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work),
+    "PrefixCachingAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work),
+    "BlockSpaceManager": Probe("blocks", (800, 8_000, 80_000), _block_manager_work),
+}
+
+
+def measure_cost(name: str, candidate, package=None) -> CostVerdict | None:
+    """The cost verdict of component ``name`` (None where the build track has no probe for it).
+
+    Args:
+        name: a component's name (``workbench.component(name)``).
+        candidate: the learner's class or function.
+        package: what to compare with (default: the package's own component).
+    """
+    probe = PROBES.get(name)
+    if probe is None:
+        return None
+    if package is None:
+        from minipaged.exercises import workbench
+
+        package = workbench.component(name).package_object()
+    return measure(name, probe, candidate, package)

@@ -1,0 +1,134 @@
+"""Cost checks of the build track (exercises/cost.py): a correct component whose cost grows where
+the package's does not gets a verdict naming the operation; the package's own components and
+correct learners' ones never do, on a busy machine too."""
+import multiprocessing
+import time
+
+import pytest
+
+from minipaged.core.allocator import FreeListAllocator
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
+from minipaged.exercises.answers.lesson02 import MyFreeListAllocator
+from minipaged.exercises.answers.lesson03 import MyBlockSpaceManager
+from minipaged.exercises.answers.lesson11 import MyPrefixCachingAllocator
+from minipaged.exercises.cost import PROBES, measure_cost
+
+
+class CountsByScanning(MyFreeListAllocator):
+    """Correct, but counts its free blocks by walking the whole pool."""
+
+    def get_num_free_blocks(self):
+        return sum(1 for block in self.blocks if block.ref_count == 0)
+
+
+class ChecksMembershipOnFree(MyFreeListAllocator):
+    """Correct, but tests that a block is not on the free list before pushing it (a list scan)."""
+
+    def free(self, block):
+        super().free(block)
+        if block.ref_count == 0 and self.stack.count(block) > 1:
+            raise ValueError("double free")
+
+
+class TakesFromTheFront(MyFreeListAllocator):
+    """Correct (the same order of blocks), but keeps the free list front-first: pop(0)."""
+
+    def __init__(self, device, block_size, num_blocks):
+        super().__init__(device, block_size, num_blocks)
+        self.queue = list(self.blocks)
+
+    def allocate(self):
+        if not self.queue:
+            raise ValueError("no free block")
+        block = self.queue.pop(0)
+        block.ref_count = 1
+        return block
+
+    def free(self, block):
+        if block.ref_count <= 0:
+            raise ValueError("free already")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.queue.insert(0, block)
+
+    def get_num_free_blocks(self):
+        return len(self.queue)
+
+
+class RefCountsFromTables(MyBlockSpaceManager):
+    """Correct, but frees a sequence after counting every table's references to its blocks."""
+
+    def free(self, seq):
+        table = self.block_tables.get(seq.seq_id, [])
+        for block in table:
+            sum(block in other for other in self.block_tables.values())
+        super().free(seq)
+
+
+class CountsFreeByScanning(MyBlockSpaceManager):
+    def get_num_free_gpu_blocks(self):
+        return sum(1 for block in self.gpu_allocator.blocks if block.ref_count == 0)
+
+
+@pytest.mark.parametrize("name,slow,operation", [
+    ("FreeListAllocator", CountsByScanning, "get_num_free_blocks"),
+    ("FreeListAllocator", ChecksMembershipOnFree, "allocate + free"),
+    ("FreeListAllocator", TakesFromTheFront, "allocate + free"),
+    ("BlockSpaceManager", RefCountsFromTables, "+ free"),
+    ("BlockSpaceManager", CountsFreeByScanning, "get_num_free_gpu_blocks"),
+])
+def test_a_cost_that_grows_with_the_pool_gets_a_verdict_naming_the_operation(name, slow,
+                                                                                 operation):
+    verdict = measure_cost(name, slow)
+    assert verdict.slow, verdict.message()
+    message = verdict.message()
+    assert message.startswith(f"✗ {name}: correct, but ")
+    assert operation in message.split("): ")[1] and "slower than the package's at" in message
+    assert "where the package's does not" in message
+
+
+CORRECT = [("FreeListAllocator", FreeListAllocator), ("FreeListAllocator", MyFreeListAllocator),
+           ("BlockSpaceManager", BlockSpaceManager), ("BlockSpaceManager", MyBlockSpaceManager),
+           ("PrefixCachingAllocator", PrefixCachingAllocator),
+           ("PrefixCachingAllocator", MyPrefixCachingAllocator)]
+
+
+@pytest.mark.parametrize("name,component", CORRECT)
+def test_no_false_alarm_on_correct_components(name, component):
+    verdict = measure_cost(name, component)
+    assert not verdict.slow, verdict.message()
+    assert verdict.message().startswith("  cost: at most")
+
+
+def _spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,component", CORRECT[:4])
+def test_no_false_alarm_while_both_cores_are_busy(name, component):
+    busy = [multiprocessing.Process(target=_spin, args=(60,), daemon=True) for _ in range(2)]
+    for process in busy:
+        process.start()
+    try:
+        for _ in range(3):
+            verdict = measure_cost(name, component)
+            assert not verdict.slow, verdict.message()
+    finally:
+        for process in busy:
+            process.terminate()
+            process.join()
+
+
+def test_a_component_without_a_probe_gets_none():
+    assert measure_cost("softmax_phase_cuda", object()) is None
+    assert set(PROBES) >= {"FreeListAllocator", "BlockSpaceManager", "PrefixCachingAllocator"}
+
+
+def test_a_slow_component_is_told_quickly():
+    start = time.perf_counter()
+    measure_cost("FreeListAllocator", CountsByScanning)
+    assert time.perf_counter() - start < 30  # (a busy machine: generous)
