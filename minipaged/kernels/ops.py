@@ -50,7 +50,8 @@ def backend(tensor: torch.Tensor) -> str:
 
 
 def _pick(tensor: torch.Tensor):
-    """(back-end name, compiled op or None) for ``tensor``'s device; waits for a build.
+    """(back-end name, compiled op or None) for ``tensor``'s device; waits for a build, except
+    for a background compile of the CPU op (the torch reference runs meanwhile).
 
     The op is a ``CudaKernels`` for a CUDA tensor, a ``CpuKernels`` for a CPU tensor, or None
     where that op is switched off, cannot be built, or the device has none.
@@ -58,7 +59,8 @@ def _pick(tensor: torch.Tensor):
     if tensor.is_cuda:
         op = build.CUDA_OP.load()
     elif tensor.device.type == "cpu":
-        op = build.CPU_OP.load()
+        # NOTE: a first run does not wait for the compiler: the reference runs meanwhile
+        op = build.CPU_OP.load_unless_compiling()
     else:
         op = None
     if op is None:

@@ -181,3 +181,51 @@ def test_a_refused_library_is_not_used_and_the_warning_says_why(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"(?s)is not used: it defines 224 symbols.*"
                                             r"torch reference runs instead"):
         assert job.load() is None
+
+
+def test_while_a_background_build_compiles_the_reference_runs_then_the_op(tmp_path, fake_compiler,
+                                                                          capsys):
+    """A first run does not wait for the compiler: ``load_unless_compiling`` answers None while
+    the background thread compiles (a line says so), and the op once it is built (a line says
+    that too). A library built before is loaded and waited for: no reference step then."""
+    source = tmp_path / "op.cpp"
+    source.write_text("// op\n")
+    release = threading.Event()
+    from torch.utils import cpp_extension
+
+    fake = cpp_extension.load
+
+    def slow_load(**kwargs):
+        release.wait(30)
+        return fake(**kwargs)
+
+    def make(job):
+        return build.compile_extension(job, "test_op", "cpu-TEST", [source])
+
+    job = build.JitBuild("the test op", "~1 s", make)
+    cpp_extension.load = slow_load
+    try:
+        job.start_in_background()
+        for _ in range(200):
+            if job.compiling:
+                break
+            time.sleep(0.01)
+        assert job.compiling
+        assert job.load_unless_compiling() is None
+        assert job.load_unless_compiling() is None
+        release.set()
+        job._thread.join(30)
+        op = job.load_unless_compiling()
+        assert op is not None and not job.compiling
+    finally:
+        cpp_extension.load = fake
+        release.set()
+    err = capsys.readouterr().err
+    assert err.count("the test op is still compiling; the torch reference runs until it is "
+                     "ready") == 1
+    assert "the test op is ready: it runs from this step on" in err
+
+    again = build.JitBuild("the test op", "~1 s", make)  # a new process: the library is built
+    again.start_in_background()
+    assert again.load_unless_compiling() is not None  # loaded and waited for, never None
+    assert "still compiling" not in capsys.readouterr().err
