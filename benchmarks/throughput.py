@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import multiprocessing
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -207,8 +209,36 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of: static, continuous")
     ap.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     ap.add_argument("--note", default="", help="a remark recorded with the results")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: the engine chooses per step; transformers "
+                         "runs with torch's default)")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="then time minipaged and transformers' static batches this many more "
+                         "times on the last trace, alternating which goes first, and give the "
+                         "median of the pairs' ratios (a load that comes and goes falls on both)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="start this many processes that keep a core busy each, for the whole "
+                         "run (a machine where other programs run)")
     args = ap.parse_args(argv)
+    busy = [multiprocessing.Process(target=_keep_a_core_busy, daemon=True)
+            for _ in range(args.busy)]
+    for process in busy:
+        process.start()
+    try:
+        return _main(args)
+    finally:
+        for process in busy:
+            process.terminate()
+            process.join()
+
+
+def _keep_a_core_busy() -> None:  # (--busy: another program's work, until terminated)
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) % 2147483648
+
+
+def _main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -235,7 +265,7 @@ def main(argv=None) -> int:
                    max_num_seqs=args.max_num_seqs,
                    kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                    enforce_eager=args.enforce_eager, num_scheduler_steps=num_scheduler_steps,
-                   **llm_kwargs)
+                   cpu_threads=args.threads, **llm_kwargs)
 
     first_k, *other_ks = args.num_scheduler_steps
     llm = build(first_k)
@@ -244,6 +274,11 @@ def main(argv=None) -> int:
     machine = machine_description(device)
     if device.type == "cpu":
         machine += "; " + cpu_capability_notes(dtype)
+        machine += (f"; torch threads: {args.threads} pinned" if args.threads else
+                    "; torch threads: minipaged chooses per step, transformers runs with "
+                    f"{torch.get_num_threads()}")
+    if args.busy:
+        machine += f"; {args.busy} other process(es) each keeping a core busy (--busy)"
     peak = measure_matmul_peak(n=2048, dtype=dtype, repeats=4, device=device)
     runner = getattr(engine.worker, "model_runner", None)  # none in a tensor-parallel driver
     graphs = getattr(runner, "graph_runner", None) is not None
@@ -263,8 +298,10 @@ def main(argv=None) -> int:
     print("  " + format_decode_breakdown(breakdown, peak), flush=True)
     # Our weights go to transformers: same weights, and the KV pool is freed first.
     state = {k: v for k, v in engine.worker.model.state_dict().items()}
-    llm.shutdown()  # the KV pool, the CUDA graphs and torch's cached blocks go back
-    del llm, engine
+    if not args.pairs:
+        llm.shutdown()  # the KV pool, the CUDA graphs and torch's cached blocks go back
+        del llm
+    del engine
     for k in other_ks:  # multi-step decode: the same weights, k decode steps per schedule
         other = build(k)
         other.llm_engine.worker.model.load_state_dict(state)
@@ -300,6 +337,22 @@ def main(argv=None) -> int:
                 print(f"  transformers continuous batching did not run: "
                       f"{runs[n]['hf continuous']['error']}", flush=True)
 
+    pairs_line = ""
+    if args.pairs:
+        trace = traces[args.num_requests[-1]]
+        ratios = []
+        for i in range(args.pairs):
+            order = ("hf", "minipaged") if i % 2 == 0 else ("minipaged", "hf")
+            times = {}
+            for system in order:
+                times[system] = (run_hf_static(hf, trace, args.static_batch, 0, device)
+                                 if system == "hf" else run_minipaged(llm, trace))["time"]
+            ratios.append(times["hf"] / times["minipaged"])
+            print(f"  pair {i + 1} ({order[0]} first): {ratios[-1]:.2f}x", flush=True)
+        llm.shutdown()
+        pairs_line = (f"alternating pairs on {len(trace)} requests, minipaged's speed-up vs "
+                      f"transformers static: median {statistics.median(ratios):.2f}x "
+                      f"({', '.join(f'{r:.2f}x' for r in ratios)})")
     tables = [f"{n} requests:\n\n" + format_table(runs[n], args.static_batch, n,
                                                     sum(o for _, o in traces[n]))
               for n in traces]
@@ -308,7 +361,8 @@ def main(argv=None) -> int:
                          for n in traces for name, r in runs[n].items()
                          if name.startswith("minipaged")]
     decode = format_decode_breakdown(breakdown, peak)
-    report = "\n\n".join(tables + engine_breakdowns + [decode])
+    report = "\n\n".join(tables + engine_breakdowns + [decode] + ([pairs_line] if pairs_line
+                                                                    else []))
     last = speedup_line(runs[args.num_requests[-1]])
     print("\n" + report + "\n\n" + last)
     if args.record:

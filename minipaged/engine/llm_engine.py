@@ -32,7 +32,7 @@ from minipaged.spec_decode.speculator import NoSpeculator, make_speculator
 from minipaged.validation import (RequestLimits, as_arrival_time, as_token_ids, check_request_id,
                                   encode_prompt, validate_request)
 from minipaged.worker import checkpoint
-from minipaged.worker.create_worker import create_worker
+from minipaged.worker.create_worker import create_worker, start_building_ops
 from minipaged.worker.model_loader import resolve_device, resolve_dtype
 from minipaged.worker.model_runner import PreparedInputs, prepare_inputs
 from minipaged.worker.sampler import Sampler, sequence_generators
@@ -52,6 +52,7 @@ class LLMEngine:
     def __init__(self, model: str | None = None, **settings) -> None:
         self.config = cfg = EngineConfig.from_settings(model, **settings)
         resolved_device = resolve_device(cfg.device)
+        start_building_ops(resolved_device)  # a first run's compile overlaps the model's loading
 
         # -- the model ---------------------------------------------------------------------------
         source = checkpoint.resolve(cfg.model) if cfg.hf_config is None else cfg.model

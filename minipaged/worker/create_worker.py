@@ -4,8 +4,15 @@ from __future__ import annotations
 import torch
 
 from minipaged.config import DEFAULT_TIMEOUT_S
+from minipaged.kernels.build import start_background_build
 from minipaged.worker.mp_workers import TensorParallelWorkers
 from minipaged.worker.worker import LocalWorker, Worker
+
+
+def start_building_ops(device: torch.device) -> None:
+    """Start compiling the attention op of ``device`` in the background now, so that the build
+    overlaps finding (and on a first run, converting) the checkpoint and loading its weights."""
+    start_background_build(device)
 
 
 def create_worker(hf_config, source: str | None, load_format: str, dtype: torch.dtype,

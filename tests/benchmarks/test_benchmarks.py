@@ -29,6 +29,21 @@ def test_throughput_benchmark_runs_on_dummy_weights():
     assert "step-time breakdown" in out
 
 
+def test_throughput_alternates_pairs_while_a_core_is_kept_busy():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--dummy", "tiny-llama", "--num-requests",
+         "6", "--prompt-len", "4", "20", "--output-len", "4", "12", "--static-batch", "3",
+         "--skip", "continuous", "--pairs", "2", "--busy", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "pair 1 (hf first)" in out and "pair 2 (minipaged first)" in out
+    assert "alternating pairs on 6 requests, minipaged's speed-up vs transformers static: " \
+           "median " in out
+    assert "1 other process(es) each keeping a core busy" in out
+    assert "minipaged chooses per step" in out
+
+
 def test_serving_benchmark_runs_on_a_tiny_model(tmp_path):
     from tiny_models import save_tiny_model
 
