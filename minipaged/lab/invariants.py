@@ -191,14 +191,14 @@ def check_scheduler(scheduler) -> list[Violation]:
                                        f"in {seen[rid]} and in {queue}"))
             seen[rid] = queue
             for seq in group.get_seqs():
+                label = f"sequence {seq.seq_id} (request {rid})"
                 if seq.is_finished():
                     continue
                 if seq.status is not status:
-                    found.append(Violation("queue matches status", _seq_label(bm, seq.seq_id),
+                    found.append(Violation("queue matches status", label,
                                            f"{seq.status.name} in the {queue} queue"))
                 elif queue != "waiting" and seq.seq_id not in bm.block_tables:
-                    found.append(Violation("live sequences hold blocks",
-                                           _seq_label(bm, seq.seq_id),
+                    found.append(Violation("live sequences hold blocks", label,
                                            f"{seq.status.name}, but it has no block table"))
     return found
 
