@@ -185,7 +185,7 @@ def _named_by_own_tokens(parent_hash, token_ids):
     return prefix_caching_allocator.block_hash(None, token_ids)
 
 
-def _patch(target, name: str, value):
+def _patch(target, name: str, value):  # (an engine -> the context manager that patches)
     return lambda engine: mock.patch.object(target, name, value)
 
 
@@ -339,8 +339,7 @@ _PHRASES = ["A paged KV cache keeps each token", "Schedulers run every group at 
 
 def draw_mystery(seed: int | None = None) -> Mystery:
     """A mystery engine: the fault and the workload follow from ``seed`` (None: a new seed)."""
-    if seed is None:
-        seed = random.SystemRandom().randrange(1, 100_000)
+    seed = random.SystemRandom().randrange(1, 100_000) if seed is None else seed
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
     return Mystery(seed)
@@ -374,26 +373,21 @@ def check_diagnosis(fn: Callable[[], tuple], mystery: Mystery, reference_run: Re
     found = compare(reference_run, suspect_run)
     step = found.step if found is not None else None
     try:
-        answer = fn()
+        result = _verdict(fn(), fault, step)
     except NotDone:
-        if not use_solutions():
+        if use_solutions():
+            result = CheckResult(f"diagnosis: not done yet, so the solution was used: "
+                                 f"{_reveal((fault.component, step, fault.cause + 1))}",
+                                 "solution used")
+        else:
             result = CheckResult("… diagnosis: not done yet. Return (component, step, cause) in "
                                  "place of not_done(), then run the cell again.", "not done")
-            print(result)
-            return result
-        answer = (fault.component, step, fault.cause + 1)
-        result = CheckResult(f"diagnosis: not done yet, so the solution was used: "
-                             f"{_reveal(answer)}", "solution used")
-        print(result)
-        return result
-    result = _verdict(answer, fault, step)
     print(result)
     return result
 
 
 def _reveal(answer) -> str:
-    component, step, cause = answer
-    return f"{component}, step {step}: {CAUSES[cause - 1]}"
+    return f"{answer[0]}, step {answer[1]}: {CAUSES[answer[2] - 1]}"
 
 
 def _verdict(answer, fault: _Fault, step: int | None) -> CheckResult:

@@ -1,4 +1,5 @@
-"""lab/engine_diff.py (lesson 19): two engines on one workload, the first step and field that differ.
+"""lab/engine_diff.py (lesson 19): two engines on one workload, the first step and field that
+differ.
 
 Two package engines agree at every step on random workloads (Hypothesis: prompts with shared
 prefixes, greedy, seeded, parallel sampling and beam search, arrivals, aborts, pools that preempt,

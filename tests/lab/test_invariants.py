@@ -1,4 +1,5 @@
-"""lab/invariants.py (lesson 19): the invariants of blocks and queues, after every step or on demand.
+"""lab/invariants.py (lesson 19): the invariants of blocks and queues, after every step or on
+demand.
 
 The package's engine keeps every invariant after every step of random workloads (Hypothesis,
 the same workloads as test_engine_diff.py's); a block manager and a scheduler broken by hand get
