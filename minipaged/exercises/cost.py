@@ -15,7 +15,7 @@ machine slows both alike rather than one of them.
 
     verdict = measure_cost("FreeListAllocator", MyAllocator)
     verdict.slow       # True
-    verdict.message()  # "✗ FreeListAllocator: correct, but 2581x slower than the package's at
+    verdict.message()  # "⚠ FreeListAllocator: correct, but 2581x slower than the package's at
                        #  10,000 blocks (294x at 1,000 blocks): the cost of get_num_free_blocks
                        #  grows faster with the number of blocks than the package's"
 
@@ -89,7 +89,7 @@ class CostVerdict:
         if slow:
             worst = max(slow, key=lambda op: self.ratio(-1, op))
             names = "; ".join(slow)
-            return (f"✗ {self.name}: correct, but {self.ratio(-1, worst):.0f}x slower than the "
+            return (f"⚠ {self.name}: correct, but {self.ratio(-1, worst):.0f}x slower than the "
                     f"package's at {big} ({self.ratio(0, worst):.1f}x at {small}): the cost of "
                     f"{names} grows faster with the number of {self.probe.what} than the "
                     f"package's")

@@ -98,7 +98,7 @@ def test_a_cost_that_grows_with_the_pool_gets_a_verdict_naming_the_operation(nam
     verdict = measure_cost(name, slow)
     assert verdict.slow, verdict.message()
     message = verdict.message()
-    assert message.startswith(f"✗ {name}: correct, but ")
+    assert message.startswith(f"⚠ {name}: correct, but ")
     assert operation in message.split("): ")[1] and "slower than the package's at" in message
     assert "grows faster with the number of" in message
 
