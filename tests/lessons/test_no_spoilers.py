@@ -23,7 +23,6 @@ import json
 import re
 import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -101,7 +100,8 @@ def _asked_methods(stub_source: str) -> list[str] | None:
     """The methods a stub's class defines (None when the stub is not a class)."""
     for node in ast.parse(stub_source).body:
         if isinstance(node, ast.ClassDef):
-            return [n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            return [n.name for n in node.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     return None
 
 
@@ -153,6 +153,8 @@ class Listing:
     code: str  # the call, as written
     obj: object  # what is listed (None for a file part)
     text: str  # the listed source
+    whole: str = ""  # the whole object or file the part is cut from
+    markers: tuple = ()  # the start and end markers the call names (literal strings)
 
 
 class _Names:
@@ -266,13 +268,19 @@ def lesson_listings(cells: list[dict], lesson: int) -> list[Listing]:
             start = _argument(node, 1, "start", names)
             end = _argument(node, 2, "end", names)
             code = ast.get_source_segment(source, node)
+            markers = tuple(m for m in (start, end) if isinstance(m, str))
             if kind == "file":
-                from visualizer.source import file_part
+                from visualizer.source import REPO_ROOT, file_part
 
-                text = file_part(what, start, end) if isinstance(what, str) else ""
-                found.append(Listing(lesson, index, code, None, text))
+                if isinstance(what, str):
+                    text = file_part(what, start, end)
+                    whole = (REPO_ROOT / what).read_text()
+                else:
+                    text = whole = ""
+                found.append(Listing(lesson, index, code, None, text, whole, markers))
             elif what is not None:
-                found.append(Listing(lesson, index, code, what, _object_text(what, start, end)))
+                found.append(Listing(lesson, index, code, what, _object_text(what, start, end),
+                                     _source(what), markers))
             else:
                 found.append(Listing(lesson, index, code, None, ""))  # unknown: no text to judge
     return found
@@ -302,7 +310,8 @@ def spoils(listing: Listing, target: Target) -> str | None:
             if listed is _unwrap(obj):
                 return f"lists {target.name}'s package object"
             if _holds(listed, obj) and not isinstance(obj, type):
-                return f"lists {getattr(listed, '__name__', listed)}, which holds {target.name} whole"
+                holder = getattr(listed, "__name__", listed)
+                return f"lists {holder}, which holds {target.name} whole"
     ours, listed = _significant(target.text), _significant(listing.text)
     shared = ours & listed
     if ours and len(shared) >= min(_SHARED_LINES, max(1, len(ours) // 2)):
@@ -343,6 +352,31 @@ def test_every_component_has_a_stub_and_a_package_source(targets):
 def test_no_lesson_lists_a_component_before_its_stub(targets):
     problems = spoilers(_notebooks(), targets)
     assert not problems, "\n".join(problems)
+
+
+def missing_markers(notebooks: dict[int, list[dict]]) -> list[str]:
+    missing = []
+    for lesson, cells in sorted(notebooks.items()):
+        for listing in lesson_listings(cells, lesson):
+            for marker in listing.markers:
+                if listing.whole and marker not in listing.whole:
+                    missing.append(f"lesson {lesson:02d} cell {listing.cell}: `{listing.code}`: "
+                                   f"{marker!r} is not in what it lists")
+    return missing
+
+
+def test_every_listing_marker_is_in_what_it_lists():
+    """A ``start``/``end`` marker that is no longer in the source makes ``show_source`` list the
+    whole object (or a file part run to the end of the file): the lesson then shows what its
+    text does not say."""
+    missing = missing_markers(_notebooks())
+    assert not missing, "\n".join(missing)
+
+
+def test_a_marker_that_is_gone_is_caught():
+    cells = _notebooks()[8]
+    cells = cells[:2] + [_code('show(apply_step, end="no such line")')] + cells[2:]
+    assert [m for m in missing_markers({8: cells}) if "'no such line'" in m]
 
 
 def _code(source: str) -> dict:
