@@ -243,23 +243,92 @@ _MANAGER_HINTS = {
     "free": "each block of the table loses one reference; only the ones nobody else holds go "
             "back to the free list; and the sequence holds nothing afterwards",
 }
+# sharper hints for a method that left a block's ref count wrong (the invariant broke there)
+_REF_COUNT_HINTS = {
+    "allocate": "allocate left a shared block's ref count short of the tables holding it: a "
+                "block the group's sequences share is held once per sequence, so its ref "
+                "count counts every one of them (prompt_layout says which blocks they share)",
+    "append_slot": "append_slot left a ref count wrong: a copy-on-write gives the writer a "
+                   "block of its own AND lets go of its reference to the shared one",
+    "free": "free left a ref count wrong: each block of the table loses one reference (the "
+            "others holding it keep theirs); only a block nobody holds is free again",
+}
 # which of the learner's methods made an event
 _EVENT_METHOD = {"allocate": "allocate", "append": "append_slot",
                  "copy_on_write": "append_slot", "fork": "fork", "free": "free"}
+# the manager's methods the learner writes, as the scheduler calls them
+_LEARNER_METHODS = ("can_allocate", "allocate", "append_slot", "fork", "free")
+
+
+def _call_args(method: str, args) -> str:
+    """A call of one of the manager's methods, in words (the ids of what it was given)."""
+    def name(obj):
+        if hasattr(obj, "request_id"):
+            return f"request {obj.request_id}"
+        return f"seq {obj.seq_id}" if hasattr(obj, "seq_id") else repr(obj)
+    return f"{method}({', '.join(name(a) for a in args)})"
+
+
+class _Call:
+    """One call of the manager's own methods: what it returned, the events it sent, and the
+    manager afterwards (state, and the ref-count invariant if it broke)."""
+
+    def __init__(self, method: str, args, result, events: list[dict], bm) -> None:
+        self.method, self.call = method, _call_args(method, args)
+        self.result = (bool(result) if method == "can_allocate" else  # as the scheduler reads
+                       tuple(result) if method == "append_slot" and result is not None else
+                       dict(result) if method == "allocate" and result is not None else result)
+        self.events, self.state, self.broken = events, _manager_state(bm), _broken_invariant(bm)
+
+    def differs_from(self, expected: "_Call") -> str | None:
+        """What differs first: the call itself, its events, the invariant, its result, the
+        state; None when nothing does."""
+        if self.call != expected.call:
+            return "call"
+        for what in ("events", "broken", "result", "state"):
+            if getattr(self, what) != getattr(expected, what):
+                return what
+        return None
+
+
+def _record_calls(bm, calls: list[_Call], events: list[dict]) -> None:
+    """Log every outermost call of the manager's own methods into ``calls``."""
+    depth = [0]
+
+    def recorded(method: str, fn):
+        def call(*args, **kwargs):
+            depth[0] += 1
+            first_event = len(events)
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                calls.append(_Call(method, args, result, events[first_event:], bm))
+            return result
+        return call
+
+    for method in _LEARNER_METHODS:
+        setattr(bm, method, recorded(method, getattr(bm, method)))
 
 
 class _Lockstep:
     """A model-free engine (``DryRun``) whose scheduler is ``scheduler_class`` holding a
-    ``manager_class`` manager (one of the pair a checker runs side by side; lessons 03, 04, 09)."""
+    ``manager_class`` manager (one of the pair a checker runs side by side; lessons 03, 04, 09).
+    With ``record_calls`` every call of the manager's own methods is logged in ``calls``."""
 
     def __init__(self, block_size, num_gpu, num_cpu, watermark, config,
-                 manager_class=BlockSpaceManager, scheduler_class=Scheduler):
+                 manager_class=BlockSpaceManager, scheduler_class=Scheduler,
+                 record_calls: bool = False):
         self.run = DryRun(block_size, num_gpu, num_cpu, watermark=watermark)
         self.bm = manager_class(block_size, num_gpu, num_cpu, watermark)
         self.run.block_manager = self.bm
         self.run.scheduler = scheduler_class(config, self.bm)
         self.events: list[dict] = []
         self.bm.add_listener(self.events.append)
+        self.calls: list[_Call] = []
+        if record_calls:
+            _record_calls(self.bm, self.calls, self.events)
 
     def arrive(self, prompt: list[int], n: int) -> None:
         self.run.add_request(prompt, n=n)
@@ -267,6 +336,18 @@ class _Lockstep:
     def after_model(self, outs) -> None:
         """The step's sampled tokens (a fixed function of the sequence: both runs agree)."""
         self.run.sampled(outs, lambda seq: 100 + (7 * seq.seq_id + seq.get_len()) % 50)
+
+
+def _first_wrong_call(theirs: _Lockstep, mine: _Lockstep) -> tuple[_Call, str] | None:
+    """The learner's first call whose record differs from the package's, and what differs."""
+    for want, got in zip(theirs.calls, mine.calls):
+        what = got.differs_from(want)
+        if what is not None:
+            return got, what
+    if len(mine.calls) != len(theirs.calls):  # one made a call the other did not
+        extra = (mine.calls + theirs.calls)[min(len(mine.calls), len(theirs.calls))]
+        return extra, "call"
+    return None
 
 
 def _arrivals(rng, block_size: int) -> list[tuple[list[int], int]]:
@@ -280,6 +361,17 @@ def _to_finish(rng, lock: _Lockstep, block_size: int) -> list[int]:
     return [s.seq_id for g in lock.run.scheduler.running if not g.pending_chunks
             for s in g.get_seqs(SequenceStatus.RUNNING)
             if rng.random() < 0.12 or s.get_len() > 6 * block_size]
+
+
+def _manager_hint(wrong: tuple[_Call, str] | None, fallback: str) -> str:
+    """The hint of the method whose call first went wrong (``fallback``: the method the
+    step's events point at, when no single call differs)."""
+    if wrong is None:
+        return _MANAGER_HINTS[fallback]
+    call, what = wrong
+    if what == "broken" and call.method in _REF_COUNT_HINTS:
+        return _REF_COUNT_HINTS[call.method]
+    return _MANAGER_HINTS[call.method]
 
 
 def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
@@ -296,11 +388,15 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
                                  max_num_batched_tokens=rng.choice([4096, 6]))
         pool = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size} tokens, watermark "
                 f"{watermark}, preemption {mode or 'by group size'}")
-        theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config, cls)
+        theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config, cls,
+                                  record_calls=True)
                         for cls in (BlockSpaceManager, candidate))
 
         def compare(step: int, call: str, outs=None) -> None:
             inputs = f"{pool}; step {step}: {call}"
+            wrong = _first_wrong_call(theirs, mine)
+            if wrong is not None:
+                inputs += f"; first wrong call: {wrong[0].call}"
             if theirs.events != mine.events:
                 at = next((i for i, (a, b) in enumerate(zip(theirs.events, mine.events))
                            if a != b), min(len(theirs.events), len(mine.events)))
@@ -311,22 +407,23 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
                 if want and got is None and op == "allocate" or want is None and op == "allocate":
                     method = "can_allocate"  # one admitted the group, the other did not
                 fail(name, case, f"{inputs}; the listeners heard", got, want,
-                     _MANAGER_HINTS[method])
+                     _manager_hint(wrong, method))
             method = next((_EVENT_METHOD[e["op"]] for e in theirs.events
                            if e["op"] in _EVENT_METHOD), "allocate")
             broken = _broken_invariant(mine.bm)
             if broken:
                 fail(name, case, inputs, broken, "ref counts = tables holding each block",
-                     _MANAGER_HINTS[method])
+                     _manager_hint(wrong, method))
             got, want = _manager_state(mine.bm), _manager_state(theirs.bm)
             if outs is not None:
                 got["blocks_to_copy"], want["blocks_to_copy"] = outs
             if got != want:
                 differs = [k for k in want if got[k] != want[k]]
                 fail(name, case, inputs, {k: got[k] for k in differs},
-                     {k: want[k] for k in differs}, _MANAGER_HINTS[method])
-            theirs.events.clear()
-            mine.events.clear()
+                     {k: want[k] for k in differs}, _manager_hint(wrong, method))
+            for lock in (theirs, mine):
+                lock.events.clear()
+                lock.calls.clear()
 
         for step in range(rng.randint(4, 24)):
             for prompt, n in _arrivals(rng, block_size):

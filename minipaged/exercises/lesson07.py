@@ -18,6 +18,7 @@ random mixed steps against the package's layer and plugged in where GPT-2 and LL
 """
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -227,10 +228,36 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
             row = int(torch.nonzero(~(error <= 1e-4))[0])
             part = ("fresh prompt" if row < meta.num_fresh_prompt_tokens else "chunk"
                     if row < meta.num_prompt_tokens else "decode")
+            hint = _PART_HINTS[part]
+            if part != "fresh prompt" and _close(got[row], _read_before_write(
+                    make, query, key, value, key_cache, value_cache, meta)[row]):
+                hint = _READ_BEFORE_WRITE_HINT  # the right paths, on the cache of before
             fail("Attention", case, inputs + f"; row {row} ({part} part of the batch), "
                  f"first values", [round(v, 4) for v in got[row, :4].tolist()],
-                 [round(v, 4) for v in expected[row, :4].tolist()], _PART_HINTS[part])
+                 [round(v, 4) for v in expected[row, :4].tolist()], hint)
     return num_cases
+
+
+_READ_BEFORE_WRITE_HINT = (
+    "this row is what the paths give on the cache as it was BEFORE the step: the cache ends up "
+    "right, but it was written too late; a chunk or a decode token reads its context from the "
+    "cache, its own new key included: written before it is read (ops.reshape_and_cache with "
+    "meta.slot_mapping, first)")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a - b).abs().amax() / b.abs().amax().clamp(min=1.0)) <= 1e-4)
+
+
+def _read_before_write(make, query, key, value, key_cache, value_cache, meta) -> torch.Tensor:
+    """The package's output when every path reads the cache of before the step: the step's
+    keys and values go to a scratch block that no block table lists. (T, num_heads * head_size)"""
+    block_size = value_cache.shape[-1]
+    scratch = (torch.cat([key_cache, key_cache[:1]]), torch.cat([value_cache, value_cache[:1]]))
+    nowhere = torch.full_like(meta.slot_mapping, key_cache.shape[0] * block_size)  # (T,)
+    with torch.inference_mode():
+        return make(PagedAttention)(query, key, value, scratch,
+                                    dataclasses.replace(meta, slot_mapping=nowhere))
 
 
 class _Said(str):

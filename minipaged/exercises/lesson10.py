@@ -308,11 +308,12 @@ def _check_sampler(candidate, rng, num_cases: int) -> int:
             f"{row.seq_group.find(row.seq_ids[0]).output_token_ids}"
             for i, row in enumerate(rows)) + f"; vocab {logits.shape[-1]}"
         shape = {r: sorted(outs) for r, outs in expected.items()}
-        if not isinstance(got, dict) or {r: sorted(o) for r, o in got.items()} != shape:
-            fail("Sampler", case, inputs, {r: sorted(o) for r, o in got.items()}
-                 if isinstance(got, dict) else got, shape,
-                 "return {request_id: {seq_id: SequenceOutput}}: one entry for every sequence "
-                 "of every row (a fresh group's prompt row serves all of its seq_ids)")
+        malformed = _malformed(got, shape)
+        if malformed is not None:  # read nothing more of it: say what is wrong with it
+            fail("Sampler", case, inputs, _Shown(_short(got)),
+                 _Shown("{request_id: {seq_id: SequenceOutput(parent_seq_id, token_id, "
+                        f"logprobs)}} for {shape}"),
+                 f"your `__call__` returned {_short(got)}: {malformed}")
         for request_id, outputs in expected.items():
             for seq_id, want in outputs.items():
                 have = got[request_id][seq_id]
@@ -331,6 +332,46 @@ def _check_sampler(candidate, rng, num_cases: int) -> int:
                     fail("Sampler", case, where + " (logprobs)", _rounded(have.logprobs),
                          _rounded(want.logprobs), _LOGPROB_HINT)
     return num_cases
+
+
+def _short(value, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + " ...}"
+
+
+def _malformed(got, shape: dict[str, list[int]]) -> str | None:
+    """What is wrong with the structure the learner's ``__call__`` returned (None: nothing),
+    checked before the checker reads a field of it: {request_id: {seq_id: SequenceOutput}}."""
+    if not isinstance(got, dict):
+        return (f"it must be a dict {{request_id: {{seq_id: SequenceOutput}}}}, not a "
+                f"{type(got).__name__}")
+    if sorted(got, key=repr) != sorted(shape, key=repr):
+        missing = [r for r in shape if r not in got]
+        extra = [r for r in got if r not in shape]
+        return (f"one entry per request, keyed by its request id (row.seq_group.request_id): "
+                f"missing {missing}, not expected {extra}")
+    for request_id, outputs in got.items():
+        if not isinstance(outputs, dict):
+            return (f"the value of request {request_id!r} must be a dict {{seq_id: "
+                    f"SequenceOutput}}, not a {type(outputs).__name__}")
+        if sorted(outputs, key=repr) != shape[request_id]:
+            return (f"request {request_id!r} needs one entry for every sequence of its rows, "
+                    f"keyed by seq id ({shape[request_id]}; a fresh group's prompt row serves "
+                    f"all of its seq_ids)")
+        for seq_id, out in outputs.items():
+            fields = [getattr(out, f, None) for f in ("parent_seq_id", "token_id", "logprobs")]
+            if not isinstance(out, SequenceOutput) and None in fields:
+                return (f"each value must be a SequenceOutput(parent_seq_id, token_id, "
+                        f"logprobs); seq {seq_id}'s is a {type(out).__name__}")
+            parent, token, logprobs = fields
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (parent, token)):
+                return (f"seq {seq_id}'s parent_seq_id and token_id must be plain ints (int(...) "
+                        f"of a tensor), not {type(parent).__name__} and {type(token).__name__}")
+            if not isinstance(logprobs, dict) or not all(
+                    isinstance(t, int) and isinstance(v, float) for t, v in logprobs.items()):
+                return (f"seq {seq_id}'s logprobs must be a dict {{token id (int): logprob "
+                        f"(float)}}, the chosen token's first")
+    return None
 
 
 _GENERATOR_HINT = ("a random row draws with its own sequence's generator, generators[seq_id], "
