@@ -213,7 +213,7 @@ def _step_record(lock: _Lockstep, outs) -> dict:
             "num_batched_tokens": outs.num_batched_tokens, **_scheduler_state(lock)}
 
 
-def _random_configs(rng):
+def _random_configs(rng, case: int = 0):
     """Tiny pools (so that preemption happens), either preemption mode, budgets and sequence
     limits small and large, chunked prefill on and off."""
     block_size = rng.choice([1, 2, 4])
@@ -226,11 +226,14 @@ def _random_configs(rng):
     return block_size, rng.randint(6, 14), num_cpu, rng.choice([0.0, 0.0, 0.1]), config
 
 
-def _lockstep_steps(candidate_class, rng, num_cases: int):
+def _lockstep_steps(candidate_class, rng, num_cases: int, configs=_random_configs,
+                    arrivals=_arrivals):
     """(case, description, the queues before the step, the package's run, the learner's run,
-    their outputs) for every step of random traffic, the two schedulers side by side."""
+    their outputs) for every step of random traffic, the two schedulers side by side.
+    ``configs(rng, case)`` draws each case's pool and scheduler settings, ``arrivals(rng,
+    block_size)`` each step's new requests."""
     for case in range(num_cases):
-        block_size, num_gpu, num_cpu, watermark, config = _random_configs(rng)
+        block_size, num_gpu, num_cpu, watermark, config = configs(rng, case)
         about = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size}, watermark {watermark}, "
                  f"preemption {config.preemption_mode or 'by group size'}, max_num_seqs "
                  f"{config.max_num_seqs}, max_num_batched_tokens "
@@ -239,7 +242,7 @@ def _lockstep_steps(candidate_class, rng, num_cases: int):
         theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config,
                                   scheduler_class=cls) for cls in (Scheduler, candidate_class))
         for step in range(rng.randint(4, 24)):
-            for prompt, n in _arrivals(rng, block_size):
+            for prompt, n in arrivals(rng, block_size):
                 for lock in (theirs, mine):
                     lock.arrive(prompt, n)
             before = _scheduler_state(theirs)

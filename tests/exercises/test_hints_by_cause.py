@@ -128,3 +128,16 @@ def test_a_malformed_return_value_is_named_with_its_case():
     assert "your code raised" not in result
     assert "your `__call__` returned {'req0': {0: (0, 0, " in result
     assert "each value must be a SequenceOutput" in hint_of(result)
+
+
+# lesson 09: a group whose chunks did not all fit does not stop the groups behind it
+AdmitsPastAGroupWithChunksLeft = changed(
+    a09, "admit_waiting",
+    ("        if seq_group.pending_chunks:\n"
+     "            break  # the budget ran out inside this prompt: the rest waits for later steps",
+     "        pass"))
+
+
+def test_admission_past_a_group_with_chunks_left_is_caught_with_the_spent_budget_rule():
+    result = check("admit_waiting", AdmitsPastAGroupWithChunksLeft)
+    assert "spends the budget" in hint_of(result)
