@@ -227,9 +227,13 @@ class MySampler(Sampler):
         then the temperature (1 for greedy and beam search). Then per request: greedy takes the
         argmax; random sampling filters top-k then top-p and draws once per sequence with
         ``draw(probs, generators[seq_id])``; beam search calls
-        ``self._beam_search(seq_group, its rows, their logprobs)``. A ``SequenceOutput(parent
-        seq id, token, logprobs)`` reports the chosen token's logprob (after penalties and
-        temperature, before top-k/top-p) and, with ``logprobs=n``, the n most likely tokens'.
+        ``self._beam_search(seq_group, its rows, their logprobs)``, which returns
+        ``{seq_id: (k, parent_seq_id, token_id)}`` for every sequence of the group: ``k`` is
+        the position, among the rows you passed, of the row (and logprobs) the token was chosen
+        from, and the token continues sequence ``parent_seq_id`` (another beam, or itself). A
+        ``SequenceOutput(parent seq id, token, logprobs)`` reports the chosen token's logprob
+        (after penalties and temperature, before top-k/top-p) and, with ``logprobs=n``, the n
+        most likely tokens'.
         """
         not_done()  # <- your code here
 
