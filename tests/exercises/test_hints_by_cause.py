@@ -141,3 +141,215 @@ AdmitsPastAGroupWithChunksLeft = changed(
 def test_admission_past_a_group_with_chunks_left_is_caught_with_the_spent_budget_rule():
     result = check("admit_waiting", AdmitsPastAGroupWithChunksLeft)
     assert "spends the budget" in hint_of(result)
+
+
+# == further mistakes, per component, as a learner makes them ====================================
+# Each entry: (component, the mistake, what the hint must say, what it must not say).
+
+# -- lesson 02: FreeListAllocator ----------------------------------------------------------------
+class AllocatesFromTheFront(a02.MyFreeListAllocator):
+    """The free list used as a queue: the oldest free block goes out first."""
+
+    def allocate(self):
+        if not self.stack:
+            raise ValueError("no free block")
+        block = self.stack.pop(0)
+        block.ref_count = 1
+        return block
+
+
+class AcquireForgetsTheCount(a02.MyFreeListAllocator):
+    def acquire(self, block):
+        pass
+
+
+class CountsAllocationsForTheFreeNumber(a02.MyFreeListAllocator):
+    """Keeps its own counter of free blocks, and forgets to count a block freed again."""
+
+    def __init__(self, device, block_size, num_blocks):
+        super().__init__(device, block_size, num_blocks)
+        self.num_free = num_blocks
+
+    def allocate(self):
+        block = super().allocate()
+        self.num_free -= 1
+        return block
+
+    def get_num_free_blocks(self):
+        return self.num_free
+
+
+class ListsTheFreeBlocksBottomFirst(a02.MyFreeListAllocator):
+    def free_block_numbers(self):
+        return [block.block_number for block in self.stack]
+
+
+# -- lesson 03: BlockSpaceManager ----------------------------------------------------------------
+CanAllocateCountsSharedBlocksPerSequence = changed(
+    a03, "MyBlockSpaceManager",
+    ("            needed = len(seqs[0].logical_token_blocks)\n",
+     "            needed = len(seqs) * len(seqs[0].logical_token_blocks)\n"))
+
+CopyOnWriteKeepsTheOldReference = changed(
+    a03, "MyBlockSpaceManager",
+    ("        self.gpu_allocator.free(last)  # one holder fewer\n", ""))
+
+FreeFirstBlockFirst = changed(
+    a03, "MyBlockSpaceManager",
+    ("        for block in table[::-1]:\n", "        for block in table:\n"))
+
+ForkSharesTheParentsList = changed(
+    a03, "MyBlockSpaceManager",
+    ("        table = self.block_tables[parent.seq_id][:]\n",
+     "        table = self.block_tables[parent.seq_id]\n"))
+
+
+# -- lesson 04: Scheduler ------------------------------------------------------------------------
+PreemptsTheOldest = changed(
+    a04, "MyScheduler",
+    ("                victim = queue.pop() if queue else seq_group\n",
+     "                victim = queue.pop(0) if queue else seq_group\n"))
+
+RecomputeKeepsTheBlocks = changed(
+    a04, "MyScheduler",
+    ("                self.block_manager.free(seq)\n", ""))
+
+ResumesInAStepThatPreempted = changed(
+    a04, "MyScheduler",
+    ("        if step.preempted or step.stalled:\n", "        if step.stalled:\n"))
+
+DecodesCostNoBudget = changed(
+    a04, "MyScheduler",
+    ("                step.budget -= sum(1 + seq.num_lookahead_slots for seq in seqs)\n", ""))
+
+
+# -- lesson 07: Attention ------------------------------------------------------------------------
+OnePromptForAll = changed(
+    a07, "Attention",
+    ("                                                     meta.prompt_lens, self.scale)",
+     "                                                     [prompt_end], self.scale)"))
+
+WritesOnlyTheDecodeKeys = changed(
+    a07, "Attention",
+    ("            ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, scales)",
+     "            ops.reshape_and_cache(k[chunk_end:], v[chunk_end:], key_cache, value_cache,\n"
+     "                                  meta.slot_mapping[chunk_end:], scales)"),
+    ("        prompt_end = meta.num_fresh_prompt_tokens\n"
+     "        chunk_end = prompt_end + meta.num_chunk_tokens\n", ""),
+    ("        key_cache = value_cache = scales = None\n",
+     "        key_cache = value_cache = scales = None\n"
+     "        prompt_end = meta.num_fresh_prompt_tokens\n"
+     "        chunk_end = prompt_end + meta.num_chunk_tokens\n"))
+
+ChunksReadTheDecodeTables = changed(
+    a07, "Attention",
+    ("                q[prompt_end:chunk_end], key_cache, value_cache, meta.chunk_block_tables,",
+     "                q[prompt_end:chunk_end], key_cache, value_cache, meta.block_tables,"))
+
+
+# -- lesson 08: prepare_inputs -------------------------------------------------------------------
+def _prepared(edit):
+    def prepare_inputs(seq_runs, block_size, device, drafts=None):
+        prepared = a08.prepare_inputs(seq_runs, block_size, device)
+        edit(prepared)
+        return prepared
+    return prepare_inputs
+
+
+def _context_without_the_new_token(p):
+    p.meta.context_lens -= 1
+
+
+def _tables_padded_with_minus_one(p):
+    tables = p.meta.block_tables
+    if tables.numel():
+        tables[tables == 0] = -1
+
+
+def _no_metadata(p):
+    p.meta = None
+
+
+ContextLensWithoutTheNewToken = _prepared(_context_without_the_new_token)
+TablesPaddedWithMinusOne = _prepared(_tables_padded_with_minus_one)
+ReturnsNoMetadata = _prepared(_no_metadata)
+
+
+# -- lesson 09: admit_waiting --------------------------------------------------------------------
+SkipsAGroupThatDoesNotFit = changed(
+    a09, "admit_waiting",
+    ("    while self.waiting:\n        seq_group = self.waiting[0]\n",
+     "    for seq_group in list(self.waiting):\n"),
+    ("            break  # first come, first served: nobody behind it goes first\n"
+     "        self.waiting.pop(0)\n",
+     "            continue\n        self.waiting.remove(seq_group)\n"),
+    ("        if seq_group.pending_chunks:\n"
+     "            break  # the budget ran out inside this prompt: the rest waits for later steps",
+     "        if seq_group.pending_chunks:\n            break"))
+
+
+# -- lesson 10: Sampler --------------------------------------------------------------------------
+class PenalisesThePromptToo(a10.ReferenceSampler):
+    @staticmethod
+    def penalized(logits, rows):
+        out = logits.clone()
+        for i, row in enumerate(rows):
+            params = row.seq_group.sampling_params
+            seq = row.seq_group.find(row.seq_ids[0])
+            tokens = seq.get_token_ids()  # prompt and output
+            counts = torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float()
+            out[i] = (out[i] - params.frequency_penalty * counts
+                      - params.presence_penalty * (counts > 0).float())
+        return out
+
+
+OneDrawForASharedPromptRow = changed(
+    a10, "ReferenceSampler",
+    ("                    for seq_id in rows[i].seq_ids:  # a shared prompt row: one draw each\n"
+     "                        choices[seq_id] = (k, seq_id, draw(probs, generators[seq_id]))",
+     "                    token = draw(probs, generators[rows[i].seq_ids[0]])  # one draw\n"
+     "                    for seq_id in rows[i].seq_ids:\n"
+     "                        choices[seq_id] = (k, seq_id, token)"))
+
+
+class TokenAsATensor(a10.ReferenceSampler):
+    def __call__(self, logits, rows, generators):
+        results = super().__call__(logits, rows, generators)
+        return {r: {s: SequenceOutput(o.parent_seq_id, torch.tensor(o.token_id), o.logprobs)
+                    for s, o in outs.items()} for r, outs in results.items()}
+
+
+# -- lesson 11: PrefixCachingAllocator -----------------------------------------------------------
+class EvictionsUncounted(a11.MyPrefixCachingAllocator):
+    def _evict(self, block):
+        super()._evict(block)
+        self.num_evictions -= 1
+
+
+class LookupPastMaxBlocks(a11.MyPrefixCachingAllocator):
+    def longest_cached_prefix(self, token_ids, max_blocks):
+        return super().longest_cached_prefix(token_ids, len(token_ids) // self.block_size)
+
+
+# -- lesson 12: greedy_verify, rejection_sample --------------------------------------------------
+def verify_past_the_first_miss(target_argmax_ids, draft_token_ids):
+    kept = [d for d, t in zip(draft_token_ids, target_argmax_ids) if d == t]
+    return kept + [target_argmax_ids[len(kept)]]
+
+
+def verify_with_the_draft_as_correction(target_argmax_ids, draft_token_ids):
+    out = []
+    for draft, target in zip(draft_token_ids, target_argmax_ids):
+        out.append(draft)
+        if draft != target:
+            return out
+    return out + [target_argmax_ids[len(draft_token_ids)]]
+
+
+NoBonusToken = changed(
+    a12, "rejection_sample",
+    ("    emitted.append(draw(p_rows[k], generator))  # every guess kept: a bonus token\n", ""))
+
+AcceptsWhenUBelowPOverQFlipped = changed(
+    a12, "rejection_sample",
+    ("        if u * q[token].item() < p[token].item():", "        if u * p[token].item() < q[token].item():"))
