@@ -210,6 +210,12 @@ def _manager_state(bm) -> dict:
 def _broken_invariant(bm) -> str | None:
     """The package's invariants: a block's ref count is the number of tables holding it, and a
     free block is held by nobody."""
+    lists: dict[int, int] = {}  # id of a table's list -> the first sequence holding it
+    for seq_id, table in sorted(bm.block_tables.items()):
+        if id(table) in lists:
+            return (f"seq {seq_id}'s block table is the same list object as seq "
+                    f"{lists[id(table)]}'s: a change to one table changes the other")
+        lists[id(table)] = seq_id
     holders: dict[tuple, int] = {}
     for table in bm.block_tables.values():
         for block in table:
@@ -250,6 +256,9 @@ _REF_COUNT_HINTS = {
                 "count counts every one of them (prompt_layout says which blocks they share)",
     "append_slot": "append_slot left a ref count wrong: a copy-on-write gives the writer a "
                    "block of its own AND lets go of its reference to the shared one",
+    "fork": "fork gave the child the parent's own list: the child's table must be a list of "
+            "its own (a copy of the numbers), or the parent's next block or copy lands in the "
+            "child's table too; and every block in it is held by one table more",
     "free": "free left a ref count wrong: each block of the table loses one reference (the "
             "others holding it keep theirs); only a block nobody holds is free again",
 }
@@ -338,15 +347,16 @@ class _Lockstep:
         self.run.sampled(outs, lambda seq: 100 + (7 * seq.seq_id + seq.get_len()) % 50)
 
 
-def _first_wrong_call(theirs: _Lockstep, mine: _Lockstep) -> tuple[_Call, str] | None:
-    """The learner's first call whose record differs from the package's, and what differs."""
+def _first_wrong_call(theirs: _Lockstep, mine: _Lockstep) -> tuple[_Call, str, _Call | None] | None:
+    """The learner's first call whose record differs from the package's, what differs, and
+    the package's call at that place."""
     for want, got in zip(theirs.calls, mine.calls):
         what = got.differs_from(want)
         if what is not None:
-            return got, what
+            return got, what, want
     if len(mine.calls) != len(theirs.calls):  # one made a call the other did not
         extra = (mine.calls + theirs.calls)[min(len(mine.calls), len(theirs.calls))]
-        return extra, "call"
+        return extra, "call", None
     return None
 
 
@@ -363,15 +373,28 @@ def _to_finish(rng, lock: _Lockstep, block_size: int) -> list[int]:
             if rng.random() < 0.12 or s.get_len() > 6 * block_size]
 
 
-def _manager_hint(wrong: tuple[_Call, str] | None, fallback: str) -> str:
+def _manager_hint(wrong: tuple[_Call, str, _Call | None] | None, fallback: str) -> str:
     """The hint of the method whose call first went wrong (``fallback``: the method the
     step's events point at, when no single call differs)."""
     if wrong is None:
         return _MANAGER_HINTS[fallback]
-    call, what = wrong
+    call, what, expected = wrong
     if what == "broken" and call.method in _REF_COUNT_HINTS:
         return _REF_COUNT_HINTS[call.method]
+    if call.method == "free" and what == "state" and _only_order_differs(call, expected):
+        return ("free lets go of the blocks last block first: the first block of the table "
+                "is freed last, so it is the next one out of the free list")
     return _MANAGER_HINTS[call.method]
+
+
+def _only_order_differs(call: _Call, expected: _Call | None) -> bool:
+    """Does ``call`` leave the same free blocks as ``expected``, only in another order?"""
+    if expected is None:
+        return False
+    got, want = call.state, expected.state
+    return (sorted(got["free GPU blocks"]) == sorted(want["free GPU blocks"])
+            and {k: v for k, v in got.items() if k != "free GPU blocks"}
+            == {k: v for k, v in want.items() if k != "free GPU blocks"})
 
 
 def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
@@ -397,6 +420,10 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
             wrong = _first_wrong_call(theirs, mine)
             if wrong is not None:
                 inputs += f"; first wrong call: {wrong[0].call}"
+                if wrong[1] == "broken":  # shown as it was right after that call
+                    fail(name, case, inputs, wrong[0].broken,
+                         "ref counts = tables holding each block, a list of its own each",
+                         _manager_hint(wrong, "allocate"))
             if theirs.events != mine.events:
                 at = next((i for i, (a, b) in enumerate(zip(theirs.events, mine.events))
                            if a != b), min(len(theirs.events), len(mine.events)))
