@@ -330,11 +330,11 @@ def _check_sampler(candidate, rng, num_cases: int) -> int:
                 if not torch.equal(mine[seq_id].get_state(), theirs[seq_id].get_state()):
                     fail("Sampler", case, where + " (its generator afterwards)",
                          _Shown("not advanced by one draw"), _Shown("advanced by one draw"),
-                         _GENERATOR_HINT)
+                         _generator_hint(row))
                 if (sorted(have.logprobs) != sorted(want.logprobs)
                         or any(abs(have.logprobs[t] - v) > 1e-4 for t, v in want.logprobs.items())):
                     fail("Sampler", case, where + " (logprobs)", _rounded(have.logprobs),
-                         _rounded(want.logprobs), _LOGPROB_HINT)
+                         _rounded(want.logprobs), _logprob_hint(row, rows, logits, have.logprobs))
     return num_cases
 
 
@@ -385,6 +385,50 @@ _LOGPROB_HINT = ("report log_softmax of the logits after the penalties and the t
                  "likely tokens' logprobs to the chosen one's")
 
 
+def _generator_hint(row: Row) -> str:
+    if len(row.seq_ids) > 1:
+        return ("a fresh group's prompt row serves all of its seq_ids: each of its sequences "
+                "draws its own token, with its own generator (one draw(probs, "
+                "generators[seq_id]) per seq_id), so n samples can differ")
+    return _GENERATOR_HINT
+
+
+def _logprob_hint(row: Row, rows: list[Row], logits: torch.Tensor, reported: dict) -> str:
+    """Which step of the pipeline the learner's reported logprobs skipped or added: they are
+    compared with the logprobs each usual slip gives."""
+    params = row.seq_group.sampling_params
+    seq = row.seq_group.find(row.seq_ids[0])
+    base = logits[rows.index(row)]  # (V,)
+    temperature = 1.0 if params.greedy or params.use_beam_search else params.temperature
+
+    def penalised(tokens: list[int]) -> torch.Tensor:  # (V,)
+        if not tokens:
+            return base
+        counts = torch.bincount(torch.tensor(tokens), minlength=base.shape[-1]).float()
+        return (base - params.frequency_penalty * counts
+                - params.presence_penalty * (counts > 0).float())
+
+    right = penalised(seq.output_token_ids) / temperature  # (V,)
+    slips = [
+        (penalised(seq.get_token_ids()) / temperature,
+         "the penalties count the sequence's generated tokens only (output_token_ids), never "
+         "the prompt's"),
+        (base / temperature, "the reported logprobs are those after the presence and frequency "
+                             "penalties"),
+        (penalised(seq.output_token_ids), "the reported logprobs are those after the "
+                                          "temperature too (logits / temperature)"),
+        (top_k_top_p_filter(right.clone(), params.top_k, params.top_p),
+         "the reported logprobs are taken BEFORE top-k and top-p: the filters choose what may "
+         "be drawn, the logprobs stay those of the whole vocabulary"),
+    ]
+    for slipped, hint in slips:
+        values = torch.log_softmax(slipped, dim=-1)  # (V,)
+        if all(isinstance(t, int) and 0 <= t < values.shape[-1]
+               and abs(float(values[t]) - v) <= 1e-4 for t, v in reported.items()):
+            return hint
+    return _LOGPROB_HINT
+
+
 def _settings(p: SamplingParams) -> str:
     kind = "beam search" if p.use_beam_search else "greedy" if p.greedy else (
         f"seed {p.seed}" if p.seed is not None else "unseeded")
@@ -406,7 +450,7 @@ def _token_hint(row, rows, logits, token, mine, theirs, seq_id) -> str:
         return ("a greedy row takes the argmax of its logits after the presence and frequency "
                 "penalties (counted over the generated tokens only, never the prompt)")
     if not torch.equal(mine[seq_id].get_state(), theirs[seq_id].get_state()):
-        return _GENERATOR_HINT
+        return _generator_hint(row)
     if not 0 <= token < processed.shape[-1] or torch.isinf(
             top_k_top_p_filter(processed, params.top_k, params.top_p)[token]):
         if 0 <= token < processed.shape[-1] and torch.isfinite(

@@ -311,7 +311,11 @@ class _Workload:
         if got != want:
             hint = ("walk the full blocks from the first: look each one up by the name made from "
                     "the block found before it, and stop at the first miss")
-            if len(got) > len(want):
+            if len(got) > max_blocks:
+                hint = (f"at most max_blocks ({max_blocks}) blocks: the block holding the "
+                        f"prompt's last token is never taken from the cache (that token is "
+                        f"computed, to have logits to sample from)")
+            elif len(got) > len(want):
                 hint = ("a hash hit is only a hint: take a block only if it holds these token "
                         "ids right after the block found before it (_same_contents)")
             self.same(f"{now}: longest_cached_prefix(max_blocks={max_blocks}) gives blocks",

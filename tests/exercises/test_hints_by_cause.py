@@ -353,3 +353,62 @@ NoBonusToken = changed(
 AcceptsWhenUBelowPOverQFlipped = changed(
     a12, "rejection_sample",
     ("        if u * q[token].item() < p[token].item():", "        if u * p[token].item() < q[token].item():"))
+
+
+# == one test per further mistake: the gist its hint must have, and what it must not say ==========
+FURTHER = [
+    # lesson 02
+    ("FreeListAllocator", AllocatesFromTheFront, "the free list is a stack", None),
+    ("FreeListAllocator", AcquireForgetsTheCount, "one more block table holds the block", None),
+    ("FreeListAllocator", CountsAllocationsForTheFreeNumber, "get_num_free_blocks() is not",
+     "free() drops ONE reference"),
+    ("FreeListAllocator", ListsTheFreeBlocksBottomFirst,
+     "free_block_numbers() lists them in the order allocate hands them out", None),
+    # lesson 03
+    ("BlockSpaceManager", CanAllocateCountsSharedBlocksPerSequence,
+     "a block the sequences share counts once", None),
+    ("BlockSpaceManager", CopyOnWriteKeepsTheOldReference,
+     "lets go of its reference to the shared one", None),
+    ("BlockSpaceManager", FreeFirstBlockFirst, "last block first", None),
+    ("BlockSpaceManager", ForkSharesTheParentsList, "a list of its own", "copy-on-write"),
+    # lesson 04
+    ("Scheduler", PreemptsTheOldest, "the victim is the newest group", None),
+    ("Scheduler", RecomputeKeepsTheBlocks, "_preempt by recompute takes ALL the group's GPU "
+     "blocks back", "only as many as needed"),
+    ("Scheduler", ResumesInAStepThatPreempted, "not in a step that preempted", None),
+    ("Scheduler", DecodesCostNoBudget, "one token of step.budget", None),
+    # lesson 07
+    ("Attention", OnePromptForAll, "prompt by prompt (meta.prompt_lens)", None),
+    ("Attention", WritesOnlyTheDecodeKeys, "EVERY token of the step", None),
+    ("Attention", ChunksReadTheDecodeTables, "the chunks' path got arguments it cannot use",
+     None),
+    # lesson 08
+    ("prepare_inputs", ContextLensWithoutTheNewToken, "itself included (run.end)", None),
+    ("prepare_inputs", TablesPaddedWithMinusOne, "padded with 0", None),
+    ("prepare_inputs", ReturnsNoMetadata, "meta must be an InputMetadata", None),
+    # lesson 09
+    ("admit_waiting", SkipsAGroupThatDoesNotFit, "first come, first served", None),
+    # lesson 10
+    ("Sampler", PenalisesThePromptToo, "generated tokens only", None),
+    ("Sampler", OneDrawForASharedPromptRow, "each of its sequences draws its own token", None),
+    ("Sampler", TokenAsATensor, "must be plain ints", None),
+    # lesson 11
+    ("PrefixCachingAllocator", EvictionsUncounted, "one eviction more", None),
+    ("PrefixCachingAllocator", LookupPastMaxBlocks, "at most max_blocks", "a hash hit"),
+    # lesson 12
+    ("greedy_verify", verify_past_the_first_miss, "stop at the first draft the target "
+     "disagrees with", None),
+    ("greedy_verify", verify_with_the_draft_as_correction, "not a draft", None),
+    ("rejection_sample", NoBonusToken, "the bonus token is drawn from the last row", None),
+    ("rejection_sample", AcceptsWhenUBelowPOverQFlipped, "min(1, p(d)/q(d))", "residual"),
+]
+
+
+@pytest.mark.parametrize("name, mistake, gist, not_said", FURTHER,
+                         ids=[m[1].__name__ for m in FURTHER])
+def test_a_further_mistake_gets_a_hint_about_its_cause(name, mistake, gist, not_said):
+    result = check(name, mistake)
+    assert f"✗ {name}: case " in result and "your code raised" not in result, result
+    assert gist in hint_of(result), result
+    if not_said:
+        assert not_said not in hint_of(result), result
