@@ -358,7 +358,7 @@ def _malformed(got, shape: dict[str, list[int]]) -> str | None:
         if not isinstance(outputs, dict):
             return (f"the value of request {request_id!r} must be a dict {{seq_id: "
                     f"SequenceOutput}}, not a {type(outputs).__name__}")
-        if sorted(outputs, key=repr) != shape[request_id]:
+        if sorted(outputs, key=repr) != sorted(shape[request_id], key=repr):
             return (f"request {request_id!r} needs one entry for every sequence of its rows, "
                     f"keyed by seq id ({shape[request_id]}; a fresh group's prompt row serves "
                     f"all of its seq_ids)")
