@@ -31,7 +31,7 @@ from minipaged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from minipaged.core.scheduler_outputs import StepPlan
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
-from minipaged.exercises.lesson03 import _arrivals, _Lockstep, _to_finish
+from minipaged.exercises.lockstep import _arrivals, _Lockstep, _to_finish
 from minipaged.exercises.workbench import Component, register
 from minipaged.lab.dry_run import RandomTraffic
 from minipaged.sequence import SequenceGroup, SequenceStatus

@@ -27,7 +27,7 @@ from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.core.scheduler_outputs import StepPlan
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
-from minipaged.exercises.lesson03 import _Lockstep
+from minipaged.exercises.lockstep import _Lockstep
 from minipaged.exercises.lesson04 import _lockstep_steps, _scheduler_state, _step_record
 from minipaged.exercises.workbench import Component, register
 from minipaged.lab.dry_run import DryRun
