@@ -214,8 +214,10 @@ _STATE_HINTS = {
     "free blocks (next first)": "a block nobody holds that is not cached goes back on the free "
                                 "list (a stack: appended, popped from the end); an evicted "
                                 "block goes there too",
-    "free count": "evictable blocks still count as free: they can be evicted for room",
-    "evictions": "count an eviction each time a cached block loses its name for room",
+    "free count": "get_num_free_blocks: evictable blocks still count as free (they can be "
+                  "evicted for room)",
+    "evictions": "_evict counts an eviction (num_evictions) each time a cached block loses its "
+                 "name for room",
 }
 # after a name_blocks call, what a wrong eviction shows (naming can evict an evictable block)
 _NAMING_EVICTS = ("_name_block: an evictable block holding another prefix under the same name "
@@ -272,9 +274,11 @@ class _Workload:
         hint names that operation's rule, whichever field shows the difference."""
         mine, theirs = _allocator_state(self.yours), _allocator_state(self.expected)
         for key, hint in _STATE_HINTS.items():
-            if operation in _OPERATION_HINTS:
+            if key in ("free count", "evictions"):
+                pass  # checked last: all else agrees, so its own method is the cause
+            elif operation in _OPERATION_HINTS:
                 hint = _OPERATION_HINTS[operation]
-            elif key in ("evictable blocks (LRU first)", "free blocks (next first)", "evictions"):
+            elif key in ("evictable blocks (LRU first)", "free blocks (next first)"):
                 hint = _NAMING_EVICTS
             self.same(f"{now}: {key}", mine[key], theirs[key], hint)
 
