@@ -23,8 +23,10 @@ from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
+from minipaged.exercises.lockstep import (_arrivals, _broken_invariant, _Call,  # noqa: F401
+                                          _first_wrong_call, _Lockstep, _manager_state,
+                                          _to_finish)
 from minipaged.exercises.workbench import Component, register
-from minipaged.lab.dry_run import DryRun
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -197,37 +199,6 @@ class MyBlockSpaceManager(BlockSpaceManager):
         not_done()  # <- your code here
 
 
-def _manager_state(bm) -> dict:
-    """What must be the same in the learner's manager and the package's after every call."""
-    return {"block tables": {i: [b.block_number for b in t] for i, t in
-                             sorted(bm.block_tables.items())},
-            "free GPU blocks": bm.gpu_allocator.free_block_numbers(),
-            "free CPU blocks": bm.cpu_allocator.free_block_numbers(),
-            "sequences held": sorted(bm.seqs), "their requests": dict(sorted(
-                bm.seq_request.items()))}
-
-
-def _broken_invariant(bm) -> str | None:
-    """The package's invariants: a block's ref count is the number of tables holding it, and a
-    free block is held by nobody."""
-    holders: dict[tuple, int] = {}
-    for table in bm.block_tables.values():
-        for block in table:
-            key = (block.device.value, block.block_number)
-            holders[key] = holders.get(key, 0) + 1
-    for allocator in (bm.gpu_allocator, bm.cpu_allocator):
-        free = set(allocator.free_block_numbers())
-        for block in allocator.blocks:
-            held = holders.get((block.device.value, block.block_number), 0)
-            if block.ref_count != held:
-                return (f"{block.device.value} block {block.block_number} has ref count "
-                        f"{block.ref_count}, but {held} block tables hold it")
-            if held and block.block_number in free:
-                return (f"{block.device.value} block {block.block_number} is on the free "
-                        f"list while {held} block tables hold it")
-    return None
-
-
 _MANAGER_HINTS = {
     "can_allocate": "count the blocks the prompt needs (a block the sequences share counts "
                     "once) and keep watermark_blocks free: the scheduler admits exactly when "
@@ -243,43 +214,44 @@ _MANAGER_HINTS = {
     "free": "each block of the table loses one reference; only the ones nobody else holds go "
             "back to the free list; and the sequence holds nothing afterwards",
 }
+# sharper hints for a method that left a block's ref count wrong (the invariant broke there)
+_REF_COUNT_HINTS = {
+    "allocate": "allocate left a shared block's ref count short of the tables holding it: a "
+                "block the group's sequences share is held once per sequence, so its ref "
+                "count counts every one of them (prompt_layout says which blocks they share)",
+    "append_slot": "append_slot left a ref count wrong: a copy-on-write gives the writer a "
+                   "block of its own AND lets go of its reference to the shared one",
+    "fork": "fork gave the child the parent's own list: the child's table must be a list of "
+            "its own (a copy of the numbers), or the parent's next block or copy lands in the "
+            "child's table too; and every block in it is held by one table more",
+    "free": "free left a ref count wrong: each block of the table loses one reference (the "
+            "others holding it keep theirs); only a block nobody holds is free again",
+}
 # which of the learner's methods made an event
 _EVENT_METHOD = {"allocate": "allocate", "append": "append_slot",
                  "copy_on_write": "append_slot", "fork": "fork", "free": "free"}
+def _manager_hint(wrong: tuple[_Call, str, _Call | None] | None, fallback: str) -> str:
+    """The hint of the method whose call first went wrong (``fallback``: the method the
+    step's events point at, when no single call differs)."""
+    if wrong is None:
+        return _MANAGER_HINTS[fallback]
+    call, what, expected = wrong
+    if what == "broken" and call.method in _REF_COUNT_HINTS:
+        return _REF_COUNT_HINTS[call.method]
+    if call.method == "free" and what == "state" and _only_order_differs(call, expected):
+        return ("free lets go of the blocks last block first: the first block of the table "
+                "is freed last, so it is the next one out of the free list")
+    return _MANAGER_HINTS[call.method]
 
 
-class _Lockstep:
-    """A model-free engine (``DryRun``) whose scheduler is ``scheduler_class`` holding a
-    ``manager_class`` manager (one of the pair a checker runs side by side; lessons 03, 04, 09)."""
-
-    def __init__(self, block_size, num_gpu, num_cpu, watermark, config,
-                 manager_class=BlockSpaceManager, scheduler_class=Scheduler):
-        self.run = DryRun(block_size, num_gpu, num_cpu, watermark=watermark)
-        self.bm = manager_class(block_size, num_gpu, num_cpu, watermark)
-        self.run.block_manager = self.bm
-        self.run.scheduler = scheduler_class(config, self.bm)
-        self.events: list[dict] = []
-        self.bm.add_listener(self.events.append)
-
-    def arrive(self, prompt: list[int], n: int) -> None:
-        self.run.add_request(prompt, n=n)
-
-    def after_model(self, outs) -> None:
-        """The step's sampled tokens (a fixed function of the sequence: both runs agree)."""
-        self.run.sampled(outs, lambda seq: 100 + (7 * seq.seq_id + seq.get_len()) % 50)
-
-
-def _arrivals(rng, block_size: int) -> list[tuple[list[int], int]]:
-    """A step's new requests: (prompt, n), n > 1 for parallel sampling."""
-    return [([rng.randrange(1000) for _ in range(rng.randint(1, 3 * block_size))],
-             rng.choice([1, 1, 2, 3])) for _ in range(rng.choice([0, 0, 1, 2]))]
-
-
-def _to_finish(rng, lock: _Lockstep, block_size: int) -> list[int]:
-    """Running sequences that stop now (at random, and any grown past 6 blocks)."""
-    return [s.seq_id for g in lock.run.scheduler.running if not g.pending_chunks
-            for s in g.get_seqs(SequenceStatus.RUNNING)
-            if rng.random() < 0.12 or s.get_len() > 6 * block_size]
+def _only_order_differs(call: _Call, expected: _Call | None) -> bool:
+    """Does ``call`` leave the same free blocks as ``expected``, only in another order?"""
+    if expected is None:
+        return False
+    got, want = call.state, expected.state
+    return (sorted(got["free GPU blocks"]) == sorted(want["free GPU blocks"])
+            and {k: v for k, v in got.items() if k != "free GPU blocks"}
+            == {k: v for k, v in want.items() if k != "free GPU blocks"})
 
 
 def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
@@ -296,11 +268,19 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
                                  max_num_batched_tokens=rng.choice([4096, 6]))
         pool = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size} tokens, watermark "
                 f"{watermark}, preemption {mode or 'by group size'}")
-        theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config, cls)
+        theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config, cls,
+                                  record_calls=True)
                         for cls in (BlockSpaceManager, candidate))
 
         def compare(step: int, call: str, outs=None) -> None:
             inputs = f"{pool}; step {step}: {call}"
+            wrong = _first_wrong_call(theirs, mine)
+            if wrong is not None:
+                inputs += f"; first wrong call: {wrong[0].call}"
+                if wrong[1] == "broken":  # shown as it was right after that call
+                    fail(name, case, inputs, wrong[0].broken,
+                         "ref counts = tables holding each block, a list of its own each",
+                         _manager_hint(wrong, "allocate"))
             if theirs.events != mine.events:
                 at = next((i for i, (a, b) in enumerate(zip(theirs.events, mine.events))
                            if a != b), min(len(theirs.events), len(mine.events)))
@@ -311,22 +291,23 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
                 if want and got is None and op == "allocate" or want is None and op == "allocate":
                     method = "can_allocate"  # one admitted the group, the other did not
                 fail(name, case, f"{inputs}; the listeners heard", got, want,
-                     _MANAGER_HINTS[method])
+                     _manager_hint(wrong, method))
             method = next((_EVENT_METHOD[e["op"]] for e in theirs.events
                            if e["op"] in _EVENT_METHOD), "allocate")
             broken = _broken_invariant(mine.bm)
             if broken:
                 fail(name, case, inputs, broken, "ref counts = tables holding each block",
-                     _MANAGER_HINTS[method])
+                     _manager_hint(wrong, method))
             got, want = _manager_state(mine.bm), _manager_state(theirs.bm)
             if outs is not None:
                 got["blocks_to_copy"], want["blocks_to_copy"] = outs
             if got != want:
                 differs = [k for k in want if got[k] != want[k]]
                 fail(name, case, inputs, {k: got[k] for k in differs},
-                     {k: want[k] for k in differs}, _MANAGER_HINTS[method])
-            theirs.events.clear()
-            mine.events.clear()
+                     {k: want[k] for k in differs}, _manager_hint(wrong, method))
+            for lock in (theirs, mine):
+                lock.events.clear()
+                lock.calls.clear()
 
         for step in range(rng.randint(4, 24)):
             for prompt, n in _arrivals(rng, block_size):

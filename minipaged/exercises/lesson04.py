@@ -31,7 +31,7 @@ from minipaged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from minipaged.core.scheduler_outputs import StepPlan
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
-from minipaged.exercises.lesson03 import _arrivals, _Lockstep, _to_finish
+from minipaged.exercises.lockstep import _arrivals, _Lockstep, _to_finish
 from minipaged.exercises.workbench import Component, register
 from minipaged.lab.dry_run import RandomTraffic
 from minipaged.sequence import SequenceGroup, SequenceStatus
@@ -213,7 +213,7 @@ def _step_record(lock: _Lockstep, outs) -> dict:
             "num_batched_tokens": outs.num_batched_tokens, **_scheduler_state(lock)}
 
 
-def _random_configs(rng):
+def _random_configs(rng, case: int = 0):
     """Tiny pools (so that preemption happens), either preemption mode, budgets and sequence
     limits small and large, chunked prefill on and off."""
     block_size = rng.choice([1, 2, 4])
@@ -226,11 +226,15 @@ def _random_configs(rng):
     return block_size, rng.randint(6, 14), num_cpu, rng.choice([0.0, 0.0, 0.1]), config
 
 
-def _lockstep_steps(candidate_class, rng, num_cases: int):
+def _lockstep_steps(candidate_class, rng, num_cases: int, configs=_random_configs,
+                    arrivals=_arrivals, record_calls=None):
     """(case, description, the queues before the step, the package's run, the learner's run,
-    their outputs) for every step of random traffic, the two schedulers side by side."""
+    their outputs) for every step of random traffic, the two schedulers side by side.
+    ``configs(rng, case)`` draws each case's pool and scheduler settings, ``arrivals(rng,
+    block_size)`` each step's new requests; ``record_calls(lock)``, if given, returns a log
+    that each run keeps as ``lock.calls``."""
     for case in range(num_cases):
-        block_size, num_gpu, num_cpu, watermark, config = _random_configs(rng)
+        block_size, num_gpu, num_cpu, watermark, config = configs(rng, case)
         about = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size}, watermark {watermark}, "
                  f"preemption {config.preemption_mode or 'by group size'}, max_num_seqs "
                  f"{config.max_num_seqs}, max_num_batched_tokens "
@@ -238,8 +242,11 @@ def _lockstep_steps(candidate_class, rng, num_cases: int):
                  f"{'on' if config.enable_chunked_prefill else 'off'}")
         theirs, mine = (_Lockstep(block_size, num_gpu, num_cpu, watermark, config,
                                   scheduler_class=cls) for cls in (Scheduler, candidate_class))
+        if record_calls is not None:
+            for lock in (theirs, mine):
+                lock.calls = record_calls(lock)
         for step in range(rng.randint(4, 24)):
-            for prompt, n in _arrivals(rng, block_size):
+            for prompt, n in arrivals(rng, block_size):
                 for lock in (theirs, mine):
                     lock.arrive(prompt, n)
             before = _scheduler_state(theirs)
@@ -273,6 +280,70 @@ _SCHEDULER_HINTS = {
 }
 
 
+# the scheduler's methods the learner writes, logged call by call (nested calls too: a
+# _preempt is logged before the _schedule_running that called it)
+_SCHEDULER_METHODS = ("_schedule_running", "_preempt", "_resume_swapped")
+
+
+def _plan_state(step: StepPlan) -> dict:
+    return {"budget": step.budget, "preempted": list(step.preempted),
+            "decode groups": [g.request_id for g in step.decode_groups],
+            "blocks_to_swap_in": dict(step.blocks_to_swap_in),
+            "blocks_to_swap_out": dict(step.blocks_to_swap_out),
+            "blocks_to_copy": {k: list(v) for k, v in step.blocks_to_copy.items()}
+            if isinstance(step.blocks_to_copy, dict) else list(step.blocks_to_copy)}
+
+
+def _record_scheduler_calls(lock: _Lockstep) -> list[tuple]:
+    """Log each call of the scheduler's own methods: (method, call in words, result, state
+    after). Returns the log (a list the lockstep run fills)."""
+    calls: list[tuple] = []
+    sched = lock.run.scheduler
+
+    def recorded(method: str, fn):
+        def call(*args):
+            result = fn(*args)
+            if method == "_preempt":
+                words = f"_preempt(request {args[0].request_id})"
+                extra = {"blocks_to_swap_out": dict(args[1])}
+            else:
+                words, extra = f"{method}(step)", _plan_state(args[0])
+            calls.append((method, words, result, {**_scheduler_state(lock), **extra}))
+            return result
+        return call
+
+    for method in _SCHEDULER_METHODS:
+        setattr(sched, method, recorded(method, getattr(sched, method)))
+    return calls
+
+
+def _first_wrong_scheduler_call(theirs: list[tuple], mine: list[tuple]):
+    """(method, call in words, what differs, the package's result) of the learner's first call
+    whose record differs from the package's; None when all agree."""
+    for want, got in zip(theirs, mine):
+        if got[1] != want[1]:  # another call: the caller decided differently
+            caller = "_schedule_running" if "_preempt" in (got[0], want[0]) else got[0]
+            return caller, got[1], "call", want[2]
+        if got[2] != want[2]:
+            return got[0], got[1], "result", want[2]
+        if got[3] != want[3]:
+            return got[0], got[1], "state", want[2]
+    if len(theirs) != len(mine):
+        extra = (mine + theirs)[min(len(mine), len(theirs))]
+        caller = "_schedule_running" if extra[0] == "_preempt" else extra[0]
+        return caller, extra[1], "call", None
+    return None
+
+
+_PREEMPT_HINTS = {
+    "recompute": "_preempt by recompute takes ALL the group's GPU blocks back: free each "
+                 "running sequence's blocks (block_manager.free), reset_for_recompute(), drop "
+                 "its pending_chunks, and put the group first in the waiting queue",
+    "swap": "_preempt by swap: block_manager.swap_out's moves go into blocks_to_swap_out, the "
+            "sequences become SequenceStatus.SWAPPED and the group joins the swapped queue",
+}
+
+
 def _preemption_hint(got: list, expected: list) -> str:
     if len(got) < len(expected):
         return ("when a group's next tokens do not fit (can_append_slot), memory is taken "
@@ -290,16 +361,28 @@ def _preemption_hint(got: list, expected: list) -> str:
 def _check_scheduler(candidate, rng, num_cases: int) -> int:
     """The learner's scheduler next to the package's on random traffic (parallel sampling,
     tiny pools, both preemption modes), every step compared."""
-    steps = _lockstep_steps(candidate, rng, num_cases)
+    steps = _lockstep_steps(candidate, rng, num_cases, record_calls=_record_scheduler_calls)
     for case, about, _, theirs, mine, (want_outs, got_outs) in steps:
         got, want = _step_record(mine, got_outs), _step_record(theirs, want_outs)
         if got != want:
             key = next(k for k in want if got[k] != want[k])
+            wrong = _first_wrong_scheduler_call(theirs.calls, mine.calls)
             if key in ("preempted", "blocks_to_swap_out"):
                 hint = _preemption_hint(got["preempted"], want["preempted"])
             else:
                 hint = _SCHEDULER_HINTS[key]
+            if wrong is not None:
+                method, words, what, expected = wrong
+                about += f"; first wrong call: {words}"
+                if method == "_preempt" and what == "state":  # the right mode, done wrong
+                    hint = _PREEMPT_HINTS[expected[1]]
+                elif method == "_preempt":
+                    hint = _preemption_hint(got["preempted"], want["preempted"])
+                elif method == "_resume_swapped":
+                    hint = _SCHEDULER_HINTS["blocks_to_swap_in"]
             fail("Scheduler", case, about, {key: got[key]}, {key: want[key]}, hint)
+        theirs.calls.clear()
+        mine.calls.clear()
     return num_cases
 
 

@@ -18,6 +18,9 @@ random mixed steps against the package's layer and plugged in where GPT-2 and LL
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import traceback
 import types
 
 import torch
@@ -166,9 +169,10 @@ class MyAttention(PagedAttention):
         not_done()  # <- your code here
 
 
-_CACHE_HINT = ("write this step's keys and values into their slots (ops.reshape_and_cache with "
-               "meta.slot_mapping) before any path reads the cache: a chunk and a decode token "
-               "read their own new key from it too")
+_CACHE_HINT = ("write the key and value of EVERY token of the step (fresh prompts, chunks and "
+               "decodes alike) into its slot (ops.reshape_and_cache with meta.slot_mapping) "
+               "before any path reads the cache: a chunk and a decode token read their own new "
+               "key from it too, and later steps read the prompts' keys")
 _PART_HINTS = {
     "fresh prompt": "the fresh prompts (the first meta.num_fresh_prompt_tokens rows) attend only "
                     "to themselves, causally, prompt by prompt (meta.prompt_lens)",
@@ -205,11 +209,20 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
         value_cache = torch.randn(step.num_blocks, num_kv_heads, head_size, step.block_size,
                                   generator=g)
         caches = [(key_cache.clone(), value_cache.clone()) for _ in range(2)]
-        with torch.inference_mode():
-            expected = make(PagedAttention)(query, key, value, caches[0], meta)
-            got = make(candidate)(query.clone(), key.clone(), value.clone(), caches[1], meta)
         inputs = (f"{'GPT-2' if gpt2_shape else 'LLaMA'} shape: {num_heads} heads, "
                   f"{num_kv_heads} kv heads, head_size {head_size}; {describe(step)}")
+        with torch.inference_mode():
+            expected = make(PagedAttention)(query, key, value, caches[0], meta)
+            try:
+                got = make(candidate)(query.clone(), key.clone(), value.clone(), caches[1],
+                                      meta)
+            except Exception as error:
+                op = _raising_op(error)
+                if op is None:
+                    raise  # raised in the learner's own lines: the traceback shows where
+                fail("Attention", case, inputs, _Said(f"ops.{op} raised {type(error).__name__}: "
+                                                      f"{error}"), _Said("an output"),
+                     _OP_HINTS[op])
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
             fail("Attention", case, inputs, getattr(got, "shape", got), expected.shape,
                  "return one row per token: (T, num_heads * head_size)")
@@ -227,10 +240,59 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
             row = int(torch.nonzero(~(error <= 1e-4))[0])
             part = ("fresh prompt" if row < meta.num_fresh_prompt_tokens else "chunk"
                     if row < meta.num_prompt_tokens else "decode")
+            hint = _PART_HINTS[part]
+            if part != "fresh prompt" and _close(got[row], _read_before_write(
+                    make, query, key, value, key_cache, value_cache, meta)[row]):
+                hint = _READ_BEFORE_WRITE_HINT  # the right paths, on the cache of before
             fail("Attention", case, inputs + f"; row {row} ({part} part of the batch), "
                  f"first values", [round(v, 4) for v in got[row, :4].tolist()],
-                 [round(v, 4) for v in expected[row, :4].tolist()], _PART_HINTS[part])
+                 [round(v, 4) for v in expected[row, :4].tolist()], hint)
     return num_cases
+
+
+# an op that raised on the arguments it was given -> what it is for, and what it takes
+_OP_HINTS = {
+    "reshape_and_cache": "the cache write got arguments it cannot use: every token's key and "
+                         "value, shaped (T, num_kv_heads, head_size), go to its slot in "
+                         "meta.slot_mapping",
+    "prefill_attention": "the fresh prompts' path got arguments it cannot use: "
+                         + _PART_HINTS["fresh prompt"],
+    "paged_prefill_attention": "the chunks' path got arguments it cannot use: "
+                               + _PART_HINTS["chunk"],
+    "paged_attention": "the decode path got arguments it cannot use: " + _PART_HINTS["decode"],
+}
+
+
+def _raising_op(error: BaseException) -> str | None:
+    """The kernel function (``ops``' or the reference's, called by the learner's forward) in
+    which ``error`` was raised, or None when it was raised in the learner's own code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in frames:
+        if f"{os.sep}kernels{os.sep}" in frame.filename and frame.name in _OP_HINTS:
+            return frame.name
+    return None
+
+
+_READ_BEFORE_WRITE_HINT = (
+    "this row is what the paths give on the cache as it was BEFORE the step: the cache ends up "
+    "right, but it was written too late; a chunk or a decode token reads its context from the "
+    "cache, its own new key included: written before it is read (ops.reshape_and_cache with "
+    "meta.slot_mapping, first)")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a - b).abs().amax() / b.abs().amax().clamp(min=1.0)) <= 1e-4)
+
+
+def _read_before_write(make, query, key, value, key_cache, value_cache, meta) -> torch.Tensor:
+    """The package's output when every path reads the cache of before the step: the step's
+    keys and values go to a scratch block that no block table lists. (T, num_heads * head_size)"""
+    block_size = value_cache.shape[-1]
+    scratch = (torch.cat([key_cache, key_cache[:1]]), torch.cat([value_cache, value_cache[:1]]))
+    nowhere = torch.full_like(meta.slot_mapping, key_cache.shape[0] * block_size)  # (T,)
+    with torch.inference_mode():
+        return make(PagedAttention)(query, key, value, scratch,
+                                    dataclasses.replace(meta, slot_mapping=nowhere))
 
 
 class _Said(str):

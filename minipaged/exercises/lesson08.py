@@ -190,11 +190,19 @@ def _check_prepare_inputs(candidate, rng, num_cases: int) -> int:
             fail("prepare_inputs", case, describe(step), type(got).__name__, "PreparedInputs",
                  "return a PreparedInputs(input_ids, positions, meta, rows, sample_indices, "
                  "computed, chunks)")
+        malformed = _malformed(got)
+        if malformed is not None:  # read nothing more of it: say what is wrong with it
+            fail("prepare_inputs", case, describe(step), _Said(malformed[0]),
+                 _Said(malformed[1]), f"your prepare_inputs returned a PreparedInputs whose "
+                 f"{malformed[2]}")
         got = _fields(got)
         for name, value in expected.items():
             if got[name] != value:
                 hint = _FIELD_HINTS[name]
-                if (isinstance(value, tuple) and isinstance(got[name], tuple)
+                if isinstance(value, tuple) and not isinstance(got[name], tuple):
+                    hint = (f"{name} must be a tensor of {value[0]} (yours is a "
+                            f"{type(got[name]).__name__}); " + hint)
+                elif (isinstance(value, tuple) and isinstance(got[name], tuple)
                         and got[name][1] == value[1]):
                     hint = f"the right numbers as {got[name][0]}: InputMetadata wants {value[0]}"
                 elif name in ("computed", "chunks"):
@@ -202,6 +210,39 @@ def _check_prepare_inputs(candidate, rng, num_cases: int) -> int:
                 fail("prepare_inputs", case, describe(step) + f"; field {name}", got[name],
                      value, hint)
     return num_cases
+
+
+class _Said(str):
+    """Words in the checker's message, printed without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _malformed(got: PreparedInputs) -> tuple[str, str, str] | None:
+    """(yours, expected, what is wrong) when the fields the checker reads are not what they
+    must be: meta an InputMetadata, rows ``Row``s, computed (Sequence, int) pairs; else None."""
+    if not isinstance(got.meta, InputMetadata):
+        return (f"meta = {type(got.meta).__name__}", "meta = InputMetadata(...)",
+                "meta must be an InputMetadata(prompt_lens, slot_mapping, block_tables, "
+                "context_lens, max_context_len, chunk_query_start_loc, chunk_block_tables, "
+                "chunk_context_lens, num_chunk_tokens)")
+    rows = got.rows if isinstance(got.rows, list) else None
+    if rows is None or not all(isinstance(r, Row) for r in rows):
+        return (f"rows = {got.rows!r}"[:160], "rows = [Row(seq_group, seq_ids, is_prompt), ...]",
+                "rows must be a list of Row(seq_group, seq_ids, is_prompt), one per run that "
+                "samples")
+    computed = got.computed if isinstance(got.computed, list) else None
+    if computed is None or not all(isinstance(c, tuple) and len(c) == 2
+                                   and hasattr(c[0], "seq_id") and isinstance(c[1], int)
+                                   for c in computed):
+        return (f"computed = {got.computed!r}"[:160], "computed = [(Sequence, int), ...]",
+                "computed must be a list of (the Sequence, run.end) pairs "
+                "(seq_group.find(seq_id) gives the Sequence)")
+    if not isinstance(got.chunks, list):
+        return (f"chunks = {got.chunks!r}"[:160], "chunks = [SequenceRun, ...]",
+                "chunks must be the list of the prefill runs (SequenceRun), in batch order")
+    return None
 
 
 def _names(entries, step) -> list:

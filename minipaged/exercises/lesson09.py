@@ -27,7 +27,8 @@ from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.core.scheduler_outputs import StepPlan
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
-from minipaged.exercises.lesson04 import _lockstep_steps, _step_record
+from minipaged.exercises.lockstep import _Lockstep
+from minipaged.exercises.lesson04 import _lockstep_steps, _scheduler_state, _step_record
 from minipaged.exercises.workbench import Component, register
 from minipaged.lab.dry_run import DryRun
 from minipaged.sequence import SequenceStatus
@@ -181,6 +182,10 @@ _ADMISSION_HINTS = {
             "block manager can allocate it",
     "chunks": "an admitted group's prompt work is plan_prefill's chunks, taken as far as the "
               "budget allows (_take_chunks); a group left with chunks spends the budget",
+    "spent": "a group whose chunks did not all fit spends the budget: request {request} was "
+             "admitted with chunks still to compute, so nobody after it starts in this step, "
+             "even with budget left (its chunks come first in the next steps: first come, "
+             "first served)",
 }
 
 
@@ -192,6 +197,10 @@ def _admission_hint(theirs, mine, got: dict, want: dict, before_waiting: list[st
             return _ADMISSION_HINTS["swapped"]
         if mine.run.scheduler._num_running_seqs() > mine.run.scheduler.config.max_num_seqs:
             return _ADMISSION_HINTS["max_num_seqs"]
+        stalled = [g.request_id for g in theirs.run.scheduler.running
+                   if g.pending_chunks and g.request_id in want_in]
+        if stalled and got_in[:len(want_in)] == want_in:
+            return _ADMISSION_HINTS["spent"].format(request=stalled[0])
     if got_in != before_waiting[:len(got_in)]:
         return _ADMISSION_HINTS["fcfs"]
     if len(got_in) != len(want_in):
@@ -199,13 +208,63 @@ def _admission_hint(theirs, mine, got: dict, want: dict, before_waiting: list[st
     return _ADMISSION_HINTS["chunks"]
 
 
+def _stalled_group_steps(candidate_class, rng, case: int):
+    """One case of the rule "a group whose chunks did not all fit spends the budget", as
+    ``_lockstep_steps`` yields it: without chunked prefill, a group of 2 or 3 sequences is
+    preempted by recompute after a few decodes (its sequences now differ: one chunk each), and
+    short prompts arrive behind it; the budget holds one of its chunks and the short prompts,
+    not two of its chunks."""
+    block_size = rng.choice([8, 16])
+    prompt_len = rng.randint(2, block_size - 3)  # no whole block shared: equal chunks
+    decodes, n = rng.randint(1, 2), rng.choice([2, 3])
+    chunk = prompt_len + decodes  # each sequence's tokens but its newest
+    left = rng.randint(1, chunk - 1)  # budget left after one chunk: less than another chunk
+    config = SchedulerConfig(max_num_batched_tokens=chunk + left, preemption_mode="recompute",
+                             enable_chunked_prefill=False)
+    about = (f"64 GPU / 0 CPU blocks of {block_size}, preemption recompute, "
+             f"max_num_batched_tokens {chunk + left}, chunked prefill off; request 0 "
+             f"({n} sequences, a {prompt_len}-token prompt) decodes {decodes} steps and is "
+             f"preempted by recompute (each of its sequences is a {chunk}-token chunk now); "
+             f"then short prompts arrive")
+    theirs, mine = (_Lockstep(block_size, 64, 0, 0.0, config, scheduler_class=cls)
+                    for cls in (Scheduler, candidate_class))
+    shorts = [[rng.randrange(1000) for _ in range(rng.randint(1, left))]
+              for _ in range(rng.randint(1, 2))]
+    prompt = [rng.randrange(1000) for _ in range(prompt_len)]
+    for lock in (theirs, mine):
+        lock.arrive(prompt, n)
+    for step in range(decodes + 4):
+        if step == decodes + 1:
+            for lock in (theirs, mine):
+                sched = lock.run.scheduler
+                group = next(g for g in sched.running if g.request_id == "0")
+                sched.running.remove(group)
+                sched._preempt(group, {})
+                for short in shorts:
+                    lock.arrive(short, 1)
+        before = _scheduler_state(theirs)
+        outs = [lock.run.scheduler.schedule() for lock in (theirs, mine)]
+        yield case, f"{about}; step {step}, before it: {before}", before, theirs, mine, outs
+        for lock, out in zip((theirs, mine), outs):
+            lock.after_model(out)
+
+
+def _admission_steps(learner_class, rng, num_cases: int):
+    """Random traffic (``_lockstep_steps``) for four fifths of the cases, then the stall rule's
+    own cases (random traffic almost never reaches it)."""
+    num_random = num_cases - num_cases // 5
+    yield from _lockstep_steps(learner_class, rng, num_random)
+    for case in range(num_random, num_cases):
+        yield from _stalled_group_steps(learner_class, rng, case)
+
+
 def _check_admit_waiting(candidate, rng, num_cases: int) -> int:
     """The scheduler with the learner's step 4 next to the package's on random traffic (budgets
-    small and large, chunked prefill on and off, parallel sampling, preemption), every step
-    compared."""
+    small and large, chunked prefill on and off, parallel sampling, preemption), and on a
+    group recomputed in chunks with prompts behind it; every step compared."""
     learner_class = type("SchedulerWithYourAdmission", (Scheduler,),
                          {"_admit_waiting": candidate})
-    steps = _lockstep_steps(learner_class, rng, num_cases)
+    steps = _admission_steps(learner_class, rng, num_cases)
     for case, about, before, theirs, mine, (want_outs, got_outs) in steps:
         got, want = _step_record(mine, got_outs), _step_record(theirs, want_outs)
         if got != want:

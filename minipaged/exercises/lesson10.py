@@ -36,6 +36,8 @@ import torch
 from minipaged.exercises import checking, workbench
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
+from minipaged.exercises.sampler_hints import (_generator_hint, _logprob_hint, _malformed,
+                                               _processed, _short, _token_hint)
 from minipaged.sampling_params import SamplingParams
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.worker.model_runner import Row
@@ -227,9 +229,13 @@ class MySampler(Sampler):
         then the temperature (1 for greedy and beam search). Then per request: greedy takes the
         argmax; random sampling filters top-k then top-p and draws once per sequence with
         ``draw(probs, generators[seq_id])``; beam search calls
-        ``self._beam_search(seq_group, its rows, their logprobs)``. A ``SequenceOutput(parent
-        seq id, token, logprobs)`` reports the chosen token's logprob (after penalties and
-        temperature, before top-k/top-p) and, with ``logprobs=n``, the n most likely tokens'.
+        ``self._beam_search(seq_group, its rows, their logprobs)``, which returns
+        ``{seq_id: (k, parent_seq_id, token_id)}`` for every sequence of the group: ``k`` is
+        the position, among the rows you passed, of the row (and logprobs) the token was chosen
+        from, and the token continues sequence ``parent_seq_id`` (another beam, or itself). A
+        ``SequenceOutput(parent seq id, token, logprobs)`` reports the chosen token's logprob
+        (after penalties and temperature, before top-k/top-p) and, with ``logprobs=n``, the n
+        most likely tokens'.
         """
         not_done()  # <- your code here
 
@@ -272,13 +278,6 @@ def _sampler_case(rng, case: int):
     return logits, rows
 
 
-def _processed(logits, rows):
-    """The package's rows after penalties and temperature (R, V)."""
-    temps = [1.0 if p.greedy or p.use_beam_search else p.temperature
-             for p in (r.seq_group.sampling_params for r in rows)]
-    return apply_penalties(logits, rows) / torch.tensor(temps)[:, None]
-
-
 def _clear_top_p(row, params) -> bool:
     kept = top_k_top_p_filter(row, params.top_k, 1.0)
     sums = torch.cumsum(torch.softmax(torch.sort(kept, descending=True).values, -1), -1)
@@ -308,11 +307,12 @@ def _check_sampler(candidate, rng, num_cases: int) -> int:
             f"{row.seq_group.find(row.seq_ids[0]).output_token_ids}"
             for i, row in enumerate(rows)) + f"; vocab {logits.shape[-1]}"
         shape = {r: sorted(outs) for r, outs in expected.items()}
-        if not isinstance(got, dict) or {r: sorted(o) for r, o in got.items()} != shape:
-            fail("Sampler", case, inputs, {r: sorted(o) for r, o in got.items()}
-                 if isinstance(got, dict) else got, shape,
-                 "return {request_id: {seq_id: SequenceOutput}}: one entry for every sequence "
-                 "of every row (a fresh group's prompt row serves all of its seq_ids)")
+        malformed = _malformed(got, shape)
+        if malformed is not None:  # read nothing more of it: say what is wrong with it
+            fail("Sampler", case, inputs, _Shown(_short(got)),
+                 _Shown("{request_id: {seq_id: SequenceOutput(parent_seq_id, token_id, "
+                        f"logprobs)}} for {shape}"),
+                 f"your `__call__` returned {_short(got)}: {malformed}")
         for request_id, outputs in expected.items():
             for seq_id, want in outputs.items():
                 have = got[request_id][seq_id]
@@ -325,19 +325,12 @@ def _check_sampler(candidate, rng, num_cases: int) -> int:
                 if not torch.equal(mine[seq_id].get_state(), theirs[seq_id].get_state()):
                     fail("Sampler", case, where + " (its generator afterwards)",
                          _Shown("not advanced by one draw"), _Shown("advanced by one draw"),
-                         _GENERATOR_HINT)
+                         _generator_hint(row))
                 if (sorted(have.logprobs) != sorted(want.logprobs)
                         or any(abs(have.logprobs[t] - v) > 1e-4 for t, v in want.logprobs.items())):
                     fail("Sampler", case, where + " (logprobs)", _rounded(have.logprobs),
-                         _rounded(want.logprobs), _LOGPROB_HINT)
+                         _rounded(want.logprobs), _logprob_hint(row, rows, logits, have.logprobs))
     return num_cases
-
-
-_GENERATOR_HINT = ("a random row draws with its own sequence's generator, generators[seq_id], "
-                   "exactly one number per token (draw does that); never torch's global one")
-_LOGPROB_HINT = ("report log_softmax of the logits after the penalties and the temperature (1 "
-                 "for greedy and beam search), before top-k and top-p; logprobs=n adds the n most "
-                 "likely tokens' logprobs to the chosen one's")
 
 
 def _settings(p: SamplingParams) -> str:
@@ -349,29 +342,6 @@ def _settings(p: SamplingParams) -> str:
 
 def _rounded(logprobs: dict) -> dict:
     return {t: round(v, 4) for t, v in sorted(logprobs.items())}
-
-
-def _token_hint(row, rows, logits, token, mine, theirs, seq_id) -> str:
-    params = row.seq_group.sampling_params
-    if params.use_beam_search:
-        return ("a beam-search group goes to self._beam_search(seq_group, its rows, their "
-                "logprobs), all its rows at once, at temperature 1")
-    processed = _processed(logits, rows)[rows.index(row)]  # (V,)
-    if params.greedy:
-        return ("a greedy row takes the argmax of its logits after the presence and frequency "
-                "penalties (counted over the generated tokens only, never the prompt)")
-    if not torch.equal(mine[seq_id].get_state(), theirs[seq_id].get_state()):
-        return _GENERATOR_HINT
-    if not 0 <= token < processed.shape[-1] or torch.isinf(
-            top_k_top_p_filter(processed, params.top_k, params.top_p)[token]):
-        if 0 <= token < processed.shape[-1] and torch.isfinite(
-                top_k_top_p_filter(processed, params.top_k, 1.0)[token]):
-            return (f"token {token} is outside the nucleus: top-p keeps the most likely tokens "
-                    f"until their running sum reaches top_p (the token that reaches it stays), "
-                    f"and drops every token after it")
-        return f"token {token} is not among the top_k most likely: it has probability 0"
-    return ("penalties, then the temperature, then top-k and top-p on that row, a softmax, and "
-            "one draw(probs, generators[seq_id]) for each of the row's sequences")
 
 
 workbench.register(workbench.Component(

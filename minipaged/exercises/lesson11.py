@@ -214,8 +214,28 @@ _STATE_HINTS = {
     "free blocks (next first)": "a block nobody holds that is not cached goes back on the free "
                                 "list (a stack: appended, popped from the end); an evicted "
                                 "block goes there too",
-    "free count": "evictable blocks still count as free: they can be evicted for room",
-    "evictions": "count an eviction each time a cached block loses its name for room",
+    "free count": "get_num_free_blocks: evictable blocks still count as free (they can be "
+                  "evicted for room)",
+    "evictions": "_evict counts an eviction (num_evictions) each time a cached block loses its "
+                 "name for room",
+}
+# after a name_blocks call, what a wrong eviction shows (naming can evict an evictable block)
+_NAMING_EVICTS = ("_name_block: an evictable block holding another prefix under the same name "
+                  "is evicted (it loses its name and goes to the free list, one eviction more); "
+                  "a block in use keeps its name, and the new one stays private")
+# the operation that ran when the states first differed -> its hint (the cause, whatever the
+# field where the difference shows)
+_OPERATION_HINTS = {
+    "free": "free drops ONE reference; a cached block nobody holds any more keeps its KV and "
+            "its name and goes to the end of evictable (the most recently used); any other "
+            "block nobody holds goes back on the free list and forgets what it held (contents)",
+    "acquire": "acquire adds one reference; a block nobody held (ref count 0) was evictable: "
+               "it is in use again, so it is taken off evictable (it must not be evicted "
+               "while a table holds it)",
+    "allocate": "allocate takes a truly free block first (pop from the end of the free list); "
+                "only when none is left does it evict the least recently used evictable block "
+                "(_evict: the block loses its name, leaves by_hash and contents, one eviction "
+                "more) and hand it out with ref count 1",
 }
 
 
@@ -249,9 +269,17 @@ class _Workload:
         if got != expected:
             fail("PrefixCachingAllocator", self.case, self.inputs(now), got, expected, hint)
 
-    def compare_states(self, now: str) -> None:
+    def compare_states(self, now: str, operation: str) -> None:
+        """The two allocators after ``operation`` (free, acquire, allocate, name_blocks): the
+        hint names that operation's rule, whichever field shows the difference."""
         mine, theirs = _allocator_state(self.yours), _allocator_state(self.expected)
         for key, hint in _STATE_HINTS.items():
+            if key in ("free count", "evictions"):
+                pass  # checked last: all else agrees, so its own method is the cause
+            elif operation in _OPERATION_HINTS:
+                hint = _OPERATION_HINTS[operation]
+            elif key in ("evictable blocks (LRU first)", "free blocks (next first)"):
+                hint = _NAMING_EVICTS
             self.same(f"{now}: {key}", mine[key], theirs[key], hint)
 
     def allocate(self, now: str) -> tuple[object, object]:
@@ -262,6 +290,7 @@ class _Workload:
                 "allocate takes a truly free block first (the free list is a stack: pop from "
                 "its end) and evicts only when the free list is empty")
         self.same(f"{now}: allocate()", mine.block_number, theirs.block_number, hint)
+        self.compare_states(f"{now}: after allocate()", "allocate")
         return mine, theirs
 
     def name(self, seq_id: int, now: str) -> None:
@@ -271,7 +300,7 @@ class _Workload:
         chunks = [tokens[i * size:(i + 1) * size] for i in range(full)]
         self.yours.name_blocks(mine[:full], [list(c) for c in chunks])
         self.expected.name_blocks(theirs[:full], chunks)
-        self.compare_states(now + f", name_blocks of its {full} full blocks")
+        self.compare_states(now + f", name_blocks of its {full} full blocks", "name_blocks")
 
     def admit(self, seq_id: int) -> None:
         rng, size = self.rng, self.block_size
@@ -286,7 +315,11 @@ class _Workload:
         if got != want:
             hint = ("walk the full blocks from the first: look each one up by the name made from "
                     "the block found before it, and stop at the first miss")
-            if len(got) > len(want):
+            if len(got) > max_blocks:
+                hint = (f"at most max_blocks ({max_blocks}) blocks: the block holding the "
+                        f"prompt's last token is never taken from the cache (that token is "
+                        f"computed, to have logits to sample from)")
+            elif len(got) > len(want):
                 hint = ("a hash hit is only a hint: take a block only if it holds these token "
                         "ids right after the block found before it (_same_contents)")
             self.same(f"{now}: longest_cached_prefix(max_blocks={max_blocks}) gives blocks",
@@ -298,16 +331,16 @@ class _Workload:
         for mine, theirs in zip(mine_found, theirs_found):
             self.yours.acquire(mine)
             self.expected.acquire(theirs)
-        self.compare_states(f"{now}: acquire the {len(want)} blocks found")
+            self.compare_states(f"{now}: after acquire(block {theirs.block_number})", "acquire")
         mine_table, theirs_table = list(mine_found), list(theirs_found)
         for _ in range(num_new):
             mine, theirs = self.allocate(now)
             mine_table.append(mine)
             theirs_table.append(theirs)
         self.seqs[seq_id] = (tokens, mine_table, theirs_table)
+        self.name(seq_id, now)
         self.log.append(f"admit s{seq_id} {tokens} -> blocks "
                         f"{[b.block_number for b in theirs_table]}")
-        self.name(seq_id, now)
 
     def grow(self, seq_id: int) -> None:
         tokens, mine_table, theirs_table = self.seqs[seq_id]
@@ -321,8 +354,8 @@ class _Workload:
             mine, theirs = self.allocate(now)
             mine_table.append(mine)
             theirs_table.append(theirs)
-        self.log.append(now)
         self.name(seq_id, now)
+        self.log.append(now)
 
     def finish(self, seq_id: int) -> None:
         _, mine_table, theirs_table = self.seqs.pop(seq_id)
@@ -330,8 +363,8 @@ class _Workload:
         for mine, theirs in zip(reversed(mine_table), reversed(theirs_table)):
             self.yours.free(mine)
             self.expected.free(theirs)
+            self.compare_states(f"{now}: after free(block {theirs.block_number})", "free")
         self.log.append(now)
-        self.compare_states(now)
 
     def run(self, num_ops: int) -> None:
         next_id = 0

@@ -190,18 +190,29 @@ def _rejection_case(rng, case: int):
     return target, drafts, draft_probs, rng.randrange(2 ** 31)
 
 
-def _rejection_hint(got: list, expected: list, k: int, deterministic: bool) -> str:
+def _rejection_hint(got: list, expected: list, drafts: list[int], deterministic: bool) -> str:
+    """The hint keyed to the decision that went wrong first: keeping or rejecting a draft (the
+    acceptance test), the correction after a rejection (the residual), or the bonus token."""
+    k = len(drafts)
     if not isinstance(got, list) or not all(isinstance(t, int) for t in got):
         return "return a list of ints: the kept drafts, then one more token"
     common = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
                   min(len(got), len(expected)))
+    one_hot = " (draft_probs=None: q is one-hot at the draft)" if deterministic else ""
+    acceptance = ("draft i is kept with probability min(1, p(d)/q(d)), tested with one uniform "
+                  f"number per examined draft: kept when u * q(d) < p(d){one_hot}")
+    if len(expected) == k + 1 and got == expected[:k]:
+        return "when every draft is kept, the bonus token is drawn from the last row (row k)"
     if len(got) > k + 1 or (common == len(expected) and len(got) > len(expected)):
         return ("stop at the first rejected draft: the drafts after it were guessed after a "
                 "token that is not emitted")
+    if common < k and common < len(got) and common < len(expected):
+        # at draft `common` one kept the draft and the other did not, or both rejected it
+        kept_mine, kept_theirs = got[common] == drafts[common], expected[common] == drafts[common]
+        if kept_mine != kept_theirs and (common < len(expected) - 1 or common < len(got) - 1):
+            return acceptance
     if common < len(expected) - 1 or (common == len(got) and len(got) < len(expected)):
-        one_hot = " (draft_probs=None: q is one-hot at the draft)" if deterministic else ""
-        return ("draft i is kept with probability min(1, p(d)/q(d)), tested with one uniform "
-                f"number per examined draft{one_hot}")
+        return acceptance
     if len(expected) == k + 1 and got[:k] == expected[:k]:
         return "when every draft is kept, the bonus token is drawn from the last row (row k)"
     return ("after a rejection the correction is drawn from the residual: max(0, p - q) at that "
@@ -232,7 +243,7 @@ def _check_rejection_sample(candidate, rng, num_cases: int) -> int:
                   f"generator seeded {seed}")
         if got != expected:
             fail("rejection_sample", case, inputs, got, expected,
-                 _rejection_hint(got, expected, len(drafts), draft_probs is None))
+                 _rejection_hint(got, expected, drafts, draft_probs is None))
         if torch.rand((), generator=mine).item() != torch.rand((), generator=theirs).item():
             fail("rejection_sample", case, inputs, "the same tokens, but another number of "
                  "random numbers used", "one per examined draft and one per drawn token",

@@ -206,7 +206,20 @@ class Sampler:
 
     @staticmethod
     def _beam_search(seq_group: SequenceGroup, rows: list[Row], logprobs: torch.Tensor) -> dict:
-        """Keep the best continuations of all beams together, by cumulative logprob."""
+        """Keep the best continuations of all beams together, by cumulative logprob.
+
+        Args:
+            seq_group: the beam-search group (its sequences' cumulative logprobs score the
+                candidates).
+            rows: the group's rows of the step: one shared prompt row on the first step, then
+                one row per live beam.
+            logprobs: (len(rows), V) the next-token logprobs of those rows.
+
+        Returns ``{seq_id: (k, parent_seq_id, token_id)}`` for every sequence of the group:
+        ``k`` is the position in ``rows`` (and ``logprobs``) the token was chosen from, and the
+        token continues sequence ``parent_seq_id`` (the sequence itself, or another beam it
+        will be re-forked from).
+        """
         seq_ids = [seq_id for row in rows for seq_id in row.seq_ids]
         width = len(seq_ids)  # live beams of this group
         if len(rows) == 1 and len(rows[0].seq_ids) > 1:

@@ -1,0 +1,168 @@
+"""Two model-free engines side by side, for the build track's checkers of lessons 03, 04 and 09.
+
+``_Lockstep`` is a ``DryRun`` (scheduler and block manager, no model) built from the package's
+classes or the learner's; a checker drives two of them with the same random traffic and
+compares them after every step. With ``record_calls`` each run also logs every call of the
+block manager's methods the learner writes (what it returned, the events it sent, the state
+after it), so that a checker can name the first call that went wrong, not only the step.
+"""
+from __future__ import annotations
+
+from minipaged.block import Device
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.scheduler import Scheduler
+from minipaged.lab.dry_run import DryRun
+from minipaged.sequence import SequenceStatus
+
+# the manager's methods the learner writes (lesson 03), as the scheduler calls them
+_LEARNER_METHODS = ("can_allocate", "allocate", "append_slot", "fork", "free")
+
+
+def _manager_state(bm) -> dict:
+    """What must be the same in the learner's manager and the package's after every call."""
+    return {"block tables": {i: [b.block_number for b in t] for i, t in
+                             sorted(bm.block_tables.items())},
+            "free GPU blocks": bm.gpu_allocator.free_block_numbers(),
+            "free CPU blocks": bm.cpu_allocator.free_block_numbers(),
+            "sequences held": sorted(bm.seqs), "their requests": dict(sorted(
+                bm.seq_request.items()))}
+
+
+def _broken_invariant(bm) -> str | None:
+    """The package's invariants: a block's ref count is the number of tables holding it, and a
+    free block is held by nobody."""
+    lists: dict[int, int] = {}  # id of a table's list -> the first sequence holding it
+    for seq_id, table in sorted(bm.block_tables.items()):
+        if id(table) in lists:
+            return (f"seq {seq_id}'s block table is the same list object as seq "
+                    f"{lists[id(table)]}'s: a change to one table changes the other")
+        lists[id(table)] = seq_id
+    holders: dict[tuple, int] = {}
+    for table in bm.block_tables.values():
+        for block in table:
+            key = (block.device is Device.GPU, block.block_number)  # (no enum hashing: fast)
+            holders[key] = holders.get(key, 0) + 1
+    for allocator in (bm.gpu_allocator, bm.cpu_allocator):
+        free = None
+        for block in allocator.blocks:
+            held = holders.get((block.device is Device.GPU, block.block_number), 0)
+            if block.ref_count == held and not held:
+                continue
+            if free is None:
+                free = set(allocator.free_block_numbers())
+            if block.ref_count != held:
+                return (f"{block.device.value} block {block.block_number} has ref count "
+                        f"{block.ref_count}, but {held} block tables hold it")
+            if held and block.block_number in free:
+                return (f"{block.device.value} block {block.block_number} is on the free "
+                        f"list while {held} block tables hold it")
+    return None
+
+
+def _call_args(method: str, args) -> str:
+    """A call of one of the manager's methods, in words (the ids of what it was given)."""
+    def name(obj):
+        if hasattr(obj, "request_id"):
+            return f"request {obj.request_id}"
+        return f"seq {obj.seq_id}" if hasattr(obj, "seq_id") else repr(obj)
+    return f"{method}({', '.join(name(a) for a in args)})"
+
+
+class _Call:
+    """One call of the manager's own methods: what it returned, the events it sent, and the
+    manager afterwards (state, and the ref-count invariant if it broke)."""
+
+    def __init__(self, method: str, args, result, events: list[dict], bm,
+                 check_invariant: bool = True) -> None:
+        self.method, self.call = method, _call_args(method, args)
+        self.result = (bool(result) if method == "can_allocate" else  # as the scheduler reads
+                       tuple(result) if method == "append_slot" and result is not None else
+                       dict(result) if method == "allocate" and result is not None else result)
+        self.events, self.state = events, _manager_state(bm)
+        self.broken = _broken_invariant(bm) if check_invariant else None
+
+    def differs_from(self, expected: "_Call") -> str | None:
+        """What differs first: the call itself, its events, the invariant, its result, the
+        state; None when nothing does."""
+        if self.call != expected.call:
+            return "call"
+        for what in ("events", "broken", "result", "state"):
+            if getattr(self, what) != getattr(expected, what):
+                return what
+        return None
+
+
+def _record_calls(bm, calls: list[_Call], events: list[dict], check_invariant: bool) -> None:
+    """Log every outermost call of the manager's own methods into ``calls`` (the invariant is
+    checked after each only where asked: the package's manager keeps it)."""
+    depth = [0]
+
+    def recorded(method: str, fn):
+        def call(*args, **kwargs):
+            depth[0] += 1
+            first_event = len(events)
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                calls.append(_Call(method, args, result, events[first_event:], bm,
+                                   check_invariant))
+            return result
+        return call
+
+    for method in _LEARNER_METHODS:
+        setattr(bm, method, recorded(method, getattr(bm, method)))
+
+
+class _Lockstep:
+    """A model-free engine (``DryRun``) whose scheduler is ``scheduler_class`` holding a
+    ``manager_class`` manager (one of the pair a checker runs side by side; lessons 03, 04, 09).
+    With ``record_calls`` every call of the manager's own methods is logged in ``calls``."""
+
+    def __init__(self, block_size, num_gpu, num_cpu, watermark, config,
+                 manager_class=BlockSpaceManager, scheduler_class=Scheduler,
+                 record_calls: bool = False):
+        self.run = DryRun(block_size, num_gpu, num_cpu, watermark=watermark)
+        self.bm = manager_class(block_size, num_gpu, num_cpu, watermark)
+        self.run.block_manager = self.bm
+        self.run.scheduler = scheduler_class(config, self.bm)
+        self.events: list[dict] = []
+        self.bm.add_listener(self.events.append)
+        self.calls: list[_Call] = []
+        if record_calls:
+            _record_calls(self.bm, self.calls, self.events,
+                          check_invariant=manager_class is not BlockSpaceManager)
+
+    def arrive(self, prompt: list[int], n: int) -> None:
+        self.run.add_request(prompt, n=n)
+
+    def after_model(self, outs) -> None:
+        """The step's sampled tokens (a fixed function of the sequence: both runs agree)."""
+        self.run.sampled(outs, lambda seq: 100 + (7 * seq.seq_id + seq.get_len()) % 50)
+
+
+def _first_wrong_call(theirs: _Lockstep, mine: _Lockstep) -> tuple[_Call, str, _Call | None] | None:
+    """The learner's first call whose record differs from the package's, what differs, and
+    the package's call at that place."""
+    for want, got in zip(theirs.calls, mine.calls):
+        what = got.differs_from(want)
+        if what is not None:
+            return got, what, want
+    if len(mine.calls) != len(theirs.calls):  # one made a call the other did not
+        extra = (mine.calls + theirs.calls)[min(len(mine.calls), len(theirs.calls))]
+        return extra, "call", None
+    return None
+
+
+def _arrivals(rng, block_size: int) -> list[tuple[list[int], int]]:
+    """A step's new requests: (prompt, n), n > 1 for parallel sampling."""
+    return [([rng.randrange(1000) for _ in range(rng.randint(1, 3 * block_size))],
+             rng.choice([1, 1, 2, 3])) for _ in range(rng.choice([0, 0, 1, 2]))]
+
+
+def _to_finish(rng, lock: _Lockstep, block_size: int) -> list[int]:
+    """Running sequences that stop now (at random, and any grown past 6 blocks)."""
+    return [s.seq_id for g in lock.run.scheduler.running if not g.pending_chunks
+            for s in g.get_seqs(SequenceStatus.RUNNING)
+            if rng.random() < 0.12 or s.get_len() > 6 * block_size]
