@@ -37,14 +37,26 @@ def test_teacher_forced_logits_match_transformers(family, block_size, num_prefil
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["plain", "chunked", "prefix_cached"])
-def test_greedy_tokens_match_transformers(family, mode):
-    """The engine's greedy tokens, prompts 2-3 windows long, whole, in chunks of 5 tokens, or
-    after a cached prefix (the second prompt shares the first's first 12 tokens)."""
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def greedy_case(family):
+    """The family's prompts (2-3 windows long; the third shares the first's first 12 tokens)
+    and transformers' greedy tokens for each."""
     kind, path, hf = family
-    new = 12
-    prompts = pick_prompts(hf, [19, 23], new, seed=2)
+    prompts = pick_prompts(hf, [19, 23], NEW_TOKENS, seed=2)
     prompts.append(prompts[0][:12] + prompts[1][:9])
+    return prompts, [greedy_reference(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked", "prefix_cached"])
+def test_greedy_tokens_match_transformers(family, greedy_case, mode):
+    """The engine's greedy tokens: prompts whole, in chunks of 5 tokens, or after a cached
+    prefix."""
+    kind, path, hf = family
+    new = NEW_TOKENS
+    prompts, expected = greedy_case
     settings = dict(block_size=4, num_gpu_blocks=128, dtype="float32", seed=0)
     if mode == "chunked":
         settings.update(enable_chunked_prefill=True, max_num_batched_tokens=5, max_num_seqs=2)
@@ -55,8 +67,8 @@ def test_greedy_tokens_match_transformers(family, mode):
     if mode == "prefix_cached":  # the first prompt fills the cache, the others find it
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == greedy_reference(hf, prompt, new), (kind, mode)
+    for want, out in zip(expected, outs):
+        assert out.outputs[0].token_ids == want, (kind, mode)
     if mode == "prefix_cached":
         assert llm.llm_engine.scheduler.block_manager.num_cached_tokens > 0
 
