@@ -211,16 +211,20 @@ def paged_prefill_attention(
         if q_len == 0:
             continue
         num_blocks = -(-context_len // block_size)
-        table = block_tables[s, :num_blocks].long()
+        # The first block any new token reads: 0, or with a window the one holding the oldest
+        # position the first new token sees (the blocks before it may be gone: never read them)
+        first = 0 if window is None else max(0, context_len - q_len - window + 1) // block_size
+        table = block_tables[s, first:num_blocks].long()
         k, v = gather_kv(key_cache, value_cache, table[None], kv_scales)  # (1, kv_heads, L', D)
-        k = k[0, :, :context_len].float()  # (kv_heads, L, D)
-        v = v[0, :, :context_len].float()
+        begin = first * block_size  # the position of k's first row
+        k = k[0, :, :context_len - begin].float()  # (kv_heads, L, D)
+        v = v[0, :, :context_len - begin].float()
         if group > 1:
             k = k.repeat_interleave(group, dim=0)  # (heads, L, D)
             v = v.repeat_interleave(group, dim=0)
         q = query[start:end].transpose(0, 1).float()  # (heads, q_len, D)
         q_pos = torch.arange(context_len - q_len, context_len, device=query.device)  # (q_len,)
-        k_pos = torch.arange(context_len, device=query.device)  # (L,)
+        k_pos = torch.arange(begin, context_len, device=query.device)  # (L,)
         allowed = k_pos[None, :] <= q_pos[:, None]  # (q_len, L)
         if window is not None:
             allowed &= k_pos[None, :] > q_pos[:, None] - window
