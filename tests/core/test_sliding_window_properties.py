@@ -1,8 +1,9 @@
 """Freeing the blocks that left the window changes nothing a request sees: whole random
 workloads on a tiny all-sliding Mistral (window 8, blocks of 4) give the same tokens and
 logprobs with ``SlidingWindowBlockManager`` as with the ``BlockSpaceManager`` that keeps every
-block, through copy-on-write (n = 2), swapping or recompute (small pools), chunked prefill,
-prefix caching (shared prompt starts), and speculative decoding by prompt lookup."""
+block, through copy-on-write (n = 2 sampling, beam search's forks), swapping or recompute (small
+pools), chunked prefill, prefix caching (shared prompt starts), speculative decoding by prompt
+lookup and multi-step decode."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,9 @@ MODES = [  # engine settings a workload runs under
     dict(enable_chunked_prefill=True, max_num_batched_tokens=6, num_gpu_blocks=26),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
          num_gpu_blocks=32),
+    dict(num_scheduler_steps=4, num_gpu_blocks=32),
 ]
+SINGLE_SEQUENCE_ONLY = (4,)  # the modes that run neither n = 2 nor beam search
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,8 @@ request = st.fixed_dictionaries({
     "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens
     "tokens": st.lists(token, min_size=1, max_size=26),
     "max_tokens": st.integers(1, 16),
-    "sampled": st.booleans(),  # n=2 seeded sampling (copy-on-write) or greedy
+    # greedy; n = 2 seeded sampling (shared prompt blocks, copy-on-write); beam search (forks)
+    "kind": st.sampled_from(["greedy", "sampled", "beam"]),
 })
 
 
@@ -83,9 +87,13 @@ def test_freeing_out_of_window_blocks_changes_no_output(engines, mode, reqs):
         start = prompts[r["prefix_of"]][:12] if r["prefix_of"] is not None and \
             r["prefix_of"] < i else []
         prompts.append((start + r["tokens"])[:30])  # (n = 2 of 46 tokens fits the pool)
-        if r["sampled"] and "speculative_config" not in MODES[mode]:
+        kind = "greedy" if mode in SINGLE_SEQUENCE_ONLY else r["kind"]
+        if kind == "sampled":
             params.append(SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=r["max_tokens"],
                                          ignore_eos=True, logprobs=2))
+        elif kind == "beam":
+            params.append(SamplingParams(n=2, use_beam_search=True, temperature=0,
+                                         max_tokens=r["max_tokens"], ignore_eos=True))
         else:
             params.append(SamplingParams(temperature=0, max_tokens=r["max_tokens"],
                                          ignore_eos=True, logprobs=2))
