@@ -104,3 +104,29 @@ def test_the_cpu_op_runs_windows_and_the_engine_counts_it(kernels):
     before = ops.calls["paged_attention", "cpu"]
     ops.paged_attention(torch.randn(1, 4, 32), kc, vc, tables, ctx, 0.2, window=8)
     assert ops.calls["paged_attention", "cpu"] == before + 1
+
+
+def test_an_op_that_reads_no_window_is_passed_by(monkeypatch):
+    """A compiled op without ``supports_window`` (the CUDA kernels today) never gets a window
+    call: the reference answers, counted as such, and a warning says so once."""
+
+    class NoWindowOp:  # stands for a compiled op that reads whole contexts only
+        supports_8bit_cache = True
+
+        def paged_attention(self, *args, **kwargs):
+            raise AssertionError("a window call reached an op that reads no window")
+
+        paged_prefill_attention = paged_attention
+
+    monkeypatch.setattr(build.CPU_OP, "load", lambda: NoWindowOp())
+    monkeypatch.setattr(ops, "_warned_windows", set())
+    kc, vc, tables, ctx = windowed_cache([30], [1], 8, 4, torch.float32)
+    query = torch.randn(1, 4, 32)
+    before = ops.calls["paged_attention", "reference"]
+    with pytest.warns(RuntimeWarning, match="reads no sliding window"):
+        got = ops.paged_attention(query, kc, vc, tables, ctx, 0.2, window=8)
+    assert ops.calls["paged_attention", "reference"] == before + 1
+    torch.testing.assert_close(got, reference.paged_attention(query, kc, vc, tables, ctx, 0.2,
+                                                              window=8))
+    loc = torch.tensor([0, 1], dtype=torch.int32)
+    ops.paged_prefill_attention(query, kc, vc, tables, loc, ctx, 0.2, window=8)  # no raise

@@ -114,3 +114,15 @@ def test_unknown_family_is_refused():
 
     with pytest.raises(ValueError, match="model_type 'phi' is not supported"):
         get_model_class(PhiConfig())
+
+
+def test_gemma3_final_logit_softcapping(tmp_path):
+    """Gemma's optional soft cap of the output logits, tanh(logits / cap) * cap."""
+    hf = save_tiny_model("gemma3", tmp_path, seed=7, final_logit_softcapping=3.0)
+    engine = LLMEngine(str(tmp_path), block_size=4, num_gpu_blocks=64, dtype="float32")
+    prompt = list(range(5, 35))
+    (ours,) = teacher_forced_logits(engine, [prompt], num_prefill=12, block_size=4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert ref.abs().max() <= 3.0
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
