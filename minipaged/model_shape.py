@@ -9,7 +9,43 @@ The engine, the models, the draft proposer, the tensor-parallel check and the co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# The families whose checkpoints name each layer's attention "sliding_attention" or
+# "full_attention" in ``layer_types`` (Mistral slides every layer by ``sliding_window``).
+_LAYER_TYPE_FAMILIES = ("qwen2", "qwen3", "gemma3_text")
+
+
+def layer_windows(hf_config) -> tuple[int | None, ...]:
+    """Each layer's sliding window in tokens, or None for a layer that sees the whole context.
+
+    A layer with window W lets the token at position p attend to positions p - W + 1 ... p (the
+    W newest, itself included), as transformers' sliding masks do. Refuses, naming what is
+    wrong, a layer type we do not implement and a window that is not a positive integer.
+
+    Args:
+        hf_config: the model's transformers config.
+    """
+    num_layers = hf_config.num_hidden_layers
+    model_type = getattr(hf_config, "model_type", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type == "mistral":
+        types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    elif model_type in _LAYER_TYPE_FAMILIES:
+        types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers)
+    else:  # GPT-2, LLaMA: no window
+        return (None,) * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has {num_layers}")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"layer_types holds {unknown}: minipaged implements only "
+                         "'sliding_attention' and 'full_attention' layers")
+    if "sliding_attention" in types and (not isinstance(window, int) or isinstance(window, bool)
+                                         or window < 1):
+        raise ValueError(f"sliding_window must be a positive number of tokens for the sliding "
+                         f"layers, got {window!r}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int,
@@ -43,6 +79,9 @@ class ModelShape:
     vocab_size: int
     max_positions: int  # the longest sequence the model was trained for
     gated_mlp: bool  # LLaMA's MLP has three matrices (gate, up, down); GPT-2's two
+    # each layer's sliding window, None for full attention (layer_windows); not part of equality,
+    # so a shape written by hand (lessons, cost models) equals the one read from a config
+    windows: tuple = field(default=(), compare=False)
 
     @classmethod
     def from_hf(cls, hf_config) -> ModelShape:
@@ -67,7 +106,18 @@ class ModelShape:
                    num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
                    head_size=getattr(hf_config, "head_dim", None) or hidden // heads,
                    vocab_size=hf_config.vocab_size,
-                   max_positions=hf_config.max_position_embeddings, gated_mlp=not gpt2)
+                   max_positions=hf_config.max_position_embeddings, gated_mlp=not gpt2,
+                   windows=layer_windows(hf_config))
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides by the same window, else None: only then may a
+        sequence's blocks that left the window go back to the free list (every layer has
+        stopped reading them)."""
+        windows = set(self.windows)
+        if len(windows) == 1 and None not in windows:
+            return windows.pop()
+        return None
 
     def kv_bytes_per_token(self, element_size: int, world_size: int = 1) -> int:
         """KV cache bytes of one token (per rank: each of ``world_size`` ranks holds

@@ -19,7 +19,10 @@
 //
 // One routine serves decode and prefill: sequence s owns query rows [query_start_loc[s],
 // query_start_loc[s+1]); they are the last q_len positions of its context_lens[s] cached tokens,
-// and the row at position p attends to positions 0..p (causal). Decode is q_len == 1.
+// and the row at position p attends to positions 0..p (causal). Decode is q_len == 1. With a
+// sliding window W (Mistral, Gemma 3's sliding layers; 0: none) the row at p attends to
+// p - W + 1 .. p only, and the blocks before the task's first row's window are never read: the
+// block manager may have given them to another sequence (their table entries are then 0).
 //
 // NaN safety: slots past the context may hold anything (NaN included), and so may the padding
 // entries of a block table. Blocks past the last one are never touched; in the sequence's last,
@@ -97,6 +100,7 @@ struct Shapes {
   int64_t q_token_stride, q_head_stride;   // query  [T, num_heads, head_size]
   int64_t kv_block_stride, kv_head_stride; // both caches: same strides over blocks and heads
   float scale;
+  int window = 0;                          // a sliding window's tokens; 0: the whole context
 };
 
 // An 8-bit cache's scales, [num_blocks, num_kv_heads, block_size] each; null for a 16/32-bit one.
@@ -128,6 +132,9 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
   const int last_len = context_len - q_len + row_end;  // tokens the last row sees
   const int num_blocks = (last_len + BLOCK_SIZE - 1) / BLOCK_SIZE;
   auto row_len = [&](int v) { return context_len - q_len + row_begin + v / group + 1; };
+  // The first position a row sees: 0, or with a window the oldest of its W newest.
+  auto row_lo = [&](int v) { return sh.window > 0 ? std::max(0, row_len(v) - sh.window) : 0; };
+  const int first_block = row_lo(0) / BLOCK_SIZE;  // row 0 is the task's earliest
 
   // Scratch: queries as repeating lane patterns, logits, p.V accumulators.
   const size_t q_size = (size_t)num_vecs * num_chunks * KW;
@@ -158,7 +165,7 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
   auto scale_row = [&](const float* s, int block) {
     return s + ((int64_t)block * sh.num_kv_heads + kv_head) * BLOCK_SIZE;
   };
-  for (int b = 0; b < num_blocks; ++b) {
+  for (int b = first_block; b < num_blocks; ++b) {
     const C* k_block = key_cache + block_table[b] * sh.kv_block_stride + kv_offset;
     const float* k_scale = scales.key ? scale_row(scales.key, block_table[b]) : nullptr;
     if (b + 1 < num_blocks)  // the blocks are scattered: no hardware prefetcher guesses the next
@@ -169,7 +176,8 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
     const bool whole = context_len - block_start >= BLOCK_SIZE;
     for (int v = 0; v < num_vecs; ++v) {
       const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);  // tokens this row sees
-      if (valid <= 0) continue;  // causal: a later block than this row's position
+      const int lo = std::max(0, row_lo(v) - block_start);  // its first in the window
+      if (valid <= lo) continue;  // causal: a later block; or one before the row's window
       const float* qp = q_pattern + (size_t)v * num_chunks * KW;
       float* row_logits = logits + (size_t)v * last_len + block_start;
       if (whole) {
@@ -181,14 +189,14 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
           for (int j = 0; j < K_RUN; j += KW)
             for (int w = 0; w < KW; ++w) partial[j + w] += qc[w] * to_float(k_chunk[j + w]);
         }
-        for (int t = 0; t < valid; ++t) {
+        for (int t = lo; t < valid; ++t) {
           float dot = 0.f;
           for (int i = 0; i < X; ++i) dot += partial[t * X + i];
           row_logits[t] = k_scale ? dot * k_scale[t] : dot;
         }
       } else {
         // The sequence's last, partly filled block: only the valid tokens are read.
-        for (int t = 0; t < valid; ++t) {
+        for (int t = lo; t < valid; ++t) {
           float dot = 0.f;
           for (int c = 0; c < num_chunks; ++c)
             for (int i = 0; i < X; ++i)
@@ -202,11 +210,11 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
   // ---- phase 3: softmax in fp32 (the 1 / sum is applied at the end, to the output) ------------
   for (int v = 0; v < num_vecs; ++v) {
     float* row_logits = logits + (size_t)v * last_len;
-    const int n = row_len(v);
+    const int n = row_len(v), lo = row_lo(v);
     float max_logit = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < n; ++t) max_logit = std::max(max_logit, row_logits[t]);
+    for (int t = lo; t < n; ++t) max_logit = std::max(max_logit, row_logits[t]);
     float sum = 0.f;
-    for (int t = 0; t < n; ++t) {
+    for (int t = lo; t < n; ++t) {
       row_logits[t] = std::exp(row_logits[t] - max_logit);
       sum += row_logits[t];
     }
@@ -215,7 +223,7 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
 
   // ---- phase 4: probabilities . V, values read in place ---------------------------------------
   std::fill(acc, acc + acc_size, 0.f);
-  for (int b = 0; b < num_blocks; ++b) {
+  for (int b = first_block; b < num_blocks; ++b) {
     const C* v_block = value_cache + block_table[b] * sh.kv_block_stride + kv_offset;
     const float* v_scale = scales.value ? scale_row(scales.value, block_table[b]) : nullptr;
     if (b + 1 < num_blocks)
@@ -224,7 +232,8 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
     const bool whole = context_len - block_start >= BLOCK_SIZE;
     for (int v = 0; v < num_vecs; ++v) {
       const int valid = std::min(BLOCK_SIZE, row_len(v) - block_start);
-      if (valid <= 0) continue;
+      const int lo = std::max(0, row_lo(v) - block_start);
+      if (valid <= lo) continue;
       const float* p = logits + (size_t)v * last_len + block_start;  // this block's probabilities
       float* __restrict__ acc_v = acc + (size_t)v * head_size * VW;
       // an 8-bit cache: each probability carries its token's value scale
@@ -234,7 +243,7 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
         // the accumulators cannot overwrite them, and keeps them in vector registers. Tokens
         // past a causal cut get probability 0 (their values are real, finite tokens).
         float p_block[BLOCK_SIZE];
-        for (int t = 0; t < BLOCK_SIZE; ++t) p_block[t] = t < valid ? p_of(t) : 0.f;
+        for (int t = 0; t < BLOCK_SIZE; ++t) p_block[t] = t >= lo && t < valid ? p_of(t) : 0.f;
         for (int d = 0; d < head_size; ++d) {
           const C* v_row = v_block + (int64_t)d * BLOCK_SIZE;  // head dimension d, all tokens
           float lanes[VW];
@@ -246,7 +255,7 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
       } else {
         for (int d = 0; d < head_size; ++d) {
           const C* v_row = v_block + (int64_t)d * BLOCK_SIZE;
-          for (int t = 0; t < valid; ++t) acc_v[d * VW + t % VW] += p_of(t) * to_float(v_row[t]);
+          for (int t = lo; t < valid; ++t) acc_v[d * VW + t % VW] += p_of(t) * to_float(v_row[t]);
         }
       }
     }
@@ -461,14 +470,17 @@ void dispatch_code(at::ScalarType dtype, Body&& body) {
 torch::Tensor attend_all(const torch::Tensor& query, const torch::Tensor& key_cache,
                          const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                          const torch::Tensor& query_start_loc, const torch::Tensor& context_lens,
-                         double scale, const CacheShape& c, const Scales* scales) {
+                         double scale, const CacheShape& c, const Scales* scales,
+                         int64_t window) {
   check_query(query, key_cache, c);
   check_batch(query, block_tables, query_start_loc, context_lens, c);
+  TORCH_CHECK(window >= 0 && window <= std::numeric_limits<int>::max(), "window must be a "
+              "number of tokens >= 0 (0: none), got ", window);
   auto out = torch::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (context_lens.numel() == 0 || query.size(0) == 0) return out;
   const Shapes sh{(int)query.size(1), (int)c.num_kv_heads, (int)c.head_size,
                   (int)block_tables.size(1), query.stride(0), query.stride(1),
-                  key_cache.stride(0), key_cache.stride(1), (float)scale};
+                  key_cache.stride(0), key_cache.stride(1), (float)scale, (int)window};
   auto run = [&](auto code) {  // code: the cache's element type (the query's, or 8-bit)
     MINIPAGED_DISPATCH_DTYPE(query.scalar_type(), "paged_prefill_attention", [&] {
       using C = std::conditional_t<std::is_same<decltype(code), bool>::value, scalar_t,
@@ -492,10 +504,10 @@ torch::Tensor attend_all(const torch::Tensor& query, const torch::Tensor& key_ca
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor key_cache,
                                       torch::Tensor value_cache, torch::Tensor block_tables,
                                       torch::Tensor query_start_loc, torch::Tensor context_lens,
-                                      double scale) {
+                                      double scale, int64_t window) {
   const CacheShape c = check_caches(key_cache, value_cache);
   return attend_all(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-                    scale, c, nullptr);
+                    scale, c, nullptr, window);
 }
 
 // Decode has one query row per sequence: query_start_loc = 0, 1, 2, ...
@@ -510,9 +522,10 @@ torch::Tensor decode_query_start_loc(const torch::Tensor& query,
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache,
                               torch::Tensor value_cache, torch::Tensor block_tables,
-                              torch::Tensor context_lens, double scale) {
+                              torch::Tensor context_lens, double scale, int64_t window) {
   return paged_prefill_attention(query, key_cache, value_cache, block_tables,
-                                 decode_query_start_loc(query, context_lens), context_lens, scale);
+                                 decode_query_start_loc(query, context_lens), context_lens, scale,
+                                 window);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -639,20 +652,21 @@ torch::Tensor paged_prefill_attention_8bit(torch::Tensor query, torch::Tensor ke
                                            torch::Tensor value_scales,
                                            torch::Tensor block_tables,
                                            torch::Tensor query_start_loc,
-                                           torch::Tensor context_lens, double scale) {
+                                           torch::Tensor context_lens, double scale,
+                                           int64_t window) {
   const CacheShape c = check_caches(key_cache, value_cache);
   const Scales scales = check_scales(key_cache, key_scales, value_scales, c);
   return attend_all(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-                    scale, c, &scales);
+                    scale, c, &scales, window);
 }
 
 torch::Tensor paged_attention_8bit(torch::Tensor query, torch::Tensor key_cache,
                                    torch::Tensor value_cache, torch::Tensor key_scales,
                                    torch::Tensor value_scales, torch::Tensor block_tables,
-                                   torch::Tensor context_lens, double scale) {
+                                   torch::Tensor context_lens, double scale, int64_t window) {
   return paged_prefill_attention_8bit(query, key_cache, value_cache, key_scales, value_scales,
                                       block_tables, decode_query_start_loc(query, context_lens),
-                                      context_lens, scale);
+                                      context_lens, scale, window);
 }
 
 // One vector (head_size numbers) to codes: scale = max |x| / the largest code (1 if all are 0),
@@ -726,16 +740,29 @@ void reshape_and_cache_8bit(torch::Tensor key, torch::Tensor value, torch::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "minipaged: paged attention and reshape_and_cache on the CPU (lesson 05)";
+  namespace py = pybind11;
+  // window (last, 0 by default: the whole context): a sliding window's tokens
   m.def("paged_attention", &minipaged_cpu::paged_attention,
-        "decode: one query per sequence over its paged KV cache");
+        "decode: one query per sequence over its paged KV cache", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("paged_prefill_attention", &minipaged_cpu::paged_prefill_attention,
-        "each sequence's newest query rows, causal, over its paged KV cache");
+        "each sequence's newest query rows, causal, over its paged KV cache", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window") = 0);
   m.def("reshape_and_cache", &minipaged_cpu::reshape_and_cache,
         "write new keys and values into their cache slots");
   m.def("paged_attention_8bit", &minipaged_cpu::paged_attention_8bit,
-        "decode over an 8-bit paged KV cache (codes and per-token scales)");
+        "decode over an 8-bit paged KV cache (codes and per-token scales)", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scales"),
+        py::arg("value_scales"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("window") = 0);
   m.def("paged_prefill_attention_8bit", &minipaged_cpu::paged_prefill_attention_8bit,
-        "causal rows over an 8-bit paged KV cache");
+        "causal rows over an 8-bit paged KV cache", py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("key_scales"), py::arg("value_scales"),
+        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("window") = 0);
   m.def("reshape_and_cache_8bit", &minipaged_cpu::reshape_and_cache_8bit,
         "quantize new keys and values into an 8-bit cache, one scale per token and kv head");
 }

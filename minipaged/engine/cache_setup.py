@@ -14,6 +14,7 @@ import torch
 
 from minipaged.config import EngineConfig, fit_max_model_len, kv_pool_blocks
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
+from minipaged.core.sliding_window import SlidingWindowBlockManager
 from minipaged.model_shape import ModelShape
 from minipaged.worker.cache_engine import cache_block_bytes
 from minipaged.worker.gpu_memory import naming_memory_holders
@@ -59,6 +60,27 @@ def init_kv_cache(cfg: EngineConfig, worker: Worker, shape: ModelShape,
                       max_model_len=max_len)
     scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
                                        cfg.enable_chunked_prefill)
-    scheduler = Scheduler.with_pools(scheduler_config, cfg.block_size, num_gpu_blocks,
-                                     num_cpu_blocks, cfg.watermark, cfg.enable_prefix_caching)
+    window = frees_out_of_window(cfg, shape)
+    if window is None:
+        scheduler = Scheduler.with_pools(scheduler_config, cfg.block_size, num_gpu_blocks,
+                                         num_cpu_blocks, cfg.watermark, cfg.enable_prefix_caching)
+    else:
+        scheduler = Scheduler(scheduler_config, SlidingWindowBlockManager(
+            cfg.block_size, num_gpu_blocks, num_cpu_blocks, cfg.watermark,
+            cfg.enable_prefix_caching, window=window))
     return CacheSetup(scheduler, num_gpu_blocks, num_cpu_blocks, block_bytes, reason)
+
+
+def frees_out_of_window(cfg: EngineConfig, shape: ModelShape) -> int | None:
+    """The window whose out-of-window blocks the block manager may free, or None to keep every
+    block: only when every layer slides by it (a full layer reads the whole context), and
+    without a draft model (whose layers may not slide: ``core/sliding_window.py``).
+
+    Args:
+        cfg: the engine's settings.
+        shape: the model's shape (its ``windows``).
+    """
+    spec = cfg.speculative_config
+    if spec is not None and spec.method == "draft":
+        return None
+    return shape.uniform_window

@@ -17,7 +17,9 @@ integer tensors to the types the C++ code reads.
 
 An 8-bit cache (lesson 18) passes ``kv_scales = (key_scales, value_scales)`` last; the C++
 side then runs its ``_8bit`` entry points, which quantize on writing and apply the scales on
-reading (``supports_8bit_cache``).
+reading (``supports_8bit_cache``). A sliding window (``window=``, Mistral and Gemma 3) is read
+by both attention operations (``supports_window``): a row sees only its ``window`` newest
+positions, and the blocks before the window are never touched.
 
 Importing this module is cheap and never fails: torch is imported only inside the functions.
 """
@@ -28,6 +30,7 @@ class CpuKernels:
     """Thin wrappers around the compiled module: integer tensors to int64/int32, checks in C++."""
 
     supports_8bit_cache = True  # the ``_8bit`` entry points (lesson 18)
+    supports_window = True  # the attention entry points' ``window`` (0: none)
 
     def __init__(self, module):
         self.module = module  # the compiled extension
@@ -44,28 +47,29 @@ class CpuKernels:
         self.module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(self, query, key_cache, value_cache, block_tables, context_lens, scale,
-                        kv_scales=None):
+                        kv_scales=None, window=None):
         """Decode attention through the block table (see ``reference.paged_attention``)."""
         if kv_scales is not None:
             return self.module.paged_attention_8bit(
                 _last_dim_contiguous(query), key_cache, value_cache, *kv_scales,
-                _int32(block_tables), _int32(context_lens), float(scale))
+                _int32(block_tables), _int32(context_lens), float(scale), window or 0)
         return self.module.paged_attention(_last_dim_contiguous(query), key_cache, value_cache,
                                            _int32(block_tables), _int32(context_lens),
-                                           float(scale))
+                                           float(scale), window or 0)
 
     def paged_prefill_attention(self, query, key_cache, value_cache, block_tables,
-                                query_start_loc, context_lens, scale, kv_scales=None):
+                                query_start_loc, context_lens, scale, kv_scales=None,
+                                window=None):
         """Causal attention of new tokens over their cached context (see
         ``reference.paged_prefill_attention``)."""
         if kv_scales is not None:
             return self.module.paged_prefill_attention_8bit(
                 _last_dim_contiguous(query), key_cache, value_cache, *kv_scales,
                 _int32(block_tables), _int32(query_start_loc), _int32(context_lens),
-                float(scale))
+                float(scale), window or 0)
         return self.module.paged_prefill_attention(
             _last_dim_contiguous(query), key_cache, value_cache, _int32(block_tables),
-            _int32(query_start_loc), _int32(context_lens), float(scale))
+            _int32(query_start_loc), _int32(context_lens), float(scale), window or 0)
 
 
 def _int32(t):

@@ -68,12 +68,18 @@ def _pick(tensor: torch.Tensor):
     return ("cuda" if tensor.is_cuda else "cpu"), op
 
 
-def _pick_for_cache(key_cache: torch.Tensor, kv_scales):
+def _pick_for_cache(key_cache: torch.Tensor, kv_scales, window: int | None = None):
     """``_pick`` for an operation on a KV cache: an 8-bit cache (``kv_scales`` given) goes to
     the compiled op only where it reads 8-bit caches (``supports_8bit_cache``), else to the
-    reference, which always does (lesson 18)."""
+    reference, which always does (lesson 18); a sliding window likewise only where the op
+    reads windows (``supports_window``)."""
     name, op = _pick(key_cache)
     if kv_scales is not None and not getattr(op, "supports_8bit_cache", False):
+        return "reference", None
+    if window is not None and not getattr(op, "supports_window", False):
+        # NOTE: never a compiled op that would read the whole context: the reference's
+        # answer, slower, and counted as "reference" in ``calls`` for all to see
+        _warn_no_window_once(name)
         return "reference", None
     return name, op
 
@@ -103,7 +109,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
-                    max_context_len: int | None = None, kv_scales=None) -> torch.Tensor:
+                    max_context_len: int | None = None, kv_scales=None,
+                    window: int | None = None) -> torch.Tensor:
     """Single-query attention of each sequence's newest token over its cached context.
 
     Args:
@@ -116,8 +123,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
         max_context_len: the longest context, if the caller knows it (saves the CUDA path a
             synchronisation).
         kv_scales: None, or an 8-bit cache's (key_scales, value_scales).
+        window: None, or a sliding window: the newest token sees the ``window`` newest tokens.
     """
-    name, op = _pick_for_cache(key_cache, kv_scales)
+    name, op = _pick_for_cache(key_cache, kv_scales, window)
     if name == "cuda" and not op.supports_paged_attention(query, key_cache):
         # NOTE: a model whose head size the kernel was not built for still runs, on the
         # (slower) torch reference, instead of failing in the middle of generation.
@@ -125,6 +133,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
         name = "reference"
     calls["paged_attention", name] += 1
     scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    if window is not None:
+        scales["window"] = window  # only an op that reads windows gets here with one
     if name == "cuda":
         return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                   scale, max_context_len, **scales)
@@ -132,10 +142,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
         return op.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                   scale, **scales)
     return reference.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                     scale, kv_scales)
+                                     scale, kv_scales, window)
 
 
-def prefill_attention(query, key, value, prompt_lens: list[int], scale: float) -> torch.Tensor:
+def prefill_attention(query, key, value, prompt_lens: list[int], scale: float,
+                      window: int | None = None) -> torch.Tensor:
     """Causal attention inside each prompt of a packed batch (``reference.prefill_attention``).
 
     Args:
@@ -143,21 +154,23 @@ def prefill_attention(query, key, value, prompt_lens: list[int], scale: float) -
         key, value: (T, num_kv_heads, head_size).
         prompt_lens: the prompts' lengths, summing to T.
         scale: the logits' factor.
+        window: None, or a sliding window: position p sees positions p - window + 1 ... p.
 
     On CUDA with xformers installed, its block-diagonal causal attention does all prompts in one
-    call; the result is the same.
+    call (without a window); the result is the same.
     """
-    if query.is_cuda and len(prompt_lens) > 1:
+    if query.is_cuda and len(prompt_lens) > 1 and window is None:
         out = xformers_prefill(query, key, value, prompt_lens, scale)
         if out is not None:
             calls["prefill_attention", "xformers"] += 1
             return out
     calls["prefill_attention", "reference"] += 1
-    return reference.prefill_attention(query, key, value, prompt_lens, scale)
+    return reference.prefill_attention(query, key, value, prompt_lens, scale, window)
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale, kv_scales=None) -> torch.Tensor:
+                            context_lens, scale, kv_scales=None,
+                            window: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     Args:
@@ -168,6 +181,7 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
         context_lens: (num_seqs,) int: tokens in the cache incl. the new ones.
         scale: the logits' factor.
         kv_scales: None, or an 8-bit cache's (key_scales, value_scales).
+        window: None, or a sliding window: position p sees positions p - window + 1 ... p.
 
     See ``reference.paged_prefill_attention`` for what it computes.
     """
@@ -175,12 +189,14 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
     # per sequence; for long chunks, one dense copy of the context plus torch's fused CPU
     # attention (about 8x the C++ op's FLOP rate at 256 x 1792 tokens) wins.
     short = query.shape[0] < CPU_OP_MAX_CHUNK * max(len(context_lens), 1)
-    name, op = _pick_for_cache(key_cache, kv_scales)
+    name, op = _pick_for_cache(key_cache, kv_scales, window)
     if name != "cpu" or not short:
         name, op = "reference", None
     calls["paged_prefill_attention", name] += 1
     run = reference.paged_prefill_attention if op is None else op.paged_prefill_attention
     scales = {} if kv_scales is None else {"kv_scales": kv_scales}
+    if window is not None:
+        scales["window"] = window
     return run(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
                **scales)
 
@@ -264,6 +280,16 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 _warned_shapes: set = set()
+_warned_windows: set = set()
+
+
+def _warn_no_window_once(backend_name: str) -> None:
+    """Say once per back-end that a sliding window runs on the torch reference there."""
+    if backend_name == "reference" or backend_name in _warned_windows:
+        return
+    _warned_windows.add(backend_name)
+    warnings.warn(f"minipaged: the {backend_name} attention op reads no sliding window; layers "
+                  "with one run on the torch reference", RuntimeWarning, stacklevel=4)
 
 
 def _warn_unsupported_once(query, key_cache) -> None:

@@ -100,11 +100,15 @@ def paged_attention(
     context_lens: torch.Tensor,  # (num_seqs,) int
     scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_size)
     """Single-query attention of each sequence's newest token over its cached context.
 
     Query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
-    ``kv_scales``: an 8-bit cache's scales (see ``reshape_and_cache``).
+    ``kv_scales``: an 8-bit cache's scales (see ``reshape_and_cache``). ``window``: a sliding
+    window's tokens; the newest token then sees only the ``window`` newest positions
+    ``context_len - window ... context_len - 1`` (the blocks before them are never read, so
+    they may have gone back to the free list).
     """
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[1]
@@ -116,7 +120,10 @@ def paged_attention(
     q = query.reshape(num_seqs, num_kv_heads, group, head_size).float()  # (S, kv_heads, G, D)
     logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale  # (S, kv_heads, G, L)
     positions = torch.arange(length, device=query.device)  # (L,)
-    beyond = positions[None, :] >= context_lens.to(query.device).long()[:, None]  # (S, L)
+    ctx = context_lens.to(query.device).long()[:, None]  # (S, 1)
+    beyond = positions[None, :] >= ctx  # (S, L)
+    if window is not None:
+        beyond |= positions[None, :] < ctx - window  # left the window
     logits = logits.masked_fill(beyond[:, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # fp32 softmax
     # NOTE: slots past the context hold whatever was there before; zero them so that even NaN
@@ -136,8 +143,12 @@ def prefill_attention(
     value: torch.Tensor,  # (T, num_kv_heads, head_size)
     prompt_lens: list[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # (T, num_heads, head_size)
-    """Causal attention inside each prompt of a packed batch (torch SDPA, one call per prompt)."""
+    """Causal attention inside each prompt of a packed batch (torch SDPA, one call per prompt).
+
+    ``window``: a sliding window's tokens; position p then sees positions p - window + 1 ... p.
+    """
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -152,8 +163,15 @@ def prefill_attention(
             v = v.repeat_interleave(group, dim=0)
         # NOTE: a batch dimension of 1 (4-D inputs) lets torch pick its fused flash kernel on
         # the CPU; 3-D inputs fall back to the math path, 5x slower at 1.5k tokens.
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                           scale=scale)[0]  # (heads, len, D)
+        if window is not None and length > window:
+            pos = torch.arange(length, device=query.device)  # (len,)
+            dist = pos[:, None] - pos[None, :]  # (len, len): query minus key position
+            mask = (dist >= 0) & (dist < window)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                               scale=scale)[0]  # (heads, len, D)
+        else:
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                               scale=scale)[0]  # (heads, len, D)
         out[start:end] = o.transpose(0, 1)
         start = end
     return out
@@ -171,6 +189,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,  # (num_seqs,) int: tokens in the cache incl. the new ones
     scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:  # (T, num_heads, head_size)
     """Causal attention of each sequence's newest ``q_len`` tokens over its whole cached context.
 
@@ -178,7 +197,8 @@ def paged_prefill_attention(
     values are already in the cache (``reshape_and_cache`` ran first). Token at position ``p``
     attends to positions ``0..p``. This one operation serves a prompt after a cached prefix, a
     chunk of a long prompt, and the recompute of a sequence that shares its prompt's blocks; a
-    decode is the case ``q_len == 1``. ``kv_scales``: an 8-bit cache's scales.
+    decode is the case ``q_len == 1``. ``kv_scales``: an 8-bit cache's scales. ``window``: a
+    sliding window's tokens; position ``p`` then attends to ``p - window + 1 .. p`` only.
     """
     num_heads = query.shape[1]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
@@ -191,17 +211,23 @@ def paged_prefill_attention(
         if q_len == 0:
             continue
         num_blocks = -(-context_len // block_size)
-        table = block_tables[s, :num_blocks].long()
+        # The first block any new token reads: 0, or with a window the one holding the oldest
+        # position the first new token sees (the blocks before it may be gone: never read them)
+        first = 0 if window is None else max(0, context_len - q_len - window + 1) // block_size
+        table = block_tables[s, first:num_blocks].long()
         k, v = gather_kv(key_cache, value_cache, table[None], kv_scales)  # (1, kv_heads, L', D)
-        k = k[0, :, :context_len].float()  # (kv_heads, L, D)
-        v = v[0, :, :context_len].float()
+        begin = first * block_size  # the position of k's first row
+        k = k[0, :, :context_len - begin].float()  # (kv_heads, L, D)
+        v = v[0, :, :context_len - begin].float()
         if group > 1:
             k = k.repeat_interleave(group, dim=0)  # (heads, L, D)
             v = v.repeat_interleave(group, dim=0)
         q = query[start:end].transpose(0, 1).float()  # (heads, q_len, D)
         q_pos = torch.arange(context_len - q_len, context_len, device=query.device)  # (q_len,)
-        k_pos = torch.arange(context_len, device=query.device)  # (L,)
+        k_pos = torch.arange(begin, context_len, device=query.device)  # (L,)
         allowed = k_pos[None, :] <= q_pos[:, None]  # (q_len, L)
+        if window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
         # 4-D (a batch of 1): torch's fused attention takes it, also on the CPU.
         o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed,
                                            scale=scale)[0]

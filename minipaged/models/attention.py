@@ -2,7 +2,8 @@
 
 It replaces the usual "concatenate past keys" attention: new keys and values are written into
 their cache slots, prompts attend to themselves, chunks after a cached context and decode tokens
-read that context through the block table. A layer's cache is ``(key_cache, value_cache)``, or
+read that context through the block table. A layer with a sliding window (Mistral, Gemma 3's
+sliding layers) lets each token see only the ``sliding_window`` newest tokens. A layer's cache is ``(key_cache, value_cache)``, or
 with an 8-bit cache (lesson 18) ``(key_cache, value_cache, key_scales, value_scales)``.
 """
 from __future__ import annotations
@@ -16,8 +17,9 @@ from minipaged.models.input_metadata import InputMetadata
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float,
-                 num_kv_heads: int | None = None) -> None:
+                 num_kv_heads: int | None = None, sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window  # None: the whole context
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -52,14 +54,16 @@ class PagedAttention(nn.Module):
                 # cached prefix or again after a preemption.
                 k_p = kv_quant.round_trip(k_p, key_cache.dtype)
                 v_p = kv_quant.round_trip(v_p, value_cache.dtype)
-            out[:P] = ops.prefill_attention(q[:P], k_p, v_p, meta.prompt_lens, self.scale)
+            out[:P] = ops.prefill_attention(q[:P], k_p, v_p, meta.prompt_lens, self.scale,
+                                            window=self.sliding_window)
         if C > P:
             out[P:C] = ops.paged_prefill_attention(
                 q[P:C], key_cache, value_cache, meta.chunk_block_tables,
-                meta.chunk_query_start_loc, meta.chunk_context_lens, self.scale, kv_scales)
+                meta.chunk_query_start_loc, meta.chunk_context_lens, self.scale, kv_scales,
+                window=self.sliding_window)
         if T > C:
             assert kv_cache is not None, "decode tokens need a KV cache"
             out[C:] = ops.paged_attention(q[C:], key_cache, value_cache, meta.block_tables,
                                           meta.context_lens, self.scale, meta.max_context_len,
-                                          kv_scales)
+                                          kv_scales, window=self.sliding_window)
         return out.view(T, self.num_heads * self.head_size)

@@ -1,8 +1,15 @@
-"""LLaMA (and SmolLM2) with paged attention (lesson 07 follows its first layer).
+"""LLaMA (and SmolLM2) with paged attention (lesson 07 follows its first layer), and the families
+that are small diffs of it: Qwen2, Qwen3, Mistral (and Gemma 3, ``gemma3.py``).
 
 Same weights and arithmetic as transformers' LlamaForCausalLM: RMSNorm, grouped-query attention
 with RoPE, a SwiGLU MLP, optionally tied input and output embeddings. The model works on a flat
-batch of tokens (no batch dimension): see ``InputMetadata``.
+batch of tokens (no batch dimension): see ``InputMetadata``. Where a family differs, one line
+here says so, read from the checkpoint's config:
+
+- Qwen2: a bias on q, k and v (not on o);
+- Qwen3: an RMSNorm over each head's query and key, before the rotation;
+- Mistral, and the sliding layers of Qwen2/Qwen3/Gemma 3: the attention sees only the
+  ``sliding_window`` newest tokens (``model_shape.layer_windows``).
 
 Tensor parallel (lesson 14): each rank holds ``num_heads / N`` query heads and the
 ``num_kv_heads / N`` kv heads they read, so grouped-query attention stays inside the rank.
@@ -42,8 +49,13 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def hidden_activation(config) -> str:
+    """The MLP's activation (Gemma names it ``hidden_activation``, the others ``hidden_act``)."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, layer_idx: int = 0, norm_class=RMSNorm) -> None:
         super().__init__()
         world_size = get_tensor_parallel_state().world_size
         shape = ModelShape.from_hf(config)
@@ -52,16 +64,31 @@ class LlamaAttention(nn.Module):
         self.num_heads = divide(num_heads, world_size, "the attention heads")  # this rank's
         self.num_kv_heads = divide(num_kv_heads, world_size, "the key/value heads")
         bias = getattr(config, "attention_bias", False)
+        qkv_bias = bias or config.model_type == "qwen2"  # Qwen2: q, k and v biased, o not
         hidden, D = config.hidden_size, self.head_size
-        self.q_proj = ColumnParallelLinear(hidden, num_heads * D, bias=bias)
-        self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
-        self.v_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=bias)
+        self.q_proj = ColumnParallelLinear(hidden, num_heads * D, bias=qkv_bias)
+        self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=qkv_bias)
+        self.v_proj = ColumnParallelLinear(hidden, num_kv_heads * D, bias=qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * D, hidden, bias=bias)
         # The three read the same input: one matmul computes them (their weights share a tensor)
         self.qkv = FusedColumns(self.q_proj, self.k_proj, self.v_proj)
-        self.rotary = RotaryEmbedding(config, self.head_size, shape.max_positions)
-        self.attn = PagedAttention(self.num_heads, self.head_size, self.head_size ** -0.5,
-                                   self.num_kv_heads)
+        # Qwen3 and Gemma 3: each head's query and key normed (one weight of D, shared by heads)
+        self.qk_norm = config.model_type in ("qwen3", "gemma3_text")
+        if self.qk_norm:
+            self.q_norm = norm_class(D, config.rms_norm_eps)
+            self.k_norm = norm_class(D, config.rms_norm_eps)
+        window = shape.windows[layer_idx]  # None: this layer sees the whole context
+        # Gemma 3's sliding and full layers rotate with their own bases
+        layer_type = getattr(config, "layer_types", None)
+        layer_type = layer_type[layer_idx] if layer_type else None
+        self.rotary = RotaryEmbedding(config, self.head_size, shape.max_positions, layer_type)
+        # Gemma 3 scales its queries by query_pre_attn_scalar, not by the head size
+        scale = getattr(config, "query_pre_attn_scalar", None) or self.head_size
+        # (the window passed only when there is one: lesson 07's build track plugs in the
+        # learner's attention class, which need not take it)
+        windowed = {} if window is None else {"sliding_window": window}
+        self.attn = PagedAttention(self.num_heads, self.head_size, scale ** -0.5,
+                                   self.num_kv_heads, **windowed)
 
     def forward(self, positions, hidden, kv_cache, meta: InputMetadata) -> torch.Tensor:
         T = hidden.shape[0]
@@ -69,6 +96,8 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_size)  # (T, H, D)
         k = k.view(T, self.num_kv_heads, self.head_size)  # (T, KVH, D)
         # v: (T, KVH * D)   (H, KVH: this rank's heads)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's D elements
         q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, meta)  # (T, H * D)
         return self.o_proj(out)
@@ -83,20 +112,26 @@ class LlamaMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, inner, bias=bias)
         self.down_proj = RowParallelLinear(inner, hidden, bias=bias)
         self.gate_up = FusedColumns(self.gate_proj, self.up_proj)  # one matmul for the two
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (LLaMA uses silu)")
+        self.act = hidden_activation(config)
+        if self.act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden activation {self.act!r}: minipaged implements "
+                             "'silu' (LLaMA, Qwen, Mistral) and 'gelu_pytorch_tanh' (Gemma)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)  # gate_proj(x), up_proj(x): one matmul
+        if self.act == "gelu_pytorch_tanh":  # Gemma's GeGLU
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(ops.silu_and_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    norm_class = RMSNorm  # Gemma 3's layer uses its own (gemma3.py)
+
+    def __init__(self, config, layer_idx: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, self.norm_class)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
@@ -107,19 +142,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = LlamaDecoderLayer  # Gemma 3: Gemma3DecoderLayer (gemma3.py)
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
-                                    for _ in range(ModelShape.from_hf(config).num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(config, i)
+                                    for i in range(ModelShape.from_hf(config).num_layers))
+        self.norm = self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids, positions, kv_caches, meta: InputMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        hidden = self.embed(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             hidden = layer(positions, hidden, kv_caches[i] if kv_caches else None, meta)
         return self.norm(hidden)  # (T, hidden)
@@ -129,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         return head.logits(hidden)  # (R, vocab)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy weights from a transformers LlamaForCausalLM state dict."""
+        """Copy weights from a transformers state dict (LlamaForCausalLM, or the family's)."""
 
         def rename(name: str) -> str | None:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):

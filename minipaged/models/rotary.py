@@ -7,9 +7,20 @@ from torch import nn
 from minipaged.kernels import ops
 
 
-def rope_inv_freq(config, head_size: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scaling factor, from ``config.rope_parameters``."""
+def rope_inv_freq(config, head_size: int,
+                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling factor, from ``config.rope_parameters``.
+
+    Args:
+        config: the model's transformers config.
+        head_size: elements per head (the rotated vector).
+        layer_type: "sliding_attention" or "full_attention" for a model whose layer types have
+            their own rope settings (Gemma 3: ``rope_parameters`` keyed by layer type).
+    """
     params = dict(getattr(config, "rope_parameters", None) or {})
+    per_type = layer_type is not None and isinstance(params.get(layer_type), dict)
+    if per_type:
+        params = dict(params[layer_type])
     if not params:  # older configs keep the settings flat
         params = {"rope_theta": getattr(config, "rope_theta", 10000.0), "rope_type": "default"}
         if getattr(config, "rope_scaling", None):
@@ -27,16 +38,18 @@ def rope_inv_freq(config, head_size: int) -> tuple[torch.Tensor, float]:
         raise ValueError(f"unsupported rope_type {rope_type!r} in the model config")
     if rope_type == "dynamic":
         raise ValueError("rope_type 'dynamic' changes with sequence length; not supported")
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    by_type = {"layer_type": layer_type} if per_type else {}
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **by_type)
     return inv_freq.float(), float(attention_scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates query and key vectors by their position (rotate-half layout, as in HF LLaMA)."""
 
-    def __init__(self, config, head_size: int, max_position: int) -> None:
+    def __init__(self, config, head_size: int, max_position: int,
+                 layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(config, head_size)  # (D/2,)
+        inv_freq, scaling = rope_inv_freq(config, head_size, layer_type)  # (D/2,)
         positions = torch.arange(max_position, dtype=torch.float)  # (P,)
         freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)

@@ -1,4 +1,5 @@
-"""Tiny random GPT-2 and LLaMA checkpoints, and prompts whose greedy path is well defined.
+"""Tiny random GPT-2, LLaMA, Qwen2, Qwen3, Mistral and Gemma 3 checkpoints, and prompts whose
+greedy path is well defined.
 
 Random tiny models have near-tied logits; a float32 implementation may then legitimately pick a
 different token than the reference. We raise ``initializer_range`` so that gaps are common, and
@@ -10,10 +11,31 @@ from __future__ import annotations
 import random
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, GPT2Config,
+                          LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)
 
 VOCAB = 256
 EOS = 1
+WINDOW = 8  # the sliding window of the tiny windowed models: prompts of the tests are longer
+
+# The LLaMA-like families: (config class, settings on top of the tiny LLaMA's)
+_FAMILIES = {
+    "qwen2": (Qwen2Config, {}),
+    # layer 0 full, layer 1 sliding (Qwen's max_window_layers: the layers before it are full)
+    "qwen2_window": (Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW,
+                                       max_window_layers=1)),
+    "qwen3": (Qwen3Config, dict(head_dim=16)),
+    "qwen3_window": (Qwen3Config, dict(head_dim=16, use_sliding_window=True,
+                                       sliding_window=WINDOW, max_window_layers=1)),
+    "mistral": (MistralConfig, dict(sliding_window=WINDOW)),
+    "gemma3": (Gemma3TextConfig, dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
+}
+FAMILIES = sorted(_FAMILIES)
 
 
 def make_config(kind: str, **overrides):
@@ -25,6 +47,15 @@ def make_config(kind: str, **overrides):
                                                                "rope_theta": 10000.0})
         cfg.update(overrides)
         return LlamaConfig(**cfg)
+    if kind in _FAMILIES:
+        config_class, family = _FAMILIES[kind]
+        cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                   initializer_range=0.3, bos_token_id=0, eos_token_id=EOS, pad_token_id=EOS,
+                   tie_word_embeddings=False)
+        cfg.update(family)
+        cfg.update(overrides)
+        return config_class(**cfg)
     if kind == "gpt2":
         cfg = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                    initializer_range=0.3, bos_token_id=0, eos_token_id=EOS, pad_token_id=EOS)
@@ -37,6 +68,13 @@ def save_tiny_model(kind: str, path, seed: int = 0, **overrides):
     """Build a random model, save it with save_pretrained (no tokenizer files), return it."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(kind, **overrides)).eval()
+    if kind in _FAMILIES:
+        # transformers starts norms at 1 (Gemma's at 0) and biases at 0: random ones make a
+        # wrong norm formula or a missing bias show in the logits
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.3)
     model.generation_config.eos_token_id = None  # compare with ignore_eos: never stop early
     model.generation_config.pad_token_id = EOS
     model.save_pretrained(path)

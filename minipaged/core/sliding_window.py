@@ -1,0 +1,149 @@
+"""A block manager for models whose every layer slides a window over the context (Mistral):
+the blocks that have left the window go back to the free list.
+
+A layer with window W lets the token at position p read positions p - W + 1 ... p only. Once a
+sequence's newest token is at position p, no later token reads a block whose last position is
+below p - W + 1: every layer has stopped reading it, so its memory can serve others. A
+sequence then holds at most ``ceil((W - 1) / block_size) + 1`` blocks while it decodes (6 for a
+16-token window in blocks of 4), however long it grows.
+
+The block table keeps its length (a token's block is still ``table[position // block_size]``);
+a block that left the window is replaced by a *dropped* marker, one per pool, that no allocator
+owns: its references cost nothing, it is never copied, swapped or named, and the worker sees
+it as block 0, which the attention never reads because it lies outside every window
+(``reference.paged_attention``'s mask; the snapshot shows it as -1).
+
+With prefix caching (lesson 11) a block's name is a hash over the blocks before it: a block
+leaves only once the block after it is named, and naming starts at the first block still held
+(whose name carries the chain). A block that left is cached like any freed block: a later
+prompt with the same start still finds it, until it is evicted.
+
+Not used (the plain ``BlockSpaceManager`` keeps every block, which is always right) when some
+layers see the whole context (Gemma 3) or with a draft model (whose layers may not slide).
+NOTE: a prompt still takes all its blocks when it is admitted; they leave at its first decode.
+"""
+from __future__ import annotations
+
+from minipaged.block import Device, PhysicalTokenBlock
+from minipaged.core.allocator import BlockAllocator
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.sequence import Sequence
+
+DROPPED_NUMBER = -1  # the marker's number in snapshots; the worker reads block 0 instead
+
+
+class _DroppedMarkers:
+    """Acquiring and freeing a dropped marker: nothing to count (no allocator owns it)."""
+
+    def acquire(self, block: PhysicalTokenBlock) -> None:
+        pass
+
+    def free(self, block: PhysicalTokenBlock) -> None:
+        pass
+
+
+class SlidingWindowBlockManager(BlockSpaceManager):
+    """``BlockSpaceManager`` that frees the blocks a sequence's window has left.
+
+    Args:
+        window: the sliding window of every layer, in tokens.
+        The others: ``BlockSpaceManager``'s (``enable_prefix_caching`` must be False).
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False, *,
+                 window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be a positive number of tokens, got {window}")
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                         enable_prefix_caching)
+        self.window = window
+        self.dropped = {device: PhysicalTokenBlock(device, DROPPED_NUMBER, block_size)
+                        for device in (Device.GPU, Device.CPU)}
+        self._markers = _DroppedMarkers()
+        self.num_dropped_blocks = 0  # block references let go because they left the window
+
+    @classmethod
+    def like(cls, other: SlidingWindowBlockManager) -> SlidingWindowBlockManager:
+        return cls(other.block_size, other.num_total_gpu_blocks, other.num_total_cpu_blocks,
+                   other.watermark, other.enable_prefix_caching, window=other.window)
+
+    def _is_dropped(self, block: PhysicalTokenBlock) -> bool:
+        return block is self.dropped[block.device]
+
+    def _allocator_of(self, block: PhysicalTokenBlock) -> BlockAllocator:
+        if self._is_dropped(block):
+            return self._markers  # type: ignore[return-value]  (acquire and free only)
+        return super()._allocator_of(block)
+
+    # -- the window ------------------------------------------------------------------------------
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Let go of the blocks the newest token's window has left, then make room for it."""
+        self.drop_out_of_window(seq)
+        return super().append_slot(seq)
+
+    def drop_out_of_window(self, seq: Sequence) -> list[int]:
+        """Replace the sequence's blocks that no token from its newest on reads by the marker;
+        returns their numbers (a block shared with another sequence just loses a reference).
+
+        Args:
+            seq: a running sequence whose newest token (position ``get_len() - 1``) is about
+                to be computed: every later query is at that position or after.
+        """
+        oldest_read = seq.get_len() - self.window  # the newest token reads from here on
+        table = self.block_tables[seq.seq_id]
+        num_gone = max(0, oldest_read) // self.block_size  # blocks wholly before it
+        let_go = []
+        for i in range(min(num_gone, len(table) - 1)):
+            block = table[i]
+            if self._is_dropped(block):
+                continue
+            if self.enable_prefix_caching and self.gpu_allocator.block_hash_of(
+                    table[i + 1]) is None:
+                break  # the next block's name will need this one's: it stays until then
+            table[i] = self.dropped[block.device]
+            self._allocator_of(block).free(block)
+            let_go.append(block.block_number)
+        if let_go:
+            self.num_dropped_blocks += len(let_go)
+            self._emit("window", seq_id=seq.seq_id, blocks=let_go)
+        return let_go
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """The blocks the sequence holds (its table without the dropped markers)."""
+        return sum(not self._is_dropped(b) for b in self.block_tables[seq.seq_id])
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Name the sequence's full blocks among its first ``num_tokens`` tokens, from the
+        first block it still holds (the chain's names before it are known)."""
+        table = self.block_tables[seq.seq_id]
+        first = next((i for i, b in enumerate(table) if not self._is_dropped(b)), len(table))
+        num_full = num_tokens // self.block_size
+        if first < num_full:
+            self.gpu_allocator.name_blocks(
+                table[first:num_full],
+                [b.token_ids for b in seq.logical_token_blocks[first:num_full]])
+
+    # -- swapping: a marker stays a marker -------------------------------------------------------
+    def _swap_out_block(self, gpu_block: PhysicalTokenBlock) -> tuple[PhysicalTokenBlock, bool]:
+        if self._is_dropped(gpu_block):
+            return self.dropped[Device.CPU], False
+        return super()._swap_out_block(gpu_block)
+
+    def _swap_in_block(self, cpu_block: PhysicalTokenBlock) -> tuple[PhysicalTokenBlock, bool]:
+        if self._is_dropped(cpu_block):
+            return self.dropped[Device.GPU], False
+        return super()._swap_in_block(cpu_block)
+
+    def _physical_blocks(self, seq_group, status) -> list:
+        return [b for b in super()._physical_blocks(seq_group, status) if not self._is_dropped(b)]
+
+    # -- reading ---------------------------------------------------------------------------------
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        # NOTE: block 0 for a dropped block: a real block, so every back-end's checks pass, and
+        # never read, as it lies outside the window of every query
+        return [0 if self._is_dropped(b) else b.block_number
+                for b in self.block_tables[seq.seq_id]]
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "window": self.window}
