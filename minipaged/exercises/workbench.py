@@ -191,6 +191,8 @@ def _save_and_check_again(spec: Component, candidate, ran: int, cases: int,
             f"check again.", "failed")
     path = learner_dir() / f"{name}.py"
     staged.replace(path)
+    with contextlib.suppress(OSError):
+        staged.parent.rmdir()  # only when no other component's failed copy is left there
     _passed[name] = candidate
     return CheckResult(f"✓ {name}: all {ran} random cases pass; saved for the capstone in "
                        f"{path}, and its saved copy passes them too", "passed")
