@@ -10,7 +10,11 @@ runs the package's own properties against it (random workloads, the invariants t
 and prints one message: a tick, "not done yet", or the first failing case with a hint. When it
 passes, the source of the learner's code is saved under ``<cache root>/learner/<name>.py`` (see
 ``minipaged.cache_paths``), so that the capstone (lesson 16) can collect every component the
-learner wrote, by name, without pasting.
+learner wrote, by name, without pasting. The saved file runs on its own: it also holds an
+import for every name the code takes from a module, and the source of every function or class
+it uses from the learner's other cells (``standalone.py``). The copy is then loaded back from the
+file in a fresh namespace and checked again: a copy that fails is reported in the lesson, with
+why, and is not a pass.
 
 ``plugged_in(...)`` puts components into the real engine for the rest of a lesson: each
 component names the places (``module:attribute``) where the package looks it up, and inside the
@@ -29,20 +33,19 @@ Registering a component (each ``minipaged/exercises/lessonNN.py`` does this for 
 
 ``check`` calls ``checking.fail(...)`` at the first case that disagrees (never an ``assert``: the
 checker's own source must not show in the learner's traceback); an unanswered stub raises
-``NotDone`` when called, which the checker passes on. ``preamble`` is the import line the saved
-source needs to run again on its own (the stub's base class, ``not_done``, ...).
+``NotDone`` when called, which the checker passes on. ``preamble`` is an import line the saved
+file starts with (the lesson's names); the names the learner's code really uses are bound after
+it, so that a helper of the learner's named like one of the lesson's wins, as in the notebook.
 """
 from __future__ import annotations
 
-import ast
 import contextlib
 import datetime
 import importlib
-import inspect
 import json
-import linecache
 import os
 import random
+import textwrap
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,6 +54,11 @@ from pathlib import Path
 from minipaged.cache_paths import cache_root
 from minipaged.exercises.checking import (SOLUTIONS_ENV, CheckResult, ExerciseFailed, NotDone,
                                           use_solutions)
+from minipaged.exercises.standalone import CannotSave, source_of, standalone_source
+
+__all__ = ["CannotSave", "Component", "check_component", "collect", "component", "components",
+           "forget", "learner_dir", "load_saved", "passed", "plugged_in", "register",
+           "save_component", "saved_text", "source_of"]
 
 LEARNER_DIR_VARIABLE = "MINIPAGED_LEARNER_DIR"
 
@@ -147,15 +155,65 @@ def check_component(name: str, candidate, num_cases: int | None = None,
             result = CheckResult(f"{name}: not done yet, so the reference answer was used "
                                  f"({SOLUTIONS_ENV}=1); it passes {ran} random cases",
                                  "solution used")
-        else:
+        elif not save:
             _passed[name] = candidate
-            where = ""
-            if save:
-                path = save_component(name, candidate)
-                where = f"; saved for the capstone in {path}" if path else ""
-            result = CheckResult(f"✓ {name}: all {ran} random cases pass{where}", "passed")
+            result = CheckResult(f"✓ {name}: all {ran} random cases pass", "passed")
+        else:
+            result = _save_and_check_again(spec, candidate, ran, cases, seed)
     print(result)
     return result
+
+
+def _save_and_check_again(spec: Component, candidate, ran: int, cases: int,
+                          seed: int | None) -> CheckResult:
+    """Save a component that passed, load the saved copy back alone and check it again.
+
+    The capstone runs the saved copy, not the notebook's object: a copy that does not run on its
+    own (a name from another cell missing) must fail here, in its own lesson, with why.
+    """
+    name = spec.name
+    yours = f"your {getattr(candidate, '__name__', name)}"
+    try:
+        text = saved_text(name, candidate)
+    except CannotSave as why:
+        return CheckResult(f"✗ {name}: {yours} passes all {ran} random cases, but it cannot be "
+                           f"saved for the capstone: {why}", "failed")
+    # The copy is checked where a failing one stays for the learner to read; a copy that
+    # passes then replaces the saved component (an earlier saved one stays until then).
+    staged = _write(learner_dir() / "failed" / f"{name}.py", text)
+    problem = _check_copy(spec, staged, cases, seed)
+    if problem is not None:
+        return CheckResult(
+            f"✗ {name}: {yours} passes, but its saved copy fails: {problem}\n"
+            f"  The copy is what the capstone runs: your code, the lesson's imports it uses and "
+            f"the functions and classes it calls from your other cells, in a namespace of its "
+            f"own. Read it in {staged}; define what it misses in your cells, then run this "
+            f"check again.", "failed")
+    path = learner_dir() / f"{name}.py"
+    staged.replace(path)
+    with contextlib.suppress(OSError):
+        staged.parent.rmdir()  # only when no other component's failed copy is left there
+    _passed[name] = candidate
+    return CheckResult(f"✓ {name}: all {ran} random cases pass; saved for the capstone in "
+                       f"{path}, and its saved copy passes them too", "passed")
+
+
+def _check_copy(spec: Component, path: Path, cases: int, seed: int | None) -> str | None:
+    """None when the saved file at ``path`` loads alone and passes ``spec``'s check, else why."""
+    try:
+        copy = load_saved(path)
+    except Exception as error:  # the learner's own code, run from the file
+        return f"loading it raises {type(error).__name__}: {error}\n{_learner_frames(error)}"
+    try:
+        spec.check(copy, random.Random(seed), cases)
+    except ExerciseFailed as wrong:
+        return "its check says\n" + textwrap.indent(str(wrong), "    ")
+    except NotDone:
+        return ("it reaches a not_done(): a name in it is the lesson's stub in the copy, "
+                "where your cells had your own")
+    except Exception as error:
+        return f"{type(error).__name__}: {error}\n{_learner_frames(error)}"
+    return None
 
 
 def _learner_frames(error: BaseException) -> str:
@@ -224,50 +282,56 @@ def learner_dir() -> Path:
     return Path(os.environ.get(LEARNER_DIR_VARIABLE) or cache_root() / "learner")
 
 
-def source_of(obj) -> str:
-    """The source of a class or function, also when it was defined in a notebook cell."""
-    target = obj.__func__ if inspect.ismethod(obj) else obj
-    if inspect.isfunction(target):
-        return inspect.getsource(target)
-    code_objects = [member.__code__ for member in vars(target).values()
-                    if inspect.isfunction(member)]
-    if not code_objects:
-        return inspect.getsource(target)
-    filename = code_objects[0].co_filename
-    text = "".join(linecache.getlines(filename))
-    if not text:
-        return inspect.getsource(target)
-    first = min(code.co_firstlineno for code in code_objects)
-    best = None
-    for node in ast.walk(ast.parse(text)):
-        if (isinstance(node, ast.ClassDef) and node.name == target.__name__
-                and node.lineno <= first <= (node.end_lineno or first)):
-            if best is None or node.lineno > best.lineno:
-                best = node
-    if best is None:
-        return inspect.getsource(target)
-    start = min([best.lineno] + [d.lineno for d in best.decorator_list])
-    return "".join(text.splitlines(keepends=True)[start - 1:best.end_lineno])
+def saved_text(name: str, obj) -> str:
+    """The file that keeps ``obj`` as component ``name``: a header, the component's preamble,
+    then ``obj``'s source with the imports, helpers and values it uses (``standalone.py``).
 
-
-def save_component(name: str, obj) -> Path | None:
-    """Write ``obj``'s source, runnable on its own, to ``learner_dir()/<name>.py``."""
-    try:
-        source = source_of(obj)
-    except (OSError, TypeError):
-        return None  # no source to keep (built in C, or made by exec): nothing saved
+    Raises:
+        CannotSave: a name ``obj`` uses cannot be written into the file (the message says which).
+    """
     spec = component(name)
+    body = standalone_source(obj, spec.preamble)
     header = {"component": name, "lesson": spec.lesson, "object": obj.__name__,
               "saved": datetime.datetime.now().isoformat(timespec="seconds")}
-    folder = learner_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.py"
-    text = (f"# minipaged build track: {json.dumps(header)}\n"
-            f"{spec.preamble}\n\n{inspect.cleandoc(source) if source.startswith(' ') else source}")
+    preamble = f"{spec.preamble}\n\n\n" if spec.preamble else ""
+    return f"# minipaged build track: {json.dumps(header)}\n{preamble}{body}"
+
+
+def save_component(name: str, obj) -> Path:
+    """Write ``obj``, runnable on its own, to ``learner_dir()/<name>.py`` (not checked again:
+    ``check_component`` does that).
+
+    Args:
+        name: the component's registered name.
+        obj: the learner's function or class.
+
+    Raises:
+        CannotSave: ``obj`` or a name it uses cannot be saved.
+    """
+    return _write(learner_dir() / f"{name}.py", saved_text(name, obj))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
-    tmp.replace(path)
+    tmp.replace(path)  # never a half-written file for collect to read
     return path
+
+
+def load_saved(path: Path):
+    """Run a saved component's file in a namespace of its own; the object its header names.
+
+    Args:
+        path: a file ``save_component`` wrote.
+    """
+    text = Path(path).read_text()
+    header = json.loads(text.splitlines()[0].split(":", 1)[1])
+    namespace: dict[str, object] = {"__name__": f"learner_{header['component']}"}
+    exec(compile(text, str(path), "exec"), namespace)  # the learner's own code
+    if header["object"] not in namespace:
+        raise NameError(f"the saved file defines no {header['object']!r}")
+    return namespace[header["object"]]
 
 
 class MissingComponents(LookupError):
@@ -287,12 +351,8 @@ def collect(names: list[str] | tuple[str, ...]) -> tuple[dict[str, object], list
         if not path.exists():
             missing.append(name)
             continue
-        text = path.read_text()
-        header = json.loads(text.splitlines()[0].split(":", 1)[1])
-        namespace: dict[str, object] = {"__name__": f"learner_{name}"}
         try:
-            exec(compile(text, str(path), "exec"), namespace)  # the learner's own code
-            found[name] = namespace[header["object"]]
+            found[name] = load_saved(path)
         except Exception as error:
             missing.append(f"{name} (its saved file {path} fails: {type(error).__name__}: "
                            f"{error})")
