@@ -20,6 +20,14 @@ def _exercises_unanswered_by_default(monkeypatch):
     monkeypatch.delenv("MINIPAGED_SOLUTIONS", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_cost_checks_by_default(monkeypatch):
+    """A passing build-track check also times the component against the package's
+    (exercises/cost.py, a second or more each); tests of the checkers turn that off, and
+    tests/exercises/test_cost_checks.py turns it on again."""
+    monkeypatch.setenv("MINIPAGED_COST_CHECKS", "0")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """(directory, transformers model) of a tiny random LLaMA with 4 heads and 2 kv heads."""

@@ -24,9 +24,12 @@ Components without a probe here (the kernel's phase, the verifications) get no c
 from __future__ import annotations
 
 import gc
+import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 # The verdict's thresholds: slower by this much at the largest size, and the ratio grown by this
 # much from the smallest size. A constant factor (Python written another way) is not what the
@@ -37,6 +40,8 @@ REPEATS = 9
 # Each timed run lasts at least this long: short enough to fit between two interruptions of a
 # busy machine's scheduler most of the time, long enough for the clock.
 MIN_SECONDS = 0.0005
+SWITCH = "MINIPAGED_COST_CHECKS"  # "0": no cost checks (the test suite's checker tests)
+RECORD = "costs.json"  # in the learner's folder: component -> its cost verdict, when slow
 
 Work = Callable[[int], None]  # work(times): one unit of an operation, ``times`` times
 
@@ -300,3 +305,36 @@ def measure_cost(name: str, candidate, package=None) -> CostVerdict | None:
 
         package = workbench.component(name).package_object()
     return measure(name, probe, candidate, package)
+
+
+def check_and_record(name: str, candidate, folder: Path) -> str:
+    """After a component passed its check: its cost verdict as lines to add to the check's
+    message ("" without a probe), kept in ``folder/costs.json`` when slow (the capstone reads
+    it) and taken out of it when not."""
+    if os.environ.get(SWITCH, "") == "0":
+        return ""
+    try:
+        verdict = measure_cost(name, candidate)
+    except Exception as error:  # noqa: BLE001 - the check passed; the probe's own use failed
+        return (f"\n  (the cost check could not run your {name}: {type(error).__name__}: "
+                f"{error})")
+    if verdict is None:
+        return ""
+    path = Path(folder) / RECORD
+    kept = recorded(folder)
+    kept.pop(name, None)
+    if verdict.slow:
+        kept[name] = verdict.message()
+    if kept or path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(kept, indent=1))
+    return "\n" + verdict.message()
+
+
+def recorded(folder: Path, names=None) -> dict[str, str]:
+    """The kept verdicts of slow components (of ``names`` only, when given)."""
+    try:
+        kept = json.loads((Path(folder) / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in kept.items() if names is None or k in names}

@@ -54,6 +54,7 @@ from pathlib import Path
 from minipaged.cache_paths import cache_root
 from minipaged.exercises.checking import (SOLUTIONS_ENV, CheckResult, ExerciseFailed, NotDone,
                                           use_solutions)
+from minipaged.exercises import cost
 from minipaged.exercises.standalone import CannotSave, source_of, standalone_source
 
 __all__ = ["CannotSave", "Component", "check_component", "collect", "component", "components",
@@ -194,8 +195,9 @@ def _save_and_check_again(spec: Component, candidate, ran: int, cases: int,
     with contextlib.suppress(OSError):
         staged.parent.rmdir()  # only when no other component's failed copy is left there
     _passed[name] = candidate
+    cost_line = cost.check_and_record(name, candidate, learner_dir())  # (exercises/cost.py)
     return CheckResult(f"✓ {name}: all {ran} random cases pass; saved for the capstone in "
-                       f"{path}, and its saved copy passes them too", "passed")
+                       f"{path}, and its saved copy passes them too{cost_line}", "passed")
 
 
 def _check_copy(spec: Component, path: Path, cases: int, seed: int | None) -> str | None:

@@ -153,3 +153,30 @@ def test_a_slow_component_is_told_quickly():
     start = time.perf_counter()
     measure_cost("FreeListAllocator", CountsByScanning)
     assert time.perf_counter() - start < 30  # (a busy machine: generous)
+
+
+def test_a_passing_check_prints_the_cost_and_keeps_a_slow_verdict(tmp_path, monkeypatch, capsys):
+    from minipaged.exercises import cost, workbench
+
+    monkeypatch.setenv("MINIPAGED_COST_CHECKS", "1")
+    monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path))
+    slow = workbench.check_component("FreeListAllocator", CountsByScanning, num_cases=20)
+    assert slow.passed  # correct: it passes, is saved and plugged in
+    out = capsys.readouterr().out
+    assert "✓ FreeListAllocator: all 20 random cases pass" in out
+    assert "⚠ FreeListAllocator: correct, but " in out and "get_num_free_blocks" in out
+    kept = cost.recorded(tmp_path, ["FreeListAllocator"])
+    assert kept["FreeListAllocator"].startswith("⚠ FreeListAllocator: correct, but ")
+
+    fixed = workbench.check_component("FreeListAllocator", MyFreeListAllocator, num_cases=20)
+    assert fixed.passed
+    assert "  cost: at most" in capsys.readouterr().out
+    assert cost.recorded(tmp_path) == {}  # the fixed one's verdict replaced the slow one's
+
+
+def test_the_switch_turns_cost_checks_off(tmp_path, monkeypatch, capsys):
+    from minipaged.exercises import workbench
+
+    monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path))
+    workbench.check_component("FreeListAllocator", CountsByScanning, num_cases=10)
+    assert "⚠" not in capsys.readouterr().out and "cost:" not in capsys.readouterr().out
