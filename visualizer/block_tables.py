@@ -73,13 +73,19 @@ def _blocks_to_draw(pool: list[dict], limit: int,
 
 def render_block_tables(snapshot: dict, title: str | None = None,
                         highlight_blocks=(), highlight_seq: int | None = None,
-                        max_pool_blocks: int = 128, max_free_list: int = 16) -> str:
+                        max_pool_blocks: int = 128, max_free_list: int = 16,
+                        highlight_colour: str = HIGHLIGHT, highlight_mark: str | None = None
+                        ) -> str:
     """SVG of the block tables in ``snapshot`` (the dict of ``BlockSpaceManager.snapshot()``).
 
     Args:
         title: a line above the drawing (e.g. the step's caption).
-        highlight_blocks: GPU block numbers touched by the current event, outlined in red.
+        highlight_blocks: GPU block numbers touched by the current event, outlined in
+            ``highlight_colour`` (red unless given: a picture that also marks the newest
+            tokens in red can give the event a colour of its own).
         highlight_seq: the sequence the current event is about; its label is bold.
+        highlight_mark: a word written in each highlighted block (e.g. "copy"), in
+            ``highlight_colour``.
         max_pool_blocks: a larger pool is drawn as its held blocks plus the free ones that
             will be handed out next.
         max_free_list: free-list entries drawn before "+N more" (at most what fits the width).
@@ -156,8 +162,12 @@ def render_block_tables(snapshot: dict, title: str | None = None,
                    data_request=s["request_id"], data_status=s["status"],
                    data_device=s["device"], data_num_tokens=s["num_tokens"])
         label = _seq_label(s)
-        text(group, X_LOGICAL, y + 12, label, fill=c,
-             weight="bold" if s["seq_id"] == highlight_seq else None)
+        node = text(group, X_LOGICAL, y + 12, label, fill=c,
+                    weight="bold" if s["seq_id"] == highlight_seq else None)
+        if _is_light(c):  # (a yellow or light blue label on white): a dark edge to read it by
+            node.set("stroke", INK)
+            node.set("stroke-width", "0.6")
+            node.set("paint-order", "stroke")
         y += ROW_H
         pos = cpu_pos if s["device"] == "cpu" else gpu_pos
         last = len(s["logical_blocks"]) - 1
@@ -186,14 +196,17 @@ def render_block_tables(snapshot: dict, title: str | None = None,
                        data_seq=s["seq_id"], data_block=number)
             else:
                 # The newest token opened this logical block; its physical block comes with the
-                # next append_slot (the next step's schedule()).
-                el(group, "text", f"{i} → (next step)", x=X_TABLE, y=y + 12, font_size=10,
-                   fill=MUTED, class_="table-entry pending", data_seq=s["seq_id"], data_index=i)
+                # next append_slot: the next step's schedule() for a running sequence, the step
+                # that swaps it back in for a swapped one.
+                el(group, "text", f"{i} → {_PENDING.get(s['status'], '(next step)')}", x=X_TABLE,
+                   y=y + 12, font_size=10, fill=MUTED, class_="table-entry pending",
+                   data_seq=s["seq_id"], data_index=i)
             y += ROW_H
         y += 8
 
     # ---- the pools ---------------------------------------------------------------------------
-    _draw_pool(root, gpu_draw, gpu_pos, "gpu", block_size, filled, newest, highlight_blocks)
+    _draw_pool(root, gpu_draw, gpu_pos, "gpu", block_size, filled, newest, highlight_blocks,
+               highlight_colour, highlight_mark)
     if gpu_elided:
         text(root, X_POOL, gpu_y + _rows_height(len(gpu_draw)) + 8,
              f"(+{gpu_elided} more free blocks not drawn)", size=10, fill=MUTED,
@@ -236,6 +249,16 @@ def _draw_legend(root, x, y):
         x += 21 + 0.6 * 9 * len(label) + 14
 
 
+# Where a logical block's physical block will come from, when it has none yet.
+_PENDING = {"SWAPPED": "(when swapped in)", "WAITING": "(when admitted)"}
+
+
+def _is_light(hex_colour: str) -> bool:
+    """Too light to read as text on white (its brightness, weighted as the eye sees, above 0.6)."""
+    r, g, b = (int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.6
+
+
 def _seq_label(s: dict) -> str:
     """'seq 3 · req 1 · running · 40 tok', with a long request id (a server's
     'chatcmpl-...') shortened so that the label ends before the pool."""
@@ -245,7 +268,8 @@ def _seq_label(s: dict) -> str:
     return head + shorten(s["request_id"], max(LABEL_CHARS - len(head) - len(rest), 5)) + rest
 
 
-def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_blocks):
+def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_blocks,
+               highlight_colour=HIGHLIGHT, highlight_mark=None):
     pool = el(root, "g", class_=f"pool {device}-pool", data_device=device)
     for b in blocks:
         number, ref, owners = b["block_number"], b["ref_count"], b["owners"]
@@ -299,7 +323,11 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
                class_="slot newest-token" if is_newest else "slot")
         if device == "gpu" and number in highlight_blocks:
             el(g, "rect", x=x - 2, y=y - 2, width=BLOCK_W + 4, height=BLOCK_H + 4, fill="none",
-               stroke=HIGHLIGHT, stroke_width=2.5, class_="event-block", data_block=number)
+               stroke=highlight_colour, stroke_width=2.5, class_="event-block",
+               data_block=number)
+            if highlight_mark and not shared:
+                text(g, x + 3, y + 23, highlight_mark, size=8, fill=highlight_colour,
+                     class_="event-mark")
 
 
 def _draw_free_list(root, free: list[int], x, y, max_entries):

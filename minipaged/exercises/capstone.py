@@ -2,21 +2,25 @@
 
 The learner's engine *is* the package's ``LLMEngine``, built while the learner's components are
 plugged in (``exercises/workbench.py``: ``plugged_in``): their ``step()``, and every component of
-the earlier lessons they wrote (``workbench.collect`` finds them by name, nothing is pasted). A
-component they never wrote stays the package's, and the check says so by name.
+the earlier lessons they wrote (``workbench.collect`` finds them by name, nothing is pasted).
 
-Both engines get the same requests; after every step the plain data of each (``step_state``: what
-``step()`` returned, every sequence's tokens, status and computed tokens, the block tables, the
-free lists and ref counts, the queues) must be equal. At the first step where they differ, each of
-the learner's components is run alone in the package's engine up to that step: the one that goes
-wrong first is named (``find_culprit``).
+The capstone is one or more ``Run``s: engine settings, requests, and the learner's components
+that run in them. In each, both engines get the same requests; after every step the plain data
+of each (``step_state``: what ``step()`` returned, every sequence's tokens, status and computed
+tokens, the block tables, the free lists and ref counts, the queues, the engine's counters) must
+be equal. At the first step where they differ, each of the learner's components is run alone in
+the package's engine up to that step: the one that goes wrong first is named (``find_culprit``).
+
+The verdict is a tick only when every component of every run is the learner's, loaded from its
+saved file, ran, and agreed at every step; otherwise it says plainly which are missing, which do
+not load (and why), and where the first difference is.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -30,34 +34,64 @@ class Request(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrive_at_step: int = 0  # added before step arrive_at_step + 1
+    abort_at_step: int | None = None  # aborted (abort_request) before step abort_at_step + 1
 
 
 # The capstone's engine: the embedded SmolLM2-135M-Instruct on the CPU, in a pool small enough
 # that the workload preempts (single sequences by recompute, groups by swap into the CPU pool),
-# without prefix caching: the learner's block manager of lesson 03 (like vLLM v0.1's) takes no
-# cached blocks, so with the cache on its tables would rightly differ from LLM()'s. Lesson 11 runs
-# the learner's PrefixCachingAllocator in an engine of its own.
-CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=14, num_cpu_blocks=12, max_model_len=32,
-                         watermark=0.0, enable_prefix_caching=False, enable_chunked_prefill=False,
-                         device="cpu", dtype="float32", seed=0)
+# with chunked prefill under a small token budget (long prompts run in chunks, one behind the
+# other), without prefix caching: the learner's block manager of lesson 03 (like vLLM v0.1's)
+# takes no cached blocks. The prefix cache has a run of its own (``prefix_caching_run`` in
+# lesson16.py), with the package's block manager around the learner's allocator.
+CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=10, num_cpu_blocks=12, max_model_len=32,
+                         watermark=0.0, enable_prefix_caching=False, enable_chunked_prefill=True,
+                         max_num_batched_tokens=16, device="cpu", dtype="float32", seed=0)
 
 
 def default_workload(encode: Callable[[str], list[int]]) -> list[Request]:
-    """Five requests, three of them with a common prompt prefix, with parallel
-    sampling (``n`` = 2 and 3, greedy: the sequences stay alike and copy-on-write separates their
-    tables) and seeded top-p sampling; two arrive later, when the pool is full."""
-    greedy = lambda n, m: SamplingParams(n=n, temperature=0, max_tokens=m, ignore_eos=True)
-    top_p = lambda m, s: SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=s,
-                                        ignore_eos=True)
-    prefix = "A paged KV cache keeps"
-    return [Request(encode(prefix + " each token's keys"), greedy(1, 8)),
-            Request(encode("The scheduler runs"), greedy(2, 7)),
-            Request(encode(prefix + " blocks of sixteen"), top_p(8, 1)),
-            Request(encode("Copy on write means"), greedy(3, 5), arrive_at_step=2),
-            Request(encode(prefix + " each token's values"), greedy(1, 6), arrive_at_step=3)]
+    """Seven requests that leave the scheduler no easy step.
+
+    Four start together: a single greedy sequence, parallel sampling (``n=2``, greedy: the
+    sequences stay alike and copy-on-write separates their tables), beam search (``n=2``) and a
+    greedy request that ends at a stop string. When the pool runs out, the oldest needs a block
+    while three younger groups run: which one gives its blocks back matters. One request is
+    aborted while it runs; two long prompts arrive later and run in chunks under the token
+    budget, the second waiting behind the first.
+    """
+    greedy = lambda n, m, **more: SamplingParams(n=n, temperature=0, max_tokens=m,
+                                                 ignore_eos=True, **more)
+    beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=8,
+                           ignore_eos=True)
+    return [
+        Request(encode("A paged KV cache keeps"), greedy(1, 14)),
+        Request(encode("The scheduler runs"), greedy(2, 10)),
+        Request(encode("Beam search keeps"), beams),
+        Request(encode("Copy on write means"), greedy(1, 12, stop=[" version"])),
+        Request(encode("The quick brown fox"), greedy(1, 10), abort_at_step=2),
+        Request(encode("Once upon a time, in a small village at the edge of a forest, there "
+                       "lived"), greedy(1, 4), arrive_at_step=2),
+        Request(encode("Write a short poem about memory blocks and pages that move"),
+                greedy(1, 4), arrive_at_step=2),
+    ]
 
 
 # -- the plain data of an engine after one step ---------------------------------------------------
+def counters(stats) -> dict:
+    """The engine's counters that both engines must agree on: all but the times, which differ
+    from run to run; the model's time must only have grown once the model ran."""
+    values = {k: v for k, v in stats.as_dict().items() if not k.startswith("time_")}
+    values["time_model > 0"] = stats.time_model > 0
+    return values
+
+
+def _returned(returned):
+    if not isinstance(returned, list):
+        return returned
+    return sorted((o.request_id, o.finished, [(list(c.token_ids), c.text, c.finish_reason)
+                                              for c in o.outputs])
+                  for o in returned)
+
+
 def step_state(engine, groups: dict, returned, num_snapshots: int) -> dict:
     """What must be equal in both engines after a step.
 
@@ -69,11 +103,9 @@ def step_state(engine, groups: dict, returned, num_snapshots: int) -> dict:
     """
     scheduler = engine.scheduler
     blocks = scheduler.block_snapshot()
-    outputs = (sorted((o.request_id, o.finished, [list(c.token_ids) for c in o.outputs])
-                      for o in returned) if isinstance(returned, list) else returned)
     return {
         "observers": num_snapshots,
-        "returned": outputs,
+        "returned": _returned(returned),
         "sequences": {seq.seq_id: {"request": rid, "status": seq.status.name,
                                    "token_ids": list(seq.get_token_ids()),
                                    "num_computed_tokens": seq.num_computed_tokens}
@@ -86,6 +118,7 @@ def step_state(engine, groups: dict, returned, num_snapshots: int) -> dict:
         "queues": {name: [g.request_id for g in getattr(scheduler, name)]
                    for name in ("waiting", "running", "swapped")},
         "unfinished_requests": sorted(engine._requests),
+        "stats": counters(engine.stats),
     }
 
 
@@ -120,9 +153,16 @@ def first_difference(mine: dict, ref: dict) -> Difference | None:
                           ("free_cpu_blocks", "the CPU free list"),
                           ("queues", "the queues"),
                           ("unfinished_requests", "the requests the engine still holds"),
-                          ("returned", "what step() returned (request id, finished, tokens)")):
+                          ("returned", "what step() returned (request id, finished, and per "
+                                       "completion its tokens, text and finish reason)")):
         if mine[kind] != ref[kind]:
             return Difference(kind, subject, mine[kind], ref[kind])
+    mine_stats, ref_stats = mine.get("stats", {}), ref.get("stats", {})
+    differ = [k for k in ref_stats if mine_stats.get(k) != ref_stats[k]]
+    if differ:
+        return Difference("stats", f"the engine's counters (self.stats): {', '.join(differ)}",
+                          {k: mine_stats.get(k) for k in differ},
+                          {k: ref_stats[k] for k in differ})
     return None
 
 
@@ -135,11 +175,13 @@ class Stepped(NamedTuple):
     step: int
     state: dict
     snapshot: object  # the observers' StepSnapshot (None if they got none)
+    outputs: dict  # request id -> its latest RequestOutput (from step() or abort_request)
 
 
 def run_steps(engine, workload: list[Request], max_steps: int = 200,
               step: Callable | None = None) -> Iterator[Stepped]:
-    """Add ``workload``'s requests as they arrive and step ``engine`` until it is done.
+    """Add ``workload``'s requests as they arrive, abort those that ask for it, and step
+    ``engine`` until it is done.
 
     ``step(engine)`` runs one step (default ``engine.step()``). Raises ``Unfinished`` when
     requests are still unfinished after ``max_steps``.
@@ -147,19 +189,28 @@ def run_steps(engine, workload: list[Request], max_steps: int = 200,
     snapshots: list = []
     engine.add_observer(snapshots.append)
     groups: dict = {}
+    outputs: dict = {}
     for number in range(1, max_steps + 1):
         for i, request in enumerate(workload):
             if request.arrive_at_step == number - 1:
                 rid = engine.add_request(str(i), None, request.params, arrival_time=float(i),
                                          prompt_token_ids=request.prompt_token_ids)
                 groups[rid] = engine.scheduler.waiting[-1]
+        for i, request in enumerate(workload):
+            if request.abort_at_step == number - 1:
+                aborted = engine.abort_request(str(i))
+                if aborted is not None:
+                    outputs[aborted.request_id] = aborted
         if not engine.has_unfinished_requests() and all(r.arrive_at_step < number
                                                         for r in workload):
             return
         del snapshots[:]
         returned = step(engine) if step is not None else engine.step()
+        for output in returned if isinstance(returned, list) else ():
+            if hasattr(output, "request_id"):
+                outputs[output.request_id] = output
         yield Stepped(number, step_state(engine, groups, returned, len(snapshots)),
-                      snapshots[-1] if snapshots else None)
+                      snapshots[-1] if snapshots else None, dict(outputs))
     raise Unfinished(f"requests still unfinished after {max_steps} steps")
 
 
@@ -254,6 +305,36 @@ def find_culprit(objects: dict[str, object], settings: dict, workload: list[Requ
 
 
 # -- the check ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    """One run of the capstone: the learner's engine next to ``LLM()`` on the same requests.
+
+    Args:
+        title: what the run is for, as the verdict names it.
+        components: the learner's components this run plugs in (those written and loaded).
+        settings: engine settings over ``CAPSTONE_SETTINGS``.
+        workload: ``workload(encode)`` -> the requests (default ``default_workload``).
+        package: component -> why the package's own runs in its place in this run.
+    """
+
+    title: str
+    components: tuple[str, ...]
+    settings: dict = field(default_factory=dict)
+    workload: Callable[[Callable[[str], list[int]]], list[Request]] | None = None
+    package: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    run: Run
+    plugged: dict  # name -> the learner's object plugged in
+    expected: list  # LLM()'s Stepped, every step
+    mismatch: tuple | None  # (step, Difference) where the learner's engine first differs
+    ran: set  # the names of the plugged-in components that ran
+    yours: dict  # request id -> the learner's engine's last RequestOutput
+    workload: list
+
+
 def _count(number: int, thing: str) -> str:
     plural = thing[:-1] + "ies" if thing.endswith("y") else thing + "s"
     return f"{number} {thing if number == 1 else plural}"
@@ -264,115 +345,223 @@ def _names(names) -> str:
     return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
 
 
-def check_capstone(names: list[str], on_step=None, workload: list[Request] | None = None,
-                   settings: dict | None = None, max_steps: int = 100):
-    """Your engine next to ``LLM()``: the same tokens and block tables after every step.
+def _lesson(name: str) -> str:
+    try:
+        return f"lesson {workbench.component(name).lesson}"
+    except KeyError:
+        return "its lesson"
 
-    Your engine is the package's ``LLMEngine`` with every component you wrote plugged in
-    (``workbench.collect``); a component you have not written yet is named, and the package's
-    runs in its place.
+
+def collect(names) -> tuple[dict, list[str], dict[str, str]]:
+    """(the learner's loaded components, the names with nothing saved, name -> why its saved
+    file does not load)."""
+    found, missing = workbench.collect(list(names))
+    absent = [m for m in missing if " (" not in m]
+    broken = {m.split(" (", 1)[0]: m.split(" (", 1)[1].rstrip(")") for m in missing if " (" in m}
+    return found, absent, broken
+
+
+def check_capstone(names: list[str], on_step=None, workload: list[Request] | None = None,
+                   settings: dict | None = None, max_steps: int = 100,
+                   runs: list[Run] | None = None) -> CheckResult:
+    """Your engine next to ``LLM()``: the same tokens, block tables, free lists, queues and
+    counters after every step of every run.
+
+    Your engine is the package's ``LLMEngine`` with the components you wrote plugged in
+    (``workbench.collect``). A component you have not written yet, or whose saved file does not
+    load, is named, and the package's runs in its place: no tick then.
 
     Args:
+        names: the components the verdict counts (the capstone's, in lesson order).
         on_step: called as ``on_step(step, yours, llms)`` with both engines' ``StepSnapshot``
-            after every step that matched (the lesson draws them).
-        workload: the requests (default ``default_workload``).
-        settings: engine settings over ``CAPSTONE_SETTINGS`` (tests: a tiny model).
-        names: the components to collect.
+            after every step of the first run that matched (the lesson draws them).
+        workload: the requests of a single run (default ``default_workload``), when ``runs``
+            is not given.
+        settings: engine settings over ``CAPSTONE_SETTINGS`` for that single run (tests: a tiny
+            model).
+        max_steps: the most steps a run may take.
+        runs: the runs (default: one run of ``names`` with ``workload`` and ``settings``).
     """
-    found, missing = workbench.collect(names)
-    settings = {**CAPSTONE_SETTINGS, **(settings or {})}
+    if runs is None:
+        fixed = workload
+        runs = [Run("the capstone's run", tuple(names), dict(settings or {}),
+                    None if fixed is None else (lambda encode: fixed))]
+    found, missing, broken = collect(names)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: steadier on a busy CPU, and as fast for short steps
+    results: list[RunResult] = []
     try:
-        reference = new_engine(settings)
-        if workload is None:
-            workload = default_workload(reference.encode)
-        expected = list(run_steps(reference, workload, max_steps))
-        reference.shutdown()
-        mismatch, ran = _compare(found, settings, workload, expected, max_steps, on_step)
+        for number, run in enumerate(runs):
+            plugged = {n: found[n] for n in run.components if n in found and n not in run.package}
+            if number and not plugged:
+                continue  # nothing of yours in it: the package against itself says nothing new
+            results.append(_one_run(run, plugged, max_steps, on_step if number == 0 else None))
+            if results[-1].mismatch is not None:
+                break  # the first difference is what to look at
     finally:
         torch.set_num_threads(threads)
-    if mismatch is not None:
-        result = _mismatch_message(mismatch, found, settings, workload, expected)
-    else:
-        result = _match_message(found, missing, ran, expected)
+    result = _verdict(list(names), found, missing, broken, results)
     print(result)
     return result
 
 
+def _one_run(run: Run, plugged: dict, max_steps: int, on_step) -> RunResult:
+    settings = {**CAPSTONE_SETTINGS, **run.settings}
+    reference = new_engine(settings)
+    workload = (run.workload or default_workload)(reference.encode)
+    expected = list(run_steps(reference, workload, max_steps))
+    reference.shutdown()
+    mismatch, ran, yours = _compare(plugged, settings, workload, expected, max_steps, on_step)
+    return RunResult(run, plugged, expected, mismatch, ran, yours, workload)
+
+
 def _compare(found, settings, workload, expected, max_steps, on_step):
     """(the first (step, Difference) where the learner's engine differs, or None; the names of
-    the learner's components that ran)."""
+    the learner's components that ran; the learner's engine's outputs by request id)."""
     ran: set[str] = set()
+    outputs: dict = {}
     number = 0
     try:
         for stepped, ran in learner_run(found, settings, workload, max_steps):
-            number = stepped.step
+            number, outputs = stepped.step, stepped.outputs
             if number > len(expected):
                 return (number, Difference("steps", "the number of steps", f"a step {number}",
-                                           f"all done after step {len(expected)}")), ran
+                                           f"all done after step {len(expected)}")), ran, outputs
             theirs = expected[number - 1]
             difference = first_difference(stepped.state, theirs.state)
             if difference:
-                return (number, difference), ran
+                return (number, difference), ran, outputs
             if on_step is not None:
                 on_step(number, stepped.snapshot, theirs.snapshot)
     except Exception as crash:  # the learner's engine stopped
         return (number + 1, Difference("crash", "your engine stopped",
-                                       f"{type(crash).__name__}: {crash}", "no error")), ran
+                                       f"{type(crash).__name__}: {crash}", "no error")), ran, \
+            outputs
     if number < len(expected):
         return (number, Difference("steps", "the number of steps",
                                    f"all done after step {number}",
-                                   f"all done after step {len(expected)}")), ran
-    return None, ran
+                                   f"all done after step {len(expected)}")), ran, outputs
+    return None, ran, outputs
 
 
-def _mismatch_message(mismatch, found, settings, workload, expected) -> CheckResult:
-    step, difference = mismatch
-    text = (f"✗ capstone: step {step}: {difference.subject} differs\n"
+# -- the verdict ----------------------------------------------------------------------------------
+def _what_happened(result: RunResult) -> str:
+    """What LLM()'s run went through: the events the run exists for."""
+    snapshots = [s.snapshot for s in result.expected]
+    stats = result.expected[-1].state["stats"] if result.expected else {}
+    modes = [mode for snap in snapshots for _, mode in snap.preempted]
+    copies = sum(len(d) for snap in snapshots for d in snap.blocks_to_copy.values())
+    parts = [f"{_count(len(modes), 'preemption')} ({modes.count('recompute')} by recompute, "
+             f"{modes.count('swap')} by swap)", _count(copies, "copy-on-write copy")]
+    prompts = [{rid for rid, prompt in zip(snap.scheduled, snap.prompt_run) if prompt}
+               for snap in snapshots]
+    chunked = set().union(*(a & b for a, b in zip(prompts, prompts[1:])))  # two steps running
+    if chunked:
+        parts.append(f"{_count(len(chunked), 'prompt')} run in chunks")
+    finals = result.expected[-1].outputs if result.expected else {}
+    reasons = [c.finish_reason for o in finals.values() for c in o.outputs]
+    if reasons.count("abort"):
+        parts.append(_count(reasons.count("abort"), "abort"))
+    stopped = sum(1 for i, o in finals.items() for c in o.outputs if c.finish_reason == "stop"
+                  and result.workload[int(i)].params.stop_strings)
+    if stopped:
+        parts.append(_count(stopped, "stop string"))
+    if stats.get("num_cached_prompt_tokens"):
+        parts.append(f"{stats['num_cached_prompt_tokens']} prompt tokens from the prefix cache")
+    if stats.get("num_spec_proposed_tokens"):
+        parts.append(f"{stats['num_spec_accepted_tokens']} of "
+                     f"{stats['num_spec_proposed_tokens']} drafted tokens accepted")
+    return ", ".join(parts)
+
+
+def _completions(result: RunResult) -> str:
+    """The learner's engine's text next to LLM()'s, completion by completion."""
+    theirs = result.expected[-1].outputs if result.expected else {}
+    lines = []
+    for rid in sorted(theirs, key=int):
+        for c in theirs[rid].outputs:
+            mine = result.yours.get(rid)
+            yours = next((m for m in mine.outputs if m.index == c.index), None) if mine else None
+            label = f"    request {rid}" + (f" #{c.index}" if len(theirs[rid].outputs) > 1
+                                             else "") + f" ({c.finish_reason}): "
+            if yours is not None and (yours.text, yours.finish_reason) == (c.text,
+                                                                          c.finish_reason):
+                lines.append(f"{label}{c.text!r}  (yours = LLM()'s)")
+            else:
+                shown = "(not finished)" if yours is None else repr(yours.text)
+                lines.append(f"{label}yours {shown}\n{' ' * len(label)}LLM() {c.text!r}")
+    return "\n".join(lines)
+
+
+def _verdict(names, found, missing, broken, results: list[RunResult]) -> CheckResult:
+    yours = [n for n in names if n in found]
+    mismatched = next((r for r in results if r.mismatch is not None), None)
+    idle = {n: r.run.title for r in results for n in r.plugged if n not in r.ran}
+    problems = []
+    if missing:
+        problems.append("write " + _names(f"{n} ({_lesson(n)})" for n in missing))
+    for name, why in broken.items():
+        problems.append(f"your saved {name} ({_lesson(name)}) does not load, so it is not "
+                        f"yours here: {why}; run its check in {_lesson(name)} again")
+    for name, title in idle.items():
+        problems.append(f"your {name} was plugged in but never ran ({title})")
+    tally = f"{len(yours)} of {len(names)} are yours"
+    if mismatched is not None:
+        head, status = _mismatch_message(mismatched), "failed"
+        if problems:
+            head += f"\n  (also: {tally}; " + "; ".join(problems) + ")"
+    elif broken:
+        head = f"✗ capstone: {tally}; " + "; ".join(problems)
+        status = "failed"
+    elif not yours:
+        head = (f"… capstone: not done yet: none of your components is saved (0 of "
+                f"{len(names)}; missing: {_names(missing)}; each lesson's check saves yours "
+                f"when it passes), so this was the package's engine against itself")
+        status = "not done"
+    elif problems:
+        head, status = f"… capstone: not passed yet: {tally}; " + "; ".join(problems), \
+            "incomplete"
+    else:
+        head, status = (f"✓ capstone: all {len(names)} components are yours, and your engine "
+                        f"gives LLM()'s tokens, texts, block tables, free lists, queues and "
+                        f"counters at every step"), "passed"
+    lines = [head]
+    for result in results:
+        if result.mismatch is not None:
+            continue
+        package = [n for n in names if n not in result.plugged and (
+            n in result.run.components or n in result.run.package)]
+        why = [f"the package's {n} ({result.run.package.get(n) or 'not yours yet'})"
+               for n in package]
+        mine = [n for n in result.plugged if n in result.ran]
+        lines.append(f"  {result.run.title}: the same as LLM() at all {len(result.expected)} "
+                     f"steps ({_what_happened(result)}); with your {_names(mine) or 'nothing'}"
+                     + ("; " + "; ".join(why) if why else ""))
+    shown = mismatched or (results[0] if results else None)
+    if shown is not None and shown.expected:
+        lines.append(f"  completions of {shown.run.title}, yours next to LLM()'s:\n"
+                     + _completions(shown))
+    return CheckResult("\n".join(lines), status)
+
+
+def _mismatch_message(result: RunResult) -> str:
+    step, difference = result.mismatch
+    found, run = result.plugged, result.run
+    settings = {**CAPSTONE_SETTINGS, **run.settings}
+    text = (f"✗ capstone: {run.title}: step {step}: {difference.subject} differs\n"
             f"  yours:  {difference.yours!r}\n  LLM():  {difference.expected!r}")
     if len(found) > 1:
-        culprit = find_culprit(found, settings, workload, [s.state for s in expected], step)
+        culprit = find_culprit(found, settings, result.workload,
+                               [s.state for s in result.expected], step)
         if culprit is None:
             text += (f"\n  each of your components alone agrees with LLM() up to step {step}; "
                      f"together they do not: look at what {_names(found)} hand each other")
         else:
             name, at, alone = culprit
-            lesson = workbench.component(name).lesson
-            text += (f"\n  the first of your components to go wrong: {name} (lesson {lesson}): "
+            text += (f"\n  the first of your components to go wrong: {name} ({_lesson(name)}): "
                      f"alone in the package's engine, at step {at}, {alone.subject} differs "
                      f"(yours {alone.yours!r}, LLM() {alone.expected!r})")
     elif found:
         name = next(iter(found))
-        text += f"\n  your only component here is {name} (lesson " \
-                f"{workbench.component(name).lesson})"
-    return CheckResult(text, "failed")
-
-
-def _match_message(found, missing, ran, expected) -> CheckResult:
-    snapshots = [s.snapshot for s in expected]
-    modes = [mode for snap in snapshots for _, mode in snap.preempted]
-    copies = sum(len(d) for snap in snapshots for d in snap.blocks_to_copy.values())
-    cached = snapshots[-1].stats.get("num_cached_prompt_tokens", 0) if snapshots else 0
-    counts = (f"{_count(len(modes), 'preemption')} ({modes.count('recompute')} by recompute, "
-              f"{modes.count('swap')} by swap), {_count(copies, 'copy-on-write copy')}"
-              + (f", {cached} prompt tokens from the prefix cache" if cached else ""))
-    same = f"the same tokens and block tables as LLM() at all {len(expected)} steps ({counts})"
-    mine = [n for n in found if n in ran]
-    idle = [n for n in found if n not in ran]
-    missing_names = [m.split(" (")[0] for m in missing]
-    if not found:
-        return CheckResult(
-            f"… capstone: not done yet: none of your components is saved (missing: "
-            f"{_names(missing_names)}; each lesson's check saves yours when it passes), so this "
-            f"was the package's engine against itself: {same}", "not done")
-    text = f"✓ capstone: your engine gives {same}, with your {_names(mine) or 'nothing'}"
-    if idle:
-        were = "were" if len(idle) > 1 else "was"
-        text += f"; your {_names(idle)} {were} plugged in but never ran"
-    if missing:
-        text += (f"; the package's {_names(missing_names)} because "
-                 f"{'they are' if len(missing) > 1 else 'it is'} missing"
-                 + "".join(f"\n  {m}" for m in missing if " (" in m))
-        return CheckResult(text, "incomplete")
-    return CheckResult(text, "passed")
+        text += f"\n  your only component here is {name} ({_lesson(name)})"
+    return text

@@ -250,14 +250,43 @@ _STEP_HINTS = {
     "returned": "return one RequestOutput.from_seq_group(g) per group the step scheduled, and "
                 "per group the scheduler gave up on",
 }
+# The engine's counters (self.stats), by the counter that differs first: where it is counted.
+_STATS_HINTS = {
+    "num_steps": "count each step once: self.stats.num_steps += 1, before the observers see "
+                 "the snapshot",
+    "num_prompt_tokens": "once the model ran, count what it computed: self.stats.count_tokens("
+                         "inputs.meta.num_prompt_tokens, inputs.meta.num_generation_tokens, 0)",
+    "num_sampled_tokens": "count the tokens the sampler returned: self.stats.num_sampled_tokens "
+                          "+= one per sequence it sampled for",
+    "num_aborted_by_engine": "the requests the scheduler gave up on are counted by "
+                             "self._collect_aborted(): call it once, right after schedule()",
+    "time_model > 0": "time the model: self.stats.time_model += the seconds execute_model took "
+                      "(time.perf_counter() before and after)",
+}
+_STATS_HINTS["num_generation_tokens"] = _STATS_HINTS["num_prompt_tokens"]
+_SCHEDULE_COUNT = ("count what the scheduler decided, once, right after schedule(): "
+                   "self.stats.count_schedule(outs, self.scheduler.pool_counts())")
+
+
+def _stats_hint(yours: dict, expected: dict) -> str:
+    first = next(iter(expected))
+    return _STATS_HINTS.get(first, _SCHEDULE_COUNT)
 _STEP_HINTS["ref_counts"] = _STEP_HINTS["free_gpu_blocks"] = _STEP_HINTS["free_cpu_blocks"] = \
     _STEP_HINTS["block_tables"]
 
 
-def _sequence_hint(yours, expected) -> str:
+def _sequence_hint(yours, expected, params: SamplingParams | None = None) -> str:
     if yours is None:
         return "every sequence of a request the engine added must stay in its group"
     mine, theirs = len(yours["token_ids"]), len(expected["token_ids"])
+    if (mine > theirs and params is not None and params.use_beam_search
+            and yours["token_ids"][-1] == expected["token_ids"][-1]):
+        # its own new token is there, with one more before it: the parent's new token, taken
+        # along by a copy made after the parent appended
+        return ("beam search: a dropped beam becomes a copy of its parent before ANY sequence "
+                "of the group appends its new token (copy every dropped beam first, then "
+                "append): a copy made after the parent appended takes the parent's new token "
+                "along, and the beam has one token too many")
     if mine > theirs:
         return ("a sequence takes one token per step, appended after the sampler ran; the stop "
                 "checks (output_processor.check_stop) look at the token just appended")
@@ -287,13 +316,18 @@ def _check_engine_step(candidate, rng: random.Random, num_cases: int) -> int:
             steps = run_steps(engine, workload, max_steps=len(expected) + 3, step=candidate)
             number = 0
             try:
-                for number, (_, state, _) in enumerate(steps, start=1):
+                for number, (_, state, _, _) in enumerate(steps, start=1):
                     theirs = (expected[number - 1] if number <= len(expected) else
                               {**state, "queues": "empty (every request finished)"})
                     found = first_difference(state, theirs)
                     if found:
-                        hint = (_sequence_hint(found.yours, found.expected)
-                                if found.kind == "sequences" else _STEP_HINTS[found.kind])
+                        if found.kind == "sequences":
+                            request = workload[int(found.expected["request"])]
+                            hint = _sequence_hint(found.yours, found.expected, request.params)
+                        elif found.kind == "stats":
+                            hint = _stats_hint(found.yours, found.expected)
+                        else:
+                            hint = _STEP_HINTS[found.kind]
                         fail("LLMEngine.step", case, f"{_describe(settings, workload)}; after "
                              f"step {number}: {found.subject}", found.yours, found.expected,
                              hint)
@@ -315,7 +349,8 @@ workbench.register(Component(
     slots=("minipaged.engine.llm_engine:LLMEngine.step",),
     check=_check_engine_step,
     solution="minipaged.exercises.answers.lesson16:step",
-    preamble=("from minipaged.engine.stats import StepSnapshot\n"
+    preamble=("import time\n\n"
+              "from minipaged.engine.stats import StepSnapshot\n"
               "from minipaged.exercises.checking import not_done\n"
               "from minipaged.outputs import RequestOutput\n"
               "from minipaged.engine import llm_engine"),
@@ -324,29 +359,90 @@ workbench.register(Component(
 
 
 # -- the capstone --------------------------------------------------------------------------------
-# The components of lessons 02-15 the capstone collects (after this lesson's LLMEngine.step).
-# A name here that no lesson registers is skipped; a registered one the learner has not written
-# yet is reported as missing and the package's runs in its place.
+# The engine's components of lessons 02-10 (run 1, with this lesson's LLMEngine.step), and the
+# wider ones the other runs plug in. A name here that no lesson registers is skipped; a registered
+# one the learner has not written yet is named in the verdict, and the package's runs in its place.
 CAPSTONE_COMPONENTS: tuple[str, ...] = (
     "FreeListAllocator", "BlockSpaceManager", "Scheduler", "Attention", "prepare_inputs",
     "admit_waiting", "Sampler",
-)  # not run by the capstone's engine: lesson 11's PrefixCachingAllocator (the capstone runs
-#    without prefix caching: see capstone.CAPSTONE_SETTINGS), lesson 12's verifications, lesson
-#    06's CUDA phase
+)
+WIDER_COMPONENTS: tuple[str, ...] = ("PrefixCachingAllocator", "greedy_verify", "rejection_sample")
+# Lesson 06's CUDA phase 3 (softmax_phase_cuda) runs in the CUDA kernels built for the CPU:
+# ``check_cuda_phase()``, a run of its own (the build takes minutes the first time).
 
 
 def capstone_names() -> list[str]:
-    """The registered components the capstone collects, in lesson order, then ``LLMEngine.step``."""
+    """The registered components the capstone counts, in lesson order, then ``LLMEngine.step``."""
     known = workbench.components()
-    earlier = [n for n in CAPSTONE_COMPONENTS if n in known and known[n].lesson <= "15"]
+    earlier = [n for n in CAPSTONE_COMPONENTS + WIDER_COMPONENTS
+               if n in known and known[n].lesson <= "15"]
     return sorted(earlier, key=lambda n: known[n].lesson) + ["LLMEngine.step"]
+
+
+def prefix_workload(encode) -> list[Request]:
+    """A system prompt shared by four requests, two arriving once the first has filled the cache
+    with it; one samples in parallel. Short outputs: the prompts are the point."""
+    system = "You are a helpful assistant who explains how a paged KV cache works. "
+    greedy = lambda n, m: SamplingParams(n=n, temperature=0, max_tokens=m, ignore_eos=True)
+    return [Request(encode(system + "What is a block?"), greedy(1, 4)),
+            Request(encode(system + "What is a block table?"), greedy(2, 3)),
+            Request(encode(system + "Why share blocks?"), greedy(1, 4), arrive_at_step=2),
+            Request(encode(system + "What is evicted first?"), greedy(1, 3), arrive_at_step=3)]
+
+
+def speculative_workload(encode) -> list[Request]:
+    """Prompts that repeat themselves, so that the n-gram proposer finds drafts: one greedy
+    (``greedy_verify``), one sampled with a seed (``rejection_sample``)."""
+    text = "one two three four five, one two three four five, one two three"
+    return [Request(encode(text), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+            Request(encode("red green blue, red green blue, red green"),
+                    SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True))]
+
+
+PREFIX_SETTINGS = dict(enable_prefix_caching=True, enable_chunked_prefill=False,
+                       max_num_batched_tokens=64, num_gpu_blocks=24, max_model_len=40)
+SPECULATIVE_SETTINGS = dict(enable_chunked_prefill=False, max_num_batched_tokens=64,
+                            num_gpu_blocks=24, max_model_len=40,
+                            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_max": 3})
+
+
+def capstone_runs(names: list[str]) -> list[capstone.Run]:
+    """The capstone's three runs over ``names``: the engine; the prefix cache, with the
+    package's block manager around your allocator; speculative decoding, with the package's
+    step around your verifications."""
+    engine = tuple(n for n in names if n in CAPSTONE_COMPONENTS or n == "LLMEngine.step")
+    wider = lambda *more: tuple(n for n in more if n in names)
+    return [
+        capstone.Run("run 1, the engine", engine),
+        capstone.Run(
+            "run 2, prefix caching",
+            tuple(n for n in engine if n != "BlockSpaceManager") + wider("PrefixCachingAllocator"),
+            PREFIX_SETTINGS, prefix_workload,
+            {"BlockSpaceManager": "yours of lesson 03, like vLLM v0.1's, takes no cached "
+                                  "blocks, so the package's holds your allocator here"}),
+        capstone.Run(
+            "run 3, speculative decoding",
+            tuple(n for n in engine if n != "LLMEngine.step")
+            + wider("greedy_verify", "rejection_sample"),
+            SPECULATIVE_SETTINGS, speculative_workload,
+            {"LLMEngine.step": "yours leaves speculative decoding out, as this lesson asks, "
+                               "so the package's step runs your verifications here"}),
+    ]
 
 
 def check_capstone(on_step=None, workload: list[Request] | None = None,
                    settings: dict | None = None, names: list[str] | None = None,
                    max_steps: int = 100) -> CheckResult:
-    """Your engine next to ``LLM()`` (``capstone.check_capstone``), with the components of
-    ``capstone_names()`` unless ``names`` are given."""
+    """Your engine next to ``LLM()`` (``capstone.check_capstone``).
+
+    By default the three runs of ``capstone_runs`` over ``capstone_names()``; given ``names``,
+    ``workload`` or ``settings`` (tests), one run of those.
+    """
+    if names is None and workload is None and settings is None:
+        names = capstone_names()
+        return capstone.check_capstone(names, on_step, max_steps=max_steps,
+                                       runs=capstone_runs(names))
     return capstone.check_capstone(capstone_names() if names is None else list(names), on_step,
                                    workload, settings, max_steps)
 
@@ -369,6 +465,15 @@ WRONG_STEPS = {  # what is wrong -> the edits that make the reference answer so
     "finished sequences keep their blocks": [
         ("                self.scheduler.free_seq(seq)  # its blocks go back at once\n",
          "                pass\n")],
+    "beams are copied while the tokens are appended": [  # one loop instead of two
+        ("        for seq_id, out in new_tokens.items():\n            seq = seq_group.find(seq_id)\n",
+         "            seq = seq_group.find(seq_id)\n")],
+    "the step keeps no counts": [
+        ("        self.stats.count_tokens(inputs.meta.num_prompt_tokens,\n"
+         "                                inputs.meta.num_generation_tokens, 0)\n", ""),
+        ("        self.stats.time_model += time.perf_counter() - start\n", ""),
+        ("        self.stats.num_sampled_tokens += sum(len(tokens) for tokens in "
+         "sampled.values())\n", "")],
 }
 
 

@@ -6,6 +6,8 @@ real engine: its scheduler, worker, sampler and output processor. Speculative de
 """
 from __future__ import annotations
 
+import time
+
 from minipaged.engine.stats import StepSnapshot
 from minipaged.outputs import RequestOutput
 from minipaged.engine import llm_engine
@@ -15,7 +17,8 @@ def step(self) -> list[RequestOutput]:
     """Run one iteration; returns the outputs of the groups touched by it.
 
     schedule -> move cache blocks -> run the model on the flat batch -> sample -> append the
-    sampled tokens and check the stops -> free the finished groups -> tell the observers.
+    sampled tokens and check the stops -> free the finished groups -> tell the observers;
+    ``self.stats`` counts what the step did.
     """
     self._check_running()
     # 1. The scheduler decides who runs, who is preempted and which blocks move.
@@ -31,9 +34,14 @@ def step(self) -> list[RequestOutput]:
     inputs = llm_engine.prepare_inputs(outs.seq_runs, self.block_size, self.device)
     sampled = {}
     if inputs.computed:
+        start = time.perf_counter()
         logits = self.worker.execute_model(inputs)  # (rows, vocab)
+        self.stats.time_model += time.perf_counter() - start
+        self.stats.count_tokens(inputs.meta.num_prompt_tokens,
+                                inputs.meta.num_generation_tokens, 0)
         if inputs.rows:
             sampled = self.sampler(logits, inputs.rows, self._generators)
+        self.stats.num_sampled_tokens += sum(len(tokens) for tokens in sampled.values())
         for seq, num_computed in inputs.computed:  # their K/V are in the cache now
             seq.num_computed_tokens = num_computed
 
