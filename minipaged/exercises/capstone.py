@@ -451,8 +451,12 @@ def _what_happened(result: RunResult) -> str:
     stats = result.expected[-1].state["stats"] if result.expected else {}
     modes = [mode for snap in snapshots for _, mode in snap.preempted]
     copies = sum(len(d) for snap in snapshots for d in snap.blocks_to_copy.values())
-    parts = [f"{_count(len(modes), 'preemption')} ({modes.count('recompute')} by recompute, "
-             f"{modes.count('swap')} by swap)", _count(copies, "copy-on-write copy")]
+    parts = []
+    if modes:
+        parts.append(f"{_count(len(modes), 'preemption')} ({modes.count('recompute')} by "
+                     f"recompute, {modes.count('swap')} by swap)")
+    if copies:
+        parts.append(_count(copies, "copy-on-write copy"))
     prompts = [{rid for rid, prompt in zip(snap.scheduled, snap.prompt_run) if prompt}
                for snap in snapshots]
     chunked = set().union(*(a & b for a, b in zip(prompts, prompts[1:])))  # two steps running
@@ -471,7 +475,7 @@ def _what_happened(result: RunResult) -> str:
     if stats.get("num_spec_proposed_tokens"):
         parts.append(f"{stats['num_spec_accepted_tokens']} of "
                      f"{stats['num_spec_proposed_tokens']} drafted tokens accepted")
-    return ", ".join(parts)
+    return ", ".join(parts) or "nothing of note"
 
 
 def _completions(result: RunResult) -> str:
@@ -501,8 +505,8 @@ def _verdict(names, found, missing, broken, results: list[RunResult]) -> CheckRe
     if missing:
         problems.append("write " + _names(f"{n} ({_lesson(n)})" for n in missing))
     for name, why in broken.items():
-        problems.append(f"your saved {name} ({_lesson(name)}) does not load, so it is not "
-                        f"yours here: {why}; run its check in {_lesson(name)} again")
+        problems.append(f"your saved {name} ({_lesson(name)}) does not load ({why}): run "
+                        f"its check in {_lesson(name)} again")
     for name, title in idle.items():
         problems.append(f"your {name} was plugged in but never ran ({title})")
     tally = f"{len(yours)} of {len(names)} are yours"
@@ -531,8 +535,12 @@ def _verdict(names, found, missing, broken, results: list[RunResult]) -> CheckRe
             continue
         package = [n for n in names if n not in result.plugged and (
             n in result.run.components or n in result.run.package)]
-        why = [f"the package's {n} ({result.run.package.get(n) or 'not yours yet'})"
-               for n in package]
+        reasons: dict[str, list[str]] = {}  # why -> the components kept for it
+        for n in package:
+            reason = result.run.package.get(n) or (
+                "your saved file does not load" if n in broken else "not yours yet")
+            reasons.setdefault(reason, []).append(n)
+        why = [f"the package's {_names(kept)} ({reason})" for reason, kept in reasons.items()]
         mine = [n for n in result.plugged if n in result.ran]
         lines.append(f"  {result.run.title}: the same as LLM() at all {len(result.expected)} "
                      f"steps ({_what_happened(result)}); with your {_names(mine) or 'nothing'}"
@@ -541,7 +549,9 @@ def _verdict(names, found, missing, broken, results: list[RunResult]) -> CheckRe
     if shown is not None and shown.expected:
         lines.append(f"  completions of {shown.run.title}, yours next to LLM()'s:\n"
                      + _completions(shown))
-    return CheckResult("\n".join(lines), status)
+    result = CheckResult("\n".join(lines), status)
+    result.num_yours, result.num_components = len(yours), len(names)
+    return result
 
 
 def _mismatch_message(result: RunResult) -> str:

@@ -9,9 +9,10 @@ goes wrong first. The warm-ups' checkers pass their answers and catch wrong ones
 """
 from __future__ import annotations
 
-import re
-
 import importlib.util
+import inspect
+import re
+import time
 
 import pytest
 import torch
@@ -21,7 +22,11 @@ from minipaged.core.allocator import FreeListAllocator
 from minipaged.exercises import lesson16 as ex
 from minipaged.exercises import not_done, solutions, workbench
 from minipaged.exercises.answers import lesson16 as answers
-from minipaged.exercises.capstone import Request, new_engine, run_steps
+from minipaged.engine import llm_engine
+from minipaged.engine.stats import StepSnapshot
+from minipaged.exercises import capstone as capstone_module
+from minipaged.exercises.capstone import Request, learner_run, new_engine, run_steps
+from minipaged.outputs import RequestOutput
 from repo_paths import ROOT
 
 pytestmark = pytest.mark.lesson16
@@ -56,6 +61,8 @@ def test_the_reference_step_passes_its_check(learner_dir):
     ("finished groups are freed before the new tokens are appended",
      ["the queues", "once all its new tokens are appended"]),
     ("finished sequences keep their blocks", ["the block table of sequence", "free_seq"]),
+    ("the step keeps no counts", ["the engine's counters (self.stats): num_prompt_tokens",
+                                  "self.stats.count_tokens(inputs.meta.num_prompt_tokens"]),
 ])
 def test_a_wrong_step_is_caught_with_its_case_step_and_hint(learner_dir, what, names):
     result = workbench.check_component("LLMEngine.step", ex.wrong_step(what), save=False)
@@ -66,6 +73,75 @@ def test_a_wrong_step_is_caught_with_its_case_step_and_hint(learner_dir, what, n
         assert name in result, (name, result)
     assert "assert" not in result and "_check_engine_step" not in result  # no checker source
     assert not list(learner_dir.glob("*.py"))  # nothing wrong is saved
+
+
+def test_a_step_that_copies_beams_while_appending_gets_the_hint_about_the_copy(learner_dir):
+    """Before: "a sequence takes one token per step, appended after the sampler ran" (the
+    field that differs); now the cause: the copy made after the parent appended."""
+    result = workbench.check_component(
+        "LLMEngine.step", ex.wrong_step("beams are copied while the tokens are appended"),
+        save=False)
+    assert result.status == "failed", result
+    assert "beam search" in result.split("inputs:")[1].split("yours:")[0]  # a beam request
+    assert "hint: beam search: a dropped beam becomes a copy of its parent before ANY" in result
+    assert "appended after the sampler ran" not in result
+
+
+def learner_step(self):
+    """A step as a learner writes it: other names, the output processor's own helper for the
+    appends, and the counters kept through ``count_times``."""
+    self._check_running()
+    clock = [time.perf_counter()]
+    plan = self.scheduler.schedule()
+    gave_up = self._collect_aborted()
+    self.stats.count_schedule(plan, self.scheduler.pool_counts())
+    self.worker.cache_swap(plan.blocks_to_swap_in, plan.blocks_to_swap_out, plan.blocks_to_copy)
+    clock.append(time.perf_counter())
+    batch = llm_engine.prepare_inputs(plan.seq_runs, self.block_size, self.device)
+    clock.append(time.perf_counter())
+    picked = {}
+    if batch.computed:
+        logits = self.worker.execute_model(batch)
+        clock.append(time.perf_counter())
+        if batch.rows:
+            picked = self.sampler(logits, batch.rows, self._generators)
+        clock.append(time.perf_counter())
+        self.stats.count_tokens(batch.meta.num_prompt_tokens, batch.meta.num_generation_tokens,
+                                0)
+        for seq, done in batch.computed:
+            seq.num_computed_tokens = done
+    else:
+        clock += [time.perf_counter()] * 2
+    for group in plan.scheduled_seq_groups:
+        if group.request_id in picked:
+            self.stats.num_sampled_tokens += len(picked[group.request_id])
+            self.output_processor.process(group, picked[group.request_id], self.scheduler)
+    over = self.scheduler.free_finished_seq_groups()
+    for group in over:
+        self._forget(group)
+    clock.append(time.perf_counter())
+    self.stats.count_times(clock)  # num_steps too
+    if self._observers:
+        snap = StepSnapshot.of_step(plan, over + gave_up, self.scheduler, self.stats)
+        for tell in self._observers:
+            tell(snap)
+    return [RequestOutput.from_seq_group(g) for g in
+            {g.request_id: g for g in plan.scheduled_seq_groups + gave_up}.values()]
+
+
+def test_a_step_written_another_way_passes_and_one_without_counts_does_not(learner_dir):
+    assert workbench.check_component("LLMEngine.step", learner_step, num_cases=8,
+                                     save=False).passed
+
+    def no_model_time(self):  # everything counted but the model's time
+        start = self.stats.time_model
+        outputs = learner_step(self)
+        self.stats.time_model = start
+        return outputs
+
+    result = workbench.check_component("LLMEngine.step", no_model_time, num_cases=3, save=False)
+    assert result.status == "failed" and "time_model > 0" in result, result
+    assert "time.perf_counter()" in result
 
 
 def test_a_step_that_returns_nothing_or_skips_the_observers_is_caught(learner_dir):
@@ -189,24 +265,40 @@ def test_the_capstone_with_nothing_saved_is_not_done_and_names_what_is_missing(t
     assert "test:FreeListAllocator, test:PrefixCachingAllocator and LLMEngine.step" in result
 
 
-def test_the_capstone_names_the_learners_components_that_ran_and_those_missing(test_components):
+def test_a_missing_component_gets_no_tick_and_is_named_with_its_lesson(test_components):
     workbench.save_component("LLMEngine.step", answers.step)
     workbench.save_component(test_components[0], TypedAllocator)
     result = capstone(test_components + ["LLMEngine.step"])
-    assert result.status == "incomplete", result
+    assert result.status == "incomplete" and not result.passed, result
+    assert result.startswith("… capstone: not passed yet: 2 of 3 are yours; write "
+                             "test:PrefixCachingAllocator (lesson 02)"), result
+    assert "✓" not in result
     assert "with your test:FreeListAllocator and LLMEngine.step" in result
-    assert "the package's test:PrefixCachingAllocator because it is missing" in result
+    assert "the package's test:PrefixCachingAllocator (not yours yet)" in result
     assert "preemption" in result and "copy-on-write cop" in result
+    assert (result.num_yours, result.num_components) == (2, 3)
 
 
-def test_the_capstone_passes_only_with_every_component_and_says_which_never_ran(test_components):
+def test_a_component_plugged_in_that_never_ran_gets_no_tick(test_components):
     workbench.save_component("LLMEngine.step", answers.step)
     workbench.save_component(test_components[0], TypedAllocator)
     workbench.save_component(test_components[1], TypedAllocator)  # prefix caching is off here
     result = capstone(test_components + ["LLMEngine.step"])
-    assert result.status == "passed", result
+    assert result.status == "incomplete", result
     assert "your test:PrefixCachingAllocator was plugged in but never ran" in result
-    assert "because" not in result
+    assert capstone([test_components[0], "LLMEngine.step"]).passed
+
+
+def test_the_tick_names_every_component_and_shows_the_completions(test_components):
+    workbench.save_component("LLMEngine.step", answers.step)
+    workbench.save_component(test_components[0], TypedAllocator)
+    result = capstone([test_components[0], "LLMEngine.step"])
+    assert result.status == "passed", result
+    assert result.startswith("✓ capstone: all 2 components are yours")
+    assert "with your test:FreeListAllocator and LLMEngine.step" in result
+    # the tiny model has no tokenizer: its completions are empty texts, each still listed
+    assert "completions of the capstone's run, yours next to LLM()'s:" in result
+    assert "request 1 #1 (length): ''  (yours = LLM()'s)" in result
 
 
 def test_the_capstone_draws_every_step_and_restores_the_engine(test_components):
@@ -231,6 +323,16 @@ def test_a_wrong_component_is_named_with_the_step_where_it_goes_wrong(test_compo
     assert "the first of your components to go wrong: test:FreeListAllocator (lesson 02)" in result
 
 
+def test_a_step_that_keeps_no_counts_fails_the_capstone_on_the_counters(test_components,
+                                                                         monkeypatch):
+    wrong = ex.wrong_step("the step keeps no counts")
+    monkeypatch.setattr(workbench, "collect", lambda names: ({"LLMEngine.step": wrong}, []))
+    result = capstone(["LLMEngine.step"])
+    assert result.status == "failed", result
+    assert result.startswith("✗ capstone: the capstone's run: step 1: the engine's counters "
+                             "(self.stats): num_prompt_tokens"), result
+
+
 def test_a_wrong_step_alone_is_caught_at_its_step(test_components, monkeypatch):
     wrong = ex.wrong_step("finished sequences keep their blocks")
     monkeypatch.setattr(workbench, "collect", lambda names: ({"LLMEngine.step": wrong}, []))
@@ -239,12 +341,29 @@ def test_a_wrong_step_alone_is_caught_at_its_step(test_components, monkeypatch):
     assert "your only component here is LLMEngine.step (lesson 16)" in result
 
 
-def test_a_saved_file_that_no_longer_runs_is_missing_with_its_reason(test_components):
+def test_a_saved_file_that_does_not_load_is_no_tick_and_says_why(test_components):
+    workbench.save_component(test_components[0], TypedAllocator)
     (workbench.learner_dir() / "LLMEngine.step.py").write_text(
         '# minipaged build track: {"component": "LLMEngine.step", "object": "step"}\n'
         "def step(self):\n    return undefined_name\n    x = (\n")
-    result = capstone(["LLMEngine.step"])
-    assert result.status == "not done" and "LLMEngine.step" in result
+    result = capstone([test_components[0], "LLMEngine.step"])
+    assert result.status == "failed" and not result.passed, result
+    assert result.startswith("✗ capstone: 1 of 2 are yours; your saved LLMEngine.step "
+                             "(lesson 16) does not load"), result
+    assert "SyntaxError" in result and "run its check in lesson 16 again" in result
+
+
+def test_a_saved_class_whose_base_the_file_lacks_does_not_load(test_components):
+    """A learner's class built on a helper class of another cell: the saved file stops at its
+    first line of code, and the capstone says so (it is not run as the package's)."""
+    workbench.save_component("LLMEngine.step", answers.step)
+    (workbench.learner_dir() / f"{test_components[0]}.py").write_text(
+        '# minipaged build track: {"component": "test:FreeListAllocator", "object": "Mine"}\n'
+        "class Mine(MyHelperAllocator):\n    pass\n")
+    result = capstone([test_components[0], "LLMEngine.step"])
+    assert result.status == "failed", result
+    assert "your saved test:FreeListAllocator (lesson 02) does not load" in result
+    assert "NameError" in result and "MyHelperAllocator" in result
 
 
 def test_capstone_names_are_registered_earlier_components_then_the_step(test_components,
@@ -335,3 +454,100 @@ def test_check_step_slot_mapping():
         not_done()
 
     assert ex.check_step_slot_mapping(unanswered).status == "not done"
+
+
+# -- the capstone on SmolLM2: its workload, and its verdicts on learners' engines -----------------
+def _oldest_is_the_victim_scheduler():
+    """Lesson 04's scheduler as a learner might get it wrong: when the pool is full, the OLDEST
+    group not served yet gives its blocks back (lesson 04's check catches it at case 5)."""
+    from minipaged.exercises.answers import lesson04
+
+    source = inspect.getsource(lesson04.MyScheduler)
+    wrong = source.replace("victim = queue.pop() if queue else seq_group",
+                           "victim = queue.pop(0) if queue else seq_group")
+    assert wrong != source
+    namespace = dict(vars(lesson04))
+    exec(compile(wrong, "<a learner's scheduler>", "exec"), namespace)
+    return wrong, namespace["MyScheduler"]
+
+
+@pytest.mark.slow
+def test_the_default_workload_leaves_the_scheduler_no_easy_step():
+    settings = capstone_module.CAPSTONE_SETTINGS
+    engine = new_engine(settings)
+    workload = capstone_module.default_workload(engine.encode)
+    running_when_out, stalled, states = None, False, []
+    for stepped in run_steps(engine, workload):
+        states.append(stepped.state)
+        scheduler = engine.scheduler
+        if stepped.snapshot.preempted and running_when_out is None:
+            running_when_out = len(stepped.snapshot.scheduled) + len(stepped.snapshot.preempted)
+        stalled |= bool(any(g.pending_chunks for g in scheduler.running) and scheduler.waiting)
+    stats, outputs = stepped.state["stats"], stepped.outputs
+    assert running_when_out >= 3  # the victim is a choice
+    assert stats["num_preemptions_recompute"] >= 1 and stats["num_preemptions_swap"] >= 1
+    assert stats["num_blocks_copied"] >= 1 and stalled
+    reasons = {rid: [c.finish_reason for c in o.outputs] for rid, o in outputs.items()}
+    assert reasons["3"] == ["stop"] and reasons["4"] == ["abort"]
+    assert any(r.params.use_beam_search for r in workload)
+    assert "4" in states[workload[4].abort_at_step - 1]["queues"]["running"]  # aborted running
+    # A scheduler that preempts the oldest unserved group differs from LLM() at once.
+    _, oldest = _oldest_is_the_victim_scheduler()
+    expected = [s.state for s in run_steps(new_engine(settings), workload)]
+    for stepped, _ in learner_run({"Scheduler": oldest}, settings, workload, 100):
+        difference = capstone_module.first_difference(stepped.state, expected[stepped.step - 1])
+        if difference:
+            break
+    assert difference is not None and stepped.step == 3, (stepped.step, difference)
+
+
+def _save_reference_answers(skip=()):
+    for name in ex.capstone_names():
+        if name not in skip:
+            workbench.save_component(name, workbench.component(name).solution_object())
+
+
+@pytest.mark.slow
+def test_the_capstone_verdicts_all_yours_and_one_missing(learner_dir):
+    _save_reference_answers()
+    result = ex.check_capstone()
+    assert result.status == "passed", result
+    assert result.startswith("✓ capstone: all 11 components are yours")
+    for line in ("run 1, the engine: the same as LLM()", "run 2, prefix caching: the same",
+                 "run 3, speculative decoding: the same", "prompt tokens from the prefix cache",
+                 "drafted tokens accepted", "1 abort, 1 stop string",
+                 "with your FreeListAllocator, BlockSpaceManager, Scheduler, Attention, "
+                 "prepare_inputs, admit_waiting, Sampler and LLMEngine.step",
+                 "request 3 (stop): ' to create a new'  (yours = LLM()'s)"):
+        assert line in result, (line, result)
+    (learner_dir / "Sampler.py").unlink()
+    result = ex.check_capstone()
+    assert result.status == "incomplete" and "✓" not in result, result
+    assert result.startswith("… capstone: not passed yet: 10 of 11 are yours; write Sampler "
+                             "(lesson 10)"), result
+
+
+@pytest.mark.slow
+def test_the_capstone_catches_a_scheduler_that_preempts_the_oldest(learner_dir):
+    _save_reference_answers()
+    source, _ = _oldest_is_the_victim_scheduler()
+    path = learner_dir / "Scheduler.py"
+    header = path.read_text().splitlines()[0]
+    path.write_text(f"{header}\nfrom minipaged.exercises.answers.lesson04 import *\n\n{source}")
+    result = ex.check_capstone()
+    assert result.status == "failed", result
+    assert result.startswith("✗ capstone: run 1, the engine: step 3:"), result
+    assert "the first of your components to go wrong: Scheduler (lesson 04)" in result
+
+
+@pytest.mark.slow
+def test_the_capstone_says_why_a_saved_sampler_does_not_run(learner_dir):
+    """A Sampler that calls a helper of another cell (here: a name its saved file lacks)."""
+    _save_reference_answers()
+    path = learner_dir / "Sampler.py"
+    path.write_text(path.read_text() + "\nDEFAULTS = my_helper_from_another_cell()\n")
+    result = ex.check_capstone()
+    assert result.status == "failed", result
+    assert result.startswith("✗ capstone: 10 of 11 are yours; your saved Sampler (lesson 10) "
+                             "does not load"), result
+    assert "NameError" in result and "my_helper_from_another_cell" in result

@@ -1,0 +1,59 @@
+"""The block-table picture's marks that a lesson can tell apart: an event's outline in a colour of
+its own (lesson 16: copy-on-write copies, while red marks the newest tokens), where a block not
+yet given comes from (a swapped sequence gets it when swapped in), and labels in light sequence
+colours that stay readable."""
+import xml.etree.ElementTree as ET
+
+from minipaged.lab.dry_run import DryRun
+from visualizer import render_block_tables
+from visualizer.svg import HIGHLIGHT, INK, colour
+
+
+def _with_class(root, name):
+    return [e for e in root.iter() if name in (e.get("class") or "").split()]
+
+
+def test_an_event_can_have_a_colour_and_a_word_of_its_own():
+    run = DryRun(block_size=4, num_gpu_blocks=16)
+    run.add_request(list(range(5)))
+    run.step()
+    root = ET.fromstring(render_block_tables(run.block_manager.snapshot(), highlight_blocks=[0],
+                                             highlight_colour="#222222", highlight_mark="copy"))
+    outline, = _with_class(root, "event-block")
+    assert outline.get("stroke") == "#222222"
+    mark, = _with_class(root, "event-mark")
+    assert mark.text == "copy" and mark.get("fill") == "#222222"
+    assert all(s.get("stroke") == HIGHLIGHT for s in _with_class(root, "newest-token"))
+    plain = ET.fromstring(render_block_tables(run.block_manager.snapshot(), highlight_blocks=[0]))
+    assert _with_class(plain, "event-block")[0].get("stroke") == HIGHLIGHT  # the default
+    assert not _with_class(plain, "event-mark")
+
+
+def test_a_swapped_sequence_gets_its_next_block_when_swapped_in():
+    snapshot = {"block_size": 4, "gpu_blocks": [], "cpu_blocks": [
+        {"block_number": 0, "ref_count": 1, "owners": [7]}],
+        "free_gpu_blocks": [], "free_cpu_blocks": [],
+        "sequences": [{"seq_id": 7, "request_id": "2", "status": "SWAPPED", "device": "cpu",
+                       "num_tokens": 5,
+                       "logical_blocks": [{"num_filled": 4}, {"num_filled": 1}],
+                       "block_table": [0]}]}
+    root = ET.fromstring(render_block_tables(snapshot))
+    pending, = _with_class(root, "pending")
+    assert pending.text == "1 → (when swapped in)"
+    running = dict(snapshot, sequences=[dict(snapshot["sequences"][0], status="RUNNING",
+                                             device="gpu")])
+    assert _with_class(ET.fromstring(render_block_tables(running)), "pending")[0].text == \
+        "1 → (next step)"
+
+
+def test_a_label_in_a_light_colour_gets_a_dark_edge_and_keeps_its_colour():
+    run = DryRun(block_size=4, num_gpu_blocks=32)
+    for _ in range(6):  # seq 5 is the palette's yellow
+        run.add_request(list(range(3)))
+    run.step()
+    root = ET.fromstring(render_block_tables(run.block_manager.snapshot()))
+    labels = {int(g.get("data-seq")): g.find("{*}text") for g in root.iter()
+              if g.get("class") == "sequence"}
+    assert labels[5].get("fill") == colour(5) and labels[5].get("stroke") == INK
+    assert labels[5].get("paint-order") == "stroke"
+    assert labels[0].get("stroke") is None  # a dark blue reads well as it is
