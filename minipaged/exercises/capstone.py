@@ -80,7 +80,8 @@ def counters(stats) -> dict:
     """The engine's counters that both engines must agree on: all but the times, which differ
     from run to run; the model's time must only have grown once the model ran."""
     values = {k: v for k, v in stats.as_dict().items() if not k.startswith("time_")}
-    values["time_model > 0"] = stats.time_model > 0
+    model_ran = stats.num_prompt_tokens + stats.num_generation_tokens > 0
+    values["time_model > 0"] = stats.time_model > 0 if model_ran else "(the model has not run)"
     return values
 
 
@@ -485,14 +486,16 @@ def _completions(result: RunResult) -> str:
     for rid in sorted(theirs, key=int):
         for c in theirs[rid].outputs:
             mine = result.yours.get(rid)
-            yours = next((m for m in mine.outputs if m.index == c.index), None) if mine else None
+            yours = (next((m for m in mine.outputs if m.index == c.index), None)
+                     if mine is not None and mine.finished else None)
             label = f"    request {rid}" + (f" #{c.index}" if len(theirs[rid].outputs) > 1
                                              else "") + f" ({c.finish_reason}): "
             if yours is not None and (yours.text, yours.finish_reason) == (c.text,
                                                                           c.finish_reason):
                 lines.append(f"{label}{c.text!r}  (yours = LLM()'s)")
             else:
-                shown = "(not finished)" if yours is None else repr(yours.text)
+                shown = ("(not finished when your run stopped)" if yours is None
+                         else f"{yours.text!r} ({yours.finish_reason})")
                 lines.append(f"{label}yours {shown}\n{' ' * len(label)}LLM() {c.text!r}")
     return "\n".join(lines)
 

@@ -319,7 +319,8 @@ def test_a_wrong_component_is_named_with_the_step_where_it_goes_wrong(test_compo
     workbench.save_component(test_components[0], FifoAllocator)
     result = capstone([test_components[0], "LLMEngine.step"])
     assert result.status == "failed", result
-    assert result.startswith("✗ capstone: step ")
+    assert result.startswith("✗ capstone: the capstone's run: step ")
+    assert "request 3 #2 (length): yours (not finished when your run stopped)" in result
     assert "the first of your components to go wrong: test:FreeListAllocator (lesson 02)" in result
 
 
@@ -370,7 +371,21 @@ def test_capstone_names_are_registered_earlier_components_then_the_step(test_com
                                                                        monkeypatch):
     monkeypatch.setattr(ex, "CAPSTONE_COMPONENTS", ("test:PrefixCachingAllocator",
                                                     "not registered anywhere"))
+    monkeypatch.setattr(ex, "WIDER_COMPONENTS", ())
     assert ex.capstone_names() == ["test:PrefixCachingAllocator", "LLMEngine.step"]
+
+
+def test_the_capstone_counts_the_engines_components_and_the_wider_ones():
+    names = ex.capstone_names()
+    assert names == ["FreeListAllocator", "BlockSpaceManager", "Scheduler", "Attention",
+                     "prepare_inputs", "admit_waiting", "Sampler", "PrefixCachingAllocator",
+                     "greedy_verify", "rejection_sample", "LLMEngine.step"]
+    runs = ex.capstone_runs(names)
+    assert "BlockSpaceManager" not in runs[1].components and "BlockSpaceManager" in runs[1].package
+    assert "PrefixCachingAllocator" in runs[1].components
+    assert {"greedy_verify", "rejection_sample"} <= set(runs[2].components)
+    assert "LLMEngine.step" in runs[2].package and "LLMEngine.step" not in runs[2].components
+    assert set(names) == set().union(*(run.components for run in runs))  # each one runs
 
 
 @pytest.mark.slow
