@@ -492,7 +492,7 @@ def _completions(result: RunResult) -> str:
                                              else "") + f" ({c.finish_reason}): "
             if yours is not None and (yours.text, yours.finish_reason) == (c.text,
                                                                           c.finish_reason):
-                lines.append(f"{label}{c.text!r}  (yours = LLM()'s)")
+                lines.append(f"{label}{c.text!r}  (the same in both)")
             else:
                 shown = ("(not finished when your run stopped)" if yours is None
                          else f"{yours.text!r} ({yours.finish_reason})")
@@ -546,11 +546,13 @@ def _verdict(names, found, missing, broken, results: list[RunResult]) -> CheckRe
         why = [f"the package's {_names(kept)} ({reason})" for reason, kept in reasons.items()]
         mine = [n for n in result.plugged if n in result.ran]
         lines.append(f"  {result.run.title}: the same as LLM() at all {len(result.expected)} "
-                     f"steps ({_what_happened(result)}); with your {_names(mine) or 'nothing'}"
+                     f"steps ({_what_happened(result)})"
+                     + (f"; with your {_names(mine)}" if mine else "")
                      + ("; " + "; ".join(why) if why else ""))
     shown = mismatched or (results[0] if results else None)
     if shown is not None and shown.expected:
-        lines.append(f"  completions of {shown.run.title}, yours next to LLM()'s:\n"
+        whose = "yours" if shown.plugged else "the package's engine (none of yours is in it)"
+        lines.append(f"  completions of {shown.run.title}, {whose} next to LLM()'s:\n"
                      + _completions(shown))
     result = CheckResult("\n".join(lines), status)
     result.num_yours, result.num_components = len(yours), len(names)
@@ -572,8 +574,12 @@ def _mismatch_message(result: RunResult) -> str:
         else:
             name, at, alone = culprit
             text += (f"\n  the first of your components to go wrong: {name} ({_lesson(name)}): "
-                     f"alone in the package's engine, at step {at}, {alone.subject} differs "
-                     f"(yours {alone.yours!r}, LLM() {alone.expected!r})")
+                     f"alone in the package's engine, at step {at}, ")
+            if (at, alone) == (step, difference):
+                text += "it makes this same difference"
+            else:
+                text += (f"{alone.subject} differs (yours {alone.yours!r}, LLM() "
+                         f"{alone.expected!r})")
     elif found:
         name = next(iter(found))
         text += f"\n  your only component here is {name} ({_lesson(name)})"
