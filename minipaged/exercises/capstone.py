@@ -364,7 +364,7 @@ def collect(names) -> tuple[dict, list[str], dict[str, str]]:
 
 def check_capstone(names: list[str], on_step=None, workload: list[Request] | None = None,
                    settings: dict | None = None, max_steps: int = 100,
-                   runs: list[Run] | None = None) -> CheckResult:
+                   runs: list[Run] | None = None, notes: tuple[str, ...] = ()) -> CheckResult:
     """Your engine next to ``LLM()``: the same tokens, block tables, free lists, queues and
     counters after every step of every run.
 
@@ -382,6 +382,7 @@ def check_capstone(names: list[str], on_step=None, workload: list[Request] | Non
             model).
         max_steps: the most steps a run may take.
         runs: the runs (default: one run of ``names`` with ``workload`` and ``settings``).
+        notes: lines printed under the runs (what the capstone leaves out, and why).
     """
     if runs is None:
         fixed = workload
@@ -401,7 +402,7 @@ def check_capstone(names: list[str], on_step=None, workload: list[Request] | Non
                 break  # the first difference is what to look at
     finally:
         torch.set_num_threads(threads)
-    result = _verdict(list(names), found, missing, broken, results)
+    result = _verdict(list(names), found, missing, broken, results, notes)
     print(result)
     return result
 
@@ -500,7 +501,8 @@ def _completions(result: RunResult) -> str:
     return "\n".join(lines)
 
 
-def _verdict(names, found, missing, broken, results: list[RunResult]) -> CheckResult:
+def _verdict(names, found, missing, broken, results: list[RunResult],
+             notes: tuple[str, ...] = ()) -> CheckResult:
     yours = [n for n in names if n in found]
     mismatched = next((r for r in results if r.mismatch is not None), None)
     idle = {n: r.run.title for r in results for n in r.plugged if n not in r.ran}
@@ -549,6 +551,7 @@ def _verdict(names, found, missing, broken, results: list[RunResult]) -> CheckRe
                      f"steps ({_what_happened(result)})"
                      + (f"; with your {_names(mine)}" if mine else "")
                      + ("; " + "; ".join(why) if why else ""))
+    lines += [f"  {note}" for note in notes]
     shown = mismatched or (results[0] if results else None)
     if shown is not None and shown.expected:
         whose = "yours" if shown.plugged else "the package's engine (none of yours is in it)"
