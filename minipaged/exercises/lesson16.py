@@ -29,9 +29,13 @@ import torch
 
 from minipaged.exercises import solutions, workbench
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.exercises.step_hints import STEP_HINTS, sequence_hint, stats_hint
 from minipaged.exercises.workbench import Component
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.exercises import capstone
+from minipaged.exercises.capstone_runs import (  # noqa: F401 (the lesson reads them from here)
+    CAPSTONE_COMPONENTS, PREFIX_SETTINGS, SPECULATIVE_SETTINGS, WIDER_COMPONENTS, capstone_names,
+    capstone_runs, cuda_note, prefix_workload, speculative_workload)
 from minipaged.exercises.capstone import (Request, Unfinished, default_workload,
                                           first_difference, new_engine, run_steps)
 from minipaged.lab.dry_run import DryRun
@@ -238,71 +242,6 @@ def _describe(settings: dict, workload: list[Request]) -> str:
     return f"{pool}; requests {requests}"
 
 
-_STEP_HINTS = {
-    "observers": "after the step, call each of self._observers once with the step's "
-                 "StepSnapshot.of_step(...): the lessons draw from it",
-    "block_tables": "a sequence that finishes gives its blocks back in the step it finishes "
-                    "(self.scheduler.free_seq); blocks change only through the scheduler",
-    "queues": "a group that finished leaves the running queue in the same step, once all its "
-              "new tokens are appended (self.scheduler.free_finished_seq_groups())",
-    "unfinished_requests": "the engine forgets every group that finished or was given up on "
-                           "(self._forget)",
-    "returned": "return one RequestOutput.from_seq_group(g) per group the step scheduled, and "
-                "per group the scheduler gave up on",
-}
-# The engine's counters (self.stats), by the counter that differs first: where it is counted.
-_STATS_HINTS = {
-    "num_steps": "count each step once: self.stats.num_steps += 1, before the observers see "
-                 "the snapshot",
-    "num_prompt_tokens": "once the model ran, count what it computed: self.stats.count_tokens("
-                         "inputs.meta.num_prompt_tokens, inputs.meta.num_generation_tokens, 0)",
-    "num_sampled_tokens": "count the tokens the sampler returned: self.stats.num_sampled_tokens "
-                          "+= one per sequence it sampled for",
-    "num_aborted_by_engine": "the requests the scheduler gave up on are counted by "
-                             "self._collect_aborted(): call it once, right after schedule()",
-    "time_model > 0": "time the model: self.stats.time_model += the seconds execute_model took "
-                      "(time.perf_counter() before and after)",
-}
-_STATS_HINTS["num_generation_tokens"] = _STATS_HINTS["num_prompt_tokens"]
-_SCHEDULE_COUNT = ("count what the scheduler decided, once, right after schedule(): "
-                   "self.stats.count_schedule(outs, self.scheduler.pool_counts())")
-
-
-def _stats_hint(yours: dict, expected: dict) -> str:
-    first = next(iter(expected))
-    return _STATS_HINTS.get(first, _SCHEDULE_COUNT)
-_STEP_HINTS["ref_counts"] = _STEP_HINTS["free_gpu_blocks"] = _STEP_HINTS["free_cpu_blocks"] = \
-    _STEP_HINTS["block_tables"]
-
-
-def _sequence_hint(yours, expected, params: SamplingParams | None = None) -> str:
-    if yours is None:
-        return "every sequence of a request the engine added must stay in its group"
-    mine, theirs = len(yours["token_ids"]), len(expected["token_ids"])
-    if (mine > theirs and params is not None and params.use_beam_search
-            and yours["token_ids"][-1] == expected["token_ids"][-1]):
-        # its own new token is there, with one more before it: the parent's new token, taken
-        # along by a copy made after the parent appended
-        return ("beam search: a dropped beam becomes a copy of its parent before ANY sequence "
-                "of the group appends its new token (copy every dropped beam first, then "
-                "append): a copy made after the parent appended takes the parent's new token "
-                "along, and the beam has one token too many")
-    if mine > theirs:
-        return ("a sequence takes one token per step, appended after the sampler ran; the stop "
-                "checks (output_processor.check_stop) look at the token just appended")
-    if mine < theirs:
-        return ("every sequence the sampler returned a token for appends it in this step (beam "
-                "search: a dropped beam first becomes a copy of its parent)")
-    if yours["token_ids"] != expected["token_ids"]:
-        return ("the model must read a cache whose blocks have already moved: swaps and "
-                "copy-on-write copies (self.worker.cache_swap) come before the model runs; each "
-                "sequence appends the token the sampler chose for its own seq_id")
-    if yours["num_computed_tokens"] != expected["num_computed_tokens"]:
-        return ("once the model ran, each sequence in inputs.computed has num_computed_tokens "
-                "as given there")
-    return "after a token is appended, check_stop(seq, params) decides whether seq is finished"
-
-
 def _check_engine_step(candidate, rng: random.Random, num_cases: int) -> int:
     """The package's step and ``candidate`` on the same random workload, compared after every
     step (``capstone.step_state``)."""
@@ -323,22 +262,22 @@ def _check_engine_step(candidate, rng: random.Random, num_cases: int) -> int:
                     if found:
                         if found.kind == "sequences":
                             request = workload[int(found.expected["request"])]
-                            hint = _sequence_hint(found.yours, found.expected, request.params)
+                            hint = sequence_hint(found.yours, found.expected, request.params)
                         elif found.kind == "stats":
-                            hint = _stats_hint(found.yours, found.expected)
+                            hint = stats_hint(found.yours, found.expected)
                         else:
-                            hint = _STEP_HINTS[found.kind]
+                            hint = STEP_HINTS[found.kind]
                         fail("LLMEngine.step", case, f"{_describe(settings, workload)}; after "
                              f"step {number}: {found.subject}", found.yours, found.expected,
                              hint)
             except Unfinished:
                 fail("LLMEngine.step", case, _describe(settings, workload),
                      f"requests still unfinished after step {number}",
-                     f"all finished after step {len(expected)}", _STEP_HINTS["queues"])
+                     f"all finished after step {len(expected)}", STEP_HINTS["queues"])
             if number < len(expected):
                 fail("LLMEngine.step", case, _describe(settings, workload),
                      f"every request finished after step {number}",
-                     f"finished after step {len(expected)}", _STEP_HINTS["queues"])
+                     f"finished after step {len(expected)}", STEP_HINTS["queues"])
     finally:
         torch.set_num_threads(threads)
     return num_cases
@@ -359,87 +298,6 @@ workbench.register(Component(
 
 
 # -- the capstone --------------------------------------------------------------------------------
-# The engine's components of lessons 02-10 (run 1, with this lesson's LLMEngine.step), and the
-# wider ones the other runs plug in. A name here that no lesson registers is skipped; a registered
-# one the learner has not written yet is named in the verdict, and the package's runs in its place.
-CAPSTONE_COMPONENTS: tuple[str, ...] = (
-    "FreeListAllocator", "BlockSpaceManager", "Scheduler", "Attention", "prepare_inputs",
-    "admit_waiting", "Sampler",
-)
-WIDER_COMPONENTS: tuple[str, ...] = ("PrefixCachingAllocator", "greedy_verify", "rejection_sample")
-# Not in the runs: lesson 06's CUDA phase 3 (softmax_phase_cuda). The engine's attention on the
-# CPU is the torch path; the CUDA kernels built for the CPU (kernels/cuda_on_cpu.py) are not an
-# engine back-end, and building them with the learner's phase 3 takes minutes. The verdict says so.
-
-
-def capstone_names() -> list[str]:
-    """The registered components the capstone counts, in lesson order, then ``LLMEngine.step``."""
-    known = workbench.components()
-    earlier = [n for n in CAPSTONE_COMPONENTS + WIDER_COMPONENTS
-               if n in known and known[n].lesson <= "15"]
-    return sorted(earlier, key=lambda n: known[n].lesson) + ["LLMEngine.step"]
-
-
-def prefix_workload(encode) -> list[Request]:
-    """A system prompt shared by four requests, two arriving once the first has filled the cache
-    with it; one samples in parallel. Short outputs: the prompts are the point."""
-    system = "You are a helpful assistant who explains how a paged KV cache works. "
-    greedy = lambda n, m: SamplingParams(n=n, temperature=0, max_tokens=m, ignore_eos=True)
-    return [Request(encode(system + "What is a block?"), greedy(1, 4)),
-            Request(encode(system + "What is a block table?"), greedy(2, 3)),
-            Request(encode(system + "Why share blocks?"), greedy(1, 4), arrive_at_step=2),
-            Request(encode(system + "What is evicted first?"), greedy(1, 3), arrive_at_step=3)]
-
-
-def speculative_workload(encode) -> list[Request]:
-    """Prompts that repeat themselves, so that the n-gram proposer finds drafts: one greedy
-    (``greedy_verify``), one sampled with a seed (``rejection_sample``)."""
-    text = "one two three four five, one two three four five, one two three"
-    return [Request(encode(text), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
-            Request(encode("red green blue, red green blue, red green"),
-                    SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True))]
-
-
-PREFIX_SETTINGS = dict(enable_prefix_caching=True, enable_chunked_prefill=False,
-                       max_num_batched_tokens=64, num_gpu_blocks=24, max_model_len=40)
-SPECULATIVE_SETTINGS = dict(enable_chunked_prefill=False, max_num_batched_tokens=64,
-                            num_gpu_blocks=24, max_model_len=40,
-                            speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                "prompt_lookup_max": 3})
-
-
-def capstone_runs(names: list[str]) -> list[capstone.Run]:
-    """The capstone's three runs over ``names``: the engine; the prefix cache, with the
-    package's block manager around your allocator; speculative decoding, with the package's
-    step around your verifications."""
-    engine = tuple(n for n in names if n in CAPSTONE_COMPONENTS or n == "LLMEngine.step")
-    wider = lambda *more: tuple(n for n in more if n in names)
-    return [
-        capstone.Run("run 1, the engine", engine),
-        capstone.Run(
-            "run 2, prefix caching",
-            tuple(n for n in engine if n != "BlockSpaceManager") + wider("PrefixCachingAllocator"),
-            PREFIX_SETTINGS, prefix_workload,
-            {"BlockSpaceManager": "yours of lesson 03, like vLLM v0.1's, takes no cached "
-                                  "blocks, so the package's holds your allocator here"}),
-        capstone.Run(
-            "run 3, speculative decoding",
-            tuple(n for n in engine if n != "LLMEngine.step")
-            + wider("greedy_verify", "rejection_sample"),
-            SPECULATIVE_SETTINGS, speculative_workload,
-            {"LLMEngine.step": "yours leaves speculative decoding out, as this lesson asks, "
-                               "so the package's step runs your verifications here"}),
-    ]
-
-
-def _cuda_note() -> str:
-    saved = (workbench.learner_dir() / "softmax_phase_cuda.py").exists()
-    return ("not run here: lesson 06's softmax_phase_cuda"
-            + (" (yours is saved)" if saved else "") + ": the engine's attention on the CPU is "
-            "the torch path, and building the CUDA kernels for the CPU with your phase 3 takes "
-            "minutes; lesson 06 checked yours inside the real kernel's file")
-
-
 def check_capstone(on_step=None, workload: list[Request] | None = None,
                    settings: dict | None = None, names: list[str] | None = None,
                    max_steps: int = 100) -> CheckResult:
@@ -451,7 +309,7 @@ def check_capstone(on_step=None, workload: list[Request] | None = None,
     if names is None and workload is None and settings is None:
         names = capstone_names()
         return capstone.check_capstone(names, on_step, max_steps=max_steps,
-                                       runs=capstone_runs(names), notes=(_cuda_note(),))
+                                       runs=capstone_runs(names), notes=(cuda_note(),))
     return capstone.check_capstone(capstone_names() if names is None else list(names), on_step,
                                    workload, settings, max_steps)
 

@@ -369,9 +369,11 @@ def test_a_saved_class_whose_base_the_file_lacks_does_not_load(test_components):
 
 def test_capstone_names_are_registered_earlier_components_then_the_step(test_components,
                                                                        monkeypatch):
-    monkeypatch.setattr(ex, "CAPSTONE_COMPONENTS", ("test:PrefixCachingAllocator",
-                                                    "not registered anywhere"))
-    monkeypatch.setattr(ex, "WIDER_COMPONENTS", ())
+    from minipaged.exercises import capstone_runs
+
+    monkeypatch.setattr(capstone_runs, "CAPSTONE_COMPONENTS", ("test:PrefixCachingAllocator",
+                                                               "not registered anywhere"))
+    monkeypatch.setattr(capstone_runs, "WIDER_COMPONENTS", ())
     assert ex.capstone_names() == ["test:PrefixCachingAllocator", "LLMEngine.step"]
 
 

@@ -1,0 +1,260 @@
+"""Lesson 16, the capstone's machinery: an engine's plain data after each step, compared.
+
+``step_state`` is what must be equal in the learner's engine and ``LLM()``'s after a step (what
+``step()`` returned, every sequence's tokens, status and computed tokens, the block tables, the
+free lists and ref counts, the queues, the engine's counters); ``first_difference`` finds the first
+thing that differs; ``run_steps`` adds a workload's requests as they arrive (and aborts those that
+ask for it) and steps an engine to the end; ``learner_run`` does so with the learner's components
+plugged in (``workbench.plugged_in``), seeing which of them ran; ``find_culprit`` runs each alone
+to name the one that goes wrong first. ``capstone.py`` builds the check and its verdict on these;
+lesson 16's check of ``LLMEngine.step`` uses them too.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from minipaged.exercises import workbench
+from minipaged.sampling_params import SamplingParams
+
+
+class Request(NamedTuple):
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrive_at_step: int = 0  # added before step arrive_at_step + 1
+    abort_at_step: int | None = None  # aborted (abort_request) before step abort_at_step + 1
+
+
+# -- the plain data of an engine after one step ---------------------------------------------------
+def counters(stats) -> dict:
+    """The engine's counters that both engines must agree on: all but the times, which differ
+    from run to run; the model's time must only have grown once the model ran."""
+    values = {k: v for k, v in stats.as_dict().items() if not k.startswith("time_")}
+    model_ran = stats.num_prompt_tokens + stats.num_generation_tokens > 0
+    values["time_model > 0"] = stats.time_model > 0 if model_ran else "(the model has not run)"
+    return values
+
+
+def _returned(returned):
+    if not isinstance(returned, list):
+        return returned
+    return sorted((o.request_id, o.finished, [(list(c.token_ids), c.text, c.finish_reason)
+                                              for c in o.outputs])
+                  for o in returned)
+
+
+def step_state(engine, groups: dict, returned, num_snapshots: int) -> dict:
+    """What must be equal in both engines after a step.
+
+    Args:
+        engine: an ``LLMEngine``.
+        groups: request id -> its ``SequenceGroup``, for every request added so far.
+        returned: what ``step()`` returned.
+        num_snapshots: how many snapshots the engine's observers got in the step.
+    """
+    scheduler = engine.scheduler
+    blocks = scheduler.block_snapshot()
+    return {
+        "observers": num_snapshots,
+        "returned": _returned(returned),
+        "sequences": {seq.seq_id: {"request": rid, "status": seq.status.name,
+                                   "token_ids": list(seq.get_token_ids()),
+                                   "num_computed_tokens": seq.num_computed_tokens}
+                      for rid, group in groups.items() for seq in group.get_seqs()},
+        "block_tables": {s["seq_id"]: s["block_table"] for s in blocks["sequences"]},
+        "ref_counts": {b["block_number"]: b["ref_count"] for b in blocks["gpu_blocks"]
+                       if b["ref_count"]},
+        "free_gpu_blocks": blocks["free_gpu_blocks"],
+        "free_cpu_blocks": blocks["free_cpu_blocks"],
+        "queues": {name: [g.request_id for g in getattr(scheduler, name)]
+                   for name in ("waiting", "running", "swapped")},
+        "unfinished_requests": sorted(engine._requests),
+        "stats": counters(engine.stats),
+    }
+
+
+@dataclass
+class Difference:
+    """The first thing that differs after a step: ``kind`` is a key of ``step_state``."""
+
+    kind: str
+    subject: str
+    yours: object
+    expected: object
+
+
+def first_difference(mine: dict, ref: dict) -> Difference | None:
+    """The first difference between two ``step_state``s, in the order a step makes them."""
+    if mine["observers"] != ref["observers"]:
+        return Difference("observers", "the snapshots the observers got in this step",
+                          mine["observers"], ref["observers"])
+    for seq_id, expected in ref["sequences"].items():
+        yours = mine["sequences"].get(seq_id)
+        if yours != expected:
+            return Difference("sequences", f"sequence {seq_id} (request {expected['request']})",
+                              yours, expected)
+    for kind in ("block_tables", "ref_counts"):
+        for key in sorted(set(mine[kind]) | set(ref[kind])):
+            if mine[kind].get(key) != ref[kind].get(key):
+                what = "the block table of sequence" if kind == "block_tables" else \
+                    "the ref count of GPU block"
+                return Difference(kind, f"{what} {key}", mine[kind].get(key),
+                                  ref[kind].get(key))
+    for kind, subject in (("free_gpu_blocks", "the GPU free list"),
+                          ("free_cpu_blocks", "the CPU free list"),
+                          ("queues", "the queues"),
+                          ("unfinished_requests", "the requests the engine still holds"),
+                          ("returned", "what step() returned (request id, finished, and per "
+                                       "completion its tokens, text and finish reason)")):
+        if mine[kind] != ref[kind]:
+            return Difference(kind, subject, mine[kind], ref[kind])
+    mine_stats, ref_stats = mine.get("stats", {}), ref.get("stats", {})
+    differ = [k for k in ref_stats if mine_stats.get(k) != ref_stats[k]]
+    if differ:
+        return Difference("stats", f"the engine's counters (self.stats): {', '.join(differ)}",
+                          {k: mine_stats.get(k) for k in differ},
+                          {k: ref_stats[k] for k in differ})
+    return None
+
+
+# -- running an engine step by step ---------------------------------------------------------------
+class Unfinished(RuntimeError):
+    """Requests are still unfinished after the most steps a run may take."""
+
+
+class Stepped(NamedTuple):
+    step: int
+    state: dict
+    snapshot: object  # the observers' StepSnapshot (None if they got none)
+    outputs: dict  # request id -> its latest RequestOutput (from step() or abort_request)
+
+
+def run_steps(engine, workload: list[Request], max_steps: int = 200,
+              step: Callable | None = None) -> Iterator[Stepped]:
+    """Add ``workload``'s requests as they arrive, abort those that ask for it, and step
+    ``engine`` until it is done.
+
+    ``step(engine)`` runs one step (default ``engine.step()``). Raises ``Unfinished`` when
+    requests are still unfinished after ``max_steps``.
+    """
+    snapshots: list = []
+    engine.add_observer(snapshots.append)
+    groups: dict = {}
+    outputs: dict = {}
+    for number in range(1, max_steps + 1):
+        for i, request in enumerate(workload):
+            if request.arrive_at_step == number - 1:
+                rid = engine.add_request(str(i), None, request.params, arrival_time=float(i),
+                                         prompt_token_ids=request.prompt_token_ids)
+                groups[rid] = engine.scheduler.waiting[-1]
+        for i, request in enumerate(workload):
+            if request.abort_at_step == number - 1:
+                aborted = engine.abort_request(str(i))
+                if aborted is not None:
+                    outputs[aborted.request_id] = aborted
+        if not engine.has_unfinished_requests() and all(r.arrive_at_step < number
+                                                        for r in workload):
+            return
+        del snapshots[:]
+        returned = step(engine) if step is not None else engine.step()
+        for output in returned if isinstance(returned, list) else ():
+            if hasattr(output, "request_id"):
+                outputs[output.request_id] = output
+        yield Stepped(number, step_state(engine, groups, returned, len(snapshots)),
+                      snapshots[-1] if snapshots else None, dict(outputs))
+    raise Unfinished(f"requests still unfinished after {max_steps} steps")
+
+
+# -- the components that ran ----------------------------------------------------------------------
+@contextlib.contextmanager
+def watched(objects: dict[str, object]) -> Iterator[tuple[dict[str, object], set[str]]]:
+    """(objects to plug in instead, the names of those that ran): a function is wrapped so that
+    a call is seen; a class sees its instances made (its ``__init__``, for the block)."""
+    ran: set[str] = set()
+    wrapped: dict[str, object] = {}
+    patched: list[tuple[type, object]] = []
+
+    def seen(name, fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            ran.add(name)
+            return fn(*args, **kwargs)
+        return call
+
+    def seen_init(name, cls, own):
+        def init(self, *args, **kwargs):
+            ran.add(name)
+            if own is not None:
+                own(self, *args, **kwargs)
+            else:
+                super(cls, self).__init__(*args, **kwargs)
+        return init
+
+    try:
+        for name, obj in objects.items():
+            if isinstance(obj, type):
+                own = obj.__dict__.get("__init__")
+                patched.append((obj, own))
+                obj.__init__ = seen_init(name, obj, own)
+                wrapped[name] = obj
+            else:
+                wrapped[name] = seen(name, obj)
+        yield wrapped, ran
+    finally:
+        for cls, own in patched:
+            if own is None:
+                del cls.__init__
+            else:
+                cls.__init__ = own
+
+
+def new_engine(settings: dict):
+    """A fresh ``LLMEngine`` of the embedded model with ``settings`` (seeded weights, for
+    ``hf_config`` settings of a random model)."""
+    from minipaged.entrypoints.llm import LLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return LLM(settings.get("model"), **{k: v for k, v in settings.items()
+                                              if k != "model"}).llm_engine
+
+
+def learner_run(objects: dict[str, object], settings: dict, workload: list[Request],
+                max_steps: int, until: int | None = None) -> Iterator[tuple[Stepped, set[str]]]:
+    """The package's engine with ``objects`` (component name -> object) plugged in: each step
+    and the names of the components that have run so far. Stops after step ``until``."""
+    with watched(objects) as (wrapped, ran), workbench.plugged_in(objects=wrapped, quiet=True):
+        engine = new_engine(settings)
+        try:
+            for stepped in run_steps(engine, workload, max_steps):
+                yield stepped, ran
+                if until is not None and stepped.step >= until:
+                    return
+        finally:
+            engine.shutdown()
+
+
+def find_culprit(objects: dict[str, object], settings: dict, workload: list[Request],
+                 ref_states: list[dict], step: int) -> tuple[str, int, Difference] | None:
+    """Run each component alone in the package's engine up to ``step``: (the name of the one
+    that differs from ``LLM()`` first, its step, what differs), or None if each alone agrees."""
+    first = None
+    for name, obj in objects.items():
+        try:
+            for stepped, _ in learner_run({name: obj}, settings, workload, step, until=step):
+                found = first_difference(stepped.state, ref_states[stepped.step - 1])
+                if found:
+                    if first is None or stepped.step < first[1]:
+                        first = (name, stepped.step, found)
+                    break
+        except Exception as crash:  # alone, it stops the engine: that is its difference
+            found = Difference("crash", "the engine stopped", f"{type(crash).__name__}: "
+                               f"{crash}", "no error")
+            if first is None:
+                first = (name, step, found)
+    return first
