@@ -243,7 +243,7 @@ def _what_happened(result: RunResult) -> str:
     return ", ".join(parts) or "nothing of note"
 
 
-def _completions(result: RunResult) -> str:
+def _completions(result: RunResult, only_theirs: bool = False) -> str:
     """The learner's engine's text next to LLM()'s, completion by completion."""
     theirs = result.expected[-1].outputs if result.expected else {}
     lines = []
@@ -254,6 +254,9 @@ def _completions(result: RunResult) -> str:
                      if mine is not None and mine.finished else None)
             label = f"    request {rid}" + (f" #{c.index}" if len(theirs[rid].outputs) > 1
                                              else "") + f" ({c.finish_reason}): "
+            if only_theirs:
+                lines.append(f"{label}{c.text!r}")
+                continue
             if yours is not None and (yours.text, yours.finish_reason) == (c.text,
                                                                           c.finish_reason):
                 lines.append(f"{label}{c.text!r}  (the same in both)")
@@ -316,7 +319,11 @@ def _verdict(names, found, missing, broken, results: list[RunResult],
                      + ("; " + "; ".join(why) if why else ""))
     lines += [f"  {note}" for note in notes]
     shown = mismatched or (results[0] if results else None)
-    if shown is not None and shown.expected:
+    if shown is not None and shown.expected and not any(o.finished
+                                                        for o in shown.yours.values()):
+        lines.append(f"  LLM()'s completions in {shown.run.title} (yours finished none before "
+                     f"your run stopped):\n" + _completions(shown, only_theirs=True))
+    elif shown is not None and shown.expected:
         whose = "yours" if shown.plugged else "the package's engine (none of yours is in it)"
         lines.append(f"  completions of {shown.run.title}, {whose} next to LLM()'s:\n"
                      + _completions(shown))

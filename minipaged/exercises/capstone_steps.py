@@ -116,7 +116,7 @@ def first_difference(mine: dict, ref: dict) -> Difference | None:
     mine_stats, ref_stats = mine.get("stats", {}), ref.get("stats", {})
     differ = [k for k in ref_stats if mine_stats.get(k) != ref_stats[k]]
     if differ:
-        return Difference("stats", f"the engine's counters (self.stats): {', '.join(differ)}",
+        return Difference("stats", f"self.stats ({', '.join(differ)})",
                           {k: mine_stats.get(k) for k in differ},
                           {k: ref_stats[k] for k in differ})
     return None
