@@ -144,6 +144,14 @@ def test_a_step_written_another_way_passes_and_one_without_counts_does_not(learn
     assert "time.perf_counter()" in result
 
 
+def test_a_step_written_another_way_is_saved_collected_and_ticked(test_components):
+    workbench.save_component("LLMEngine.step", learner_step)
+    workbench.save_component(test_components[0], TypedAllocator)
+    result = capstone([test_components[0], "LLMEngine.step"])
+    assert result.passed, result
+    assert "counters" in result.splitlines()[0]
+
+
 def test_a_step_that_returns_nothing_or_skips_the_observers_is_caught(learner_dir):
     result = ex.show_wrong_step("finished groups are never freed", num_cases=1)
     assert "the queues" in result
