@@ -36,7 +36,8 @@ def counters(stats) -> dict:
     from run to run; the model's time must only have grown once the model ran."""
     values = {k: v for k, v in stats.as_dict().items() if not k.startswith("time_")}
     model_ran = stats.num_prompt_tokens + stats.num_generation_tokens > 0
-    values["time_model > 0"] = stats.time_model > 0 if model_ran else "(the model has not run)"
+    values["time_model > 0"] = (stats.time_model > 0 if model_ran
+                                else "(no model tokens counted yet)")
     return values
 
 
