@@ -334,7 +334,8 @@ WRONG_STEPS = {  # what is wrong -> the edits that make the reference answer so
          "                pass\n")],
     "beams are copied while the tokens are appended": [  # one loop instead of two
         ("        for seq_id, out in new_tokens.items():\n"
-         "            seq = seq_group.find(seq_id)\n", "            seq = seq_group.find(seq_id)\n")],
+         "            seq = seq_group.find(seq_id)\n",
+         "            seq = seq_group.find(seq_id)\n")],
     "the step keeps no counts": [
         ("        self.stats.count_tokens(inputs.meta.num_prompt_tokens,\n"
          "                                inputs.meta.num_generation_tokens, 0)\n", ""),
