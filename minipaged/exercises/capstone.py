@@ -38,7 +38,8 @@ from minipaged.sampling_params import SamplingParams
 # lesson16.py), with the package's block manager around the learner's allocator.
 CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=10, num_cpu_blocks=12, max_model_len=32,
                          watermark=0.0, enable_prefix_caching=False, enable_chunked_prefill=True,
-                         max_num_batched_tokens=16, device="cpu", dtype="float32", seed=0)
+                         max_num_batched_tokens=16, device="cpu", dtype="float32", seed=0,
+                         cpu_threads=1)  # (both engines alike, whatever else the CPU runs)
 
 
 def default_workload(encode: Callable[[str], list[int]]) -> list[Request]:

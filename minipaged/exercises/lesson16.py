@@ -188,7 +188,8 @@ def tiny_settings(block_size: int = 4, num_gpu_blocks: int = 12, num_cpu_blocks:
                 num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                 max_model_len=min(64, num_gpu_blocks * block_size), watermark=0.0,
                 enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=False,
-                max_num_batched_tokens=4096, device="cpu", dtype="float32", seed=0)
+                max_num_batched_tokens=4096, device="cpu", dtype="float32", seed=0,
+                cpu_threads=1)
 
 
 def _fits(prompt_len: int, max_tokens: int, n: int, num_gpu_blocks: int, block_size: int) -> bool:
