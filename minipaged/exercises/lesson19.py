@@ -127,7 +127,7 @@ PARTITION = 8  # tokens per V2 partition here (vLLM: 512), so that these short c
 
 
 def _v2_without_common_max(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           max_context_len=None, kv_scales=None):
+                           max_context_len=None, kv_scales=None, window=None):  # (no window here)
     num_seqs, num_heads, head_size = query.shape
     k, v = attention_reference.gather_kv(key_cache, value_cache, block_tables, kv_scales)
     group = num_heads // k.shape[1]
