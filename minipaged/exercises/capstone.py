@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.exercises import workbench
+from minipaged.exercises import cost, workbench
 from minipaged.exercises.capstone_steps import (  # noqa: F401 (the capstone's names, in one place)
     Difference, Request, Stepped, Unfinished, counters, find_culprit, first_difference,
     learner_run, new_engine, run_steps, step_state, watched)
@@ -318,6 +318,8 @@ def _verdict(names, found, missing, broken, results: list[RunResult],
                      f"steps ({_what_happened(result)})"
                      + (f"; with your {_names(mine)}" if mine else "")
                      + ("; " + "; ".join(why) if why else ""))
+    # correct but slow components (their checks timed them: exercises/cost.py), by name
+    lines += [f"  {line}" for line in cost.recorded(workbench.learner_dir(), yours).values()]
     lines += [f"  {note}" for note in notes]
     shown = mismatched or (results[0] if results else None)
     if shown is not None and shown.expected and not any(o.finished

@@ -580,3 +580,21 @@ def test_the_capstone_says_why_a_saved_sampler_does_not_run(learner_dir):
     assert result.startswith("✗ capstone: 10 of 11 are yours; your saved Sampler (lesson 10) "
                              "does not load"), result
     assert "NameError" in result and "my_helper_from_another_cell" in result
+
+
+def test_a_correct_but_slow_component_is_named_by_the_capstone(test_components):
+    """issue: the capstone reports components whose cost check found them slow (their check
+    kept the verdict in the learner's folder: exercises/cost.py)."""
+    import json
+
+    from minipaged.exercises import cost
+
+    workbench.save_component("LLMEngine.step", answers.step)
+    workbench.save_component(test_components[0], TypedAllocator)
+    verdict = (f"⚠ {test_components[0]}: correct, but 900x slower than the package's at 10,000 "
+               f"blocks (90.0x at 1,000 blocks): the cost of get_num_free_blocks grows faster "
+               f"with the number of blocks than the package's")
+    (workbench.learner_dir() / cost.RECORD).write_text(json.dumps({test_components[0]: verdict}))
+    result = capstone([test_components[0], "LLMEngine.step"])
+    assert result.passed, result  # correct is correct: the tick stands, the cost is named
+    assert f"\n  {verdict}" in result
