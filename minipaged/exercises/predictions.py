@@ -63,8 +63,14 @@ def _number(value, what: str) -> float:
     return float(value)
 
 
-def _shown(value: float) -> str:
-    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.3g}"
+def _shown(value: float, unit: str = "") -> str:
+    """``value`` with its unit, singular for exactly 1 ("1 preemption", "3 preemptions")."""
+    number = f"{value:,.0f}" if float(value).is_integer() else f"{value:,.3g}"
+    if not unit:
+        return number
+    if value == 1 and unit.endswith("s") and not unit.endswith("ss"):
+        unit = unit[:-1]
+    return f"{number}{unit}" if unit.startswith("%") else f"{number} {unit}"
 
 
 def compare(lesson: str, question: str, predicted, measured, unit: str = "",
@@ -83,17 +89,16 @@ def compare(lesson: str, question: str, predicted, measured, unit: str = "",
     Returns the kept ``Prediction``, or None when there was no prediction.
     """
     measured = _number(measured, "the measurement")
-    unit_text = f" {unit}" if unit else ""
     if predicted is None:
-        print(f"measured: {_shown(measured)}{unit_text} ({question}). Set my_prediction "
+        print(f"measured: {_shown(measured, unit)} ({question}). Set my_prediction "
               f"before this cell next time: a guess written down first is what shows you "
               f"what you expected.")
         return None
     predicted = _number(predicted, "my_prediction")
     entry = Prediction(lesson, question, predicted, measured, unit,
                        datetime.datetime.now().isoformat(timespec="seconds"))
-    line = (f"you predicted {_shown(predicted)}{unit_text}, measured {_shown(measured)}"
-            f"{unit_text} ({question}): ")
+    line = (f"you predicted {_shown(predicted, unit)}, measured {_shown(measured, unit)} "
+            f"({question}): ")
     if entry.right:
         line += "right" + (" (within 10 %)" if predicted != measured else "") + \
             ": your picture of it holds."
@@ -138,9 +143,8 @@ def summary(rows: list[Prediction] | None = None) -> str:
              "|---|---|---:|---:|---:|"]
     for r in ordered:
         off = "right" if r.right else (f"{r.off_by:.0%}" if math.isfinite(r.off_by) else "-")
-        unit = f" {r.unit}" if r.unit else ""
-        lines.append(f"| {r.lesson} | {r.question} | {_shown(r.predicted)}{unit} | "
-                     f"{_shown(r.measured)}{unit} | {off} |")
+        lines.append(f"| {r.lesson} | {r.question} | {_shown(r.predicted, r.unit)} | "
+                     f"{_shown(r.measured, r.unit)} | {off} |")
     right = sum(r.right for r in ordered)
     lines.append("")
     lines.append(f"{right} of {len(ordered)} predictions within 10 % of the measurement.")

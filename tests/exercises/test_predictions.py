@@ -73,3 +73,11 @@ def test_zero_measured(learner, capsys):
     assert predictions.compare("04", "preemptions", 0, 0).right
     assert not predictions.compare("04", "preemptions", 2, 0).right
     assert "too high" in capsys.readouterr().out
+
+
+def test_units_read_as_words(learner, capsys):
+    predictions.compare("04", "preemptions by swap", 2, 1, unit="preemptions")
+    predictions.compare("01", "slots holding no token", 70, 73.3, unit="%")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("you predicted 2 preemptions, measured 1 preemption ")
+    assert out[1].startswith("you predicted 70%, measured 73.3% ")
