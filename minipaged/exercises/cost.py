@@ -24,6 +24,7 @@ Components without a probe here (the kernel's phase, the verifications) get no c
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import time
@@ -55,11 +56,13 @@ class Probe:
         sizes: small to large.
         prepare: ``prepare(component, size)`` builds what the work needs (untimed) and returns
             {operation: work}; each work leaves the state as it found it.
+        package: where the package's own component is (``module:name``).
     """
 
     what: str
     sizes: tuple[int, ...]
     prepare: Callable[[object, int], dict[str, Work]]
+    package: str  # "module:name" of the package's own component, the yardstick
 
 
 @dataclass
@@ -282,10 +285,15 @@ def _prepare_inputs_work(fn, size: int) -> dict[str, Work]:
 
 
 PROBES: dict[str, Probe] = {
-    "prepare_inputs": Probe("sequences", (16, 128, 1024), _prepare_inputs_work),
-    "FreeListAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work),
-    "PrefixCachingAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work),
-    "BlockSpaceManager": Probe("blocks", (800, 8_000, 80_000), _block_manager_work),
+    "prepare_inputs": Probe("sequences", (16, 128, 1024), _prepare_inputs_work,
+                            "minipaged.worker.model_runner:prepare_inputs"),
+    "FreeListAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work,
+                               "minipaged.core.allocator:FreeListAllocator"),
+    "PrefixCachingAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work,
+                                    "minipaged.core.prefix_caching_allocator:"
+                                    "PrefixCachingAllocator"),
+    "BlockSpaceManager": Probe("blocks", (800, 8_000, 80_000), _block_manager_work,
+                               "minipaged.core.block_manager:BlockSpaceManager"),
 }
 
 
@@ -301,9 +309,8 @@ def measure_cost(name: str, candidate, package=None) -> CostVerdict | None:
     if probe is None:
         return None
     if package is None:
-        from minipaged.exercises import workbench
-
-        package = workbench.component(name).package_object()
+        module, _, attribute = probe.package.partition(":")
+        package = getattr(importlib.import_module(module), attribute)
     return measure(name, probe, candidate, package)
 
 

@@ -180,3 +180,14 @@ def test_the_switch_turns_cost_checks_off(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path))
     workbench.check_component("FreeListAllocator", CountsByScanning, num_cases=10)
     assert "⚠" not in capsys.readouterr().out and "cost:" not in capsys.readouterr().out
+
+
+def test_each_probe_measures_against_the_components_own_package_object():
+    import importlib
+
+    from minipaged.exercises import workbench
+
+    for name, probe in PROBES.items():
+        module, _, attribute = probe.package.partition(":")
+        assert getattr(importlib.import_module(module), attribute) is \
+            workbench.component(name).package_object(), name
