@@ -10,6 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # uv installs in a fraction of pip's time; it reads no pip configuration, so the folder of local
 # wheels pip is told about (the CPU build of torch) is handed to it; pip runs where uv cannot.
 FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+EXTRAS := .[test,lessons,ray]# (a variable: a comma written inside $(call ...) would split it)
 INSTALL = if [ -x $(VENV)/bin/uv ]; then $(VENV)/bin/uv pip install -q --python $(PY) $(FIND_LINKS) $(1) \
             || $(PY) -m pip install -q $(1); else $(PY) -m pip install -q $(1); fi
 
@@ -27,7 +28,7 @@ $(CORE): pyproject.toml Makefile
 # Everything else: the lessons' and the tests' extras, and the C++ CPU op compiled now, so that no
 # test waits for it (without a compiler the torch reference runs: a warning, never a failed set-up)
 $(STAMP): $(CORE)
-	$(call INSTALL,torch==2.13.0 -e '.[test,lessons,ray]')
+	$(call INSTALL,torch==2.13.0 -e '$(EXTRAS)')
 	$(PY) -c 'from minipaged.kernels import build; build.prebuild()' \
 	  || echo "warning: the C++ CPU op was not prebuilt; it is built on first use instead"
 	touch $(STAMP)
