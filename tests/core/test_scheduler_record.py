@@ -85,7 +85,9 @@ def test_only_the_allocators_write_reference_counts():
     allowed = {"minipaged/block.py", "minipaged/core/allocator.py",
                "minipaged/core/prefix_caching_allocator.py",
                # the build track's answers that are allocators (lessons 02 and 11)
-               "minipaged/exercises/answers/lesson02.py", "minipaged/exercises/answers/lesson11.py"}
+               "minipaged/exercises/answers/lesson02.py", "minipaged/exercises/answers/lesson11.py",
+               # lesson 19's mystery engines: faults that break the counts on purpose
+               "minipaged/exercises/lesson19.py"}
     writers = []
     for path in sorted((ROOT / "minipaged").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
