@@ -80,6 +80,7 @@ class Run:
         settings: engine settings over ``CAPSTONE_SETTINGS``.
         workload: ``workload(encode)`` -> the requests (default ``default_workload``).
         package: component -> why the package's own runs in its place in this run.
+        note: what else the run shows, for the verdict.
     """
 
     title: str
@@ -87,6 +88,7 @@ class Run:
     settings: dict = field(default_factory=dict)
     workload: Callable[[Callable[[str], list[int]]], list[Request]] | None = None
     package: dict = field(default_factory=dict)
+    note: str = ""  # what the run does that its events do not show (the verdict says it)
 
 
 @dataclass
@@ -241,6 +243,8 @@ def _what_happened(result: RunResult) -> str:
     if stats.get("num_spec_proposed_tokens"):
         parts.append(f"{stats['num_spec_accepted_tokens']} of "
                      f"{stats['num_spec_proposed_tokens']} drafted tokens accepted")
+    if result.run.note:
+        parts.append(result.run.note)
     return ", ".join(parts) or "nothing of note"
 
 

@@ -203,8 +203,10 @@ def watched(objects: dict[str, object]) -> Iterator[tuple[dict[str, object], set
                 patched.append((obj, own))
                 obj.__init__ = seen_init(name, obj, own)
                 wrapped[name] = obj
-            else:
+            elif callable(obj):
                 wrapped[name] = seen(name, obj)
+            else:  # source text (lesson 06's phase 3): ``in_the_kernel`` sees it run
+                wrapped[name] = obj
         yield wrapped, ran
     finally:
         for cls, own in patched:
@@ -212,6 +214,54 @@ def watched(objects: dict[str, object]) -> Iterator[tuple[dict[str, object], set
                 del cls.__init__
             else:
                 cls.__init__ = own
+
+
+PHASE3 = "softmax_phase_cuda"  # lesson 06's component: C++ source, run by ``in_the_kernel``
+KERNEL_TOLERANCE = 1e-4  # float32: the kernel's sums run in another order than the reference's
+
+
+class KernelDiffers(RuntimeError):
+    """The learner's phase 3 gave a decode attention unlike the torch reference's."""
+
+
+@contextlib.contextmanager
+def in_the_kernel(code: str | None, ran: set[str]) -> Iterator[None]:
+    """Inside the block, the engine's decode attention on the CPU is the V1 CUDA kernel with the
+    learner's phase 3 ``code``, built for the CPU (``kernel_exercise.ExerciseKernel``); its
+    first call adds ``PHASE3`` to ``ran``. Each call's output is compared with the torch
+    reference: ``KernelDiffers`` past ``KERNEL_TOLERANCE``. Nothing changes when ``code`` is
+    None."""
+    if code is None:
+        yield
+        return
+    from minipaged.kernels import ops
+    from minipaged.lab import kernel_exercise
+
+    from minipaged.kernels import reference
+
+    kernel = kernel_exercise.ExerciseKernel(code)
+
+    def attention(query, key_cache, value_cache, block_tables, context_lens, scale, *more):
+        ran.add(PHASE3)
+        out = kernel.paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                     scale, *more)
+        # NOTE: tokens alone say little of a kernel (a softmax 10% off still picks the same
+        # greedy tokens here): every call's output is held to the torch reference as well
+        expected = reference.paged_attention(query, key_cache, value_cache, block_tables,
+                                             context_lens, scale)
+        error = float((out - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
+        if not error <= KERNEL_TOLERANCE:
+            raise KernelDiffers(
+                f"the decode attention of your phase 3's kernel differs from the torch "
+                f"reference: relative error {error:.1e} (at most {KERNEL_TOLERANCE:.0e}), "
+                f"context_lens={context_lens.tolist()}")
+        return out
+
+    before, ops.DECODE_STAND_IN = ops.DECODE_STAND_IN, attention
+    try:
+        yield
+    finally:
+        ops.DECODE_STAND_IN = before
 
 
 def new_engine(settings: dict):
@@ -229,7 +279,8 @@ def learner_run(objects: dict[str, object], settings: dict, workload: list[Reque
                 max_steps: int, until: int | None = None) -> Iterator[tuple[Stepped, set[str]]]:
     """The package's engine with ``objects`` (component name -> object) plugged in: each step
     and the names of the components that have run so far. Stops after step ``until``."""
-    with watched(objects) as (wrapped, ran), workbench.plugged_in(objects=wrapped, quiet=True):
+    with watched(objects) as (wrapped, ran), workbench.plugged_in(objects=wrapped, quiet=True), \
+            in_the_kernel(objects.get(PHASE3), ran):
         engine = new_engine(settings)
         try:
             for stepped in run_steps(engine, workload, max_steps):

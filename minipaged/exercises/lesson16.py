@@ -35,7 +35,7 @@ from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.exercises import capstone
 from minipaged.exercises.capstone_runs import (  # noqa: F401 (the lesson reads them from here)
     CAPSTONE_COMPONENTS, PREFIX_SETTINGS, SPECULATIVE_SETTINGS, WIDER_COMPONENTS, capstone_names,
-    capstone_runs, cuda_note, prefix_workload, speculative_workload)
+    capstone_runs, kernel_workload, prefix_workload, speculative_workload)
 from minipaged.exercises.capstone import (Request, Unfinished, default_workload,
                                           first_difference, new_engine, run_steps)
 from minipaged.lab.dry_run import DryRun
@@ -304,13 +304,13 @@ def check_capstone(on_step=None, workload: list[Request] | None = None,
                    max_steps: int = 100) -> CheckResult:
     """Your engine next to ``LLM()`` (``capstone.check_capstone``).
 
-    By default the three runs of ``capstone_runs`` over ``capstone_names()``; given ``names``,
+    By default the four runs of ``capstone_runs`` over ``capstone_names()``; given ``names``,
     ``workload`` or ``settings`` (tests), one run of those.
     """
     if names is None and workload is None and settings is None:
         names = capstone_names()
         return capstone.check_capstone(names, on_step, max_steps=max_steps,
-                                       runs=capstone_runs(names), notes=(cuda_note(),))
+                                       runs=capstone_runs(names))
     return capstone.check_capstone(capstone_names() if names is None else list(names), on_step,
                                    workload, settings, max_steps)
 

@@ -34,6 +34,11 @@ calls: collections.Counter = collections.Counter()  # (operation, back-end) -> n
 
 CPU_OP_MAX_CHUNK = 32  # new tokens per sequence (on average) below which the C++ op runs
 
+# A stand-in for the decode attention of CPU tensors, called with ``paged_attention``'s
+# arguments; None: the back-ends above. Lesson 16's capstone puts the learner's CUDA phase 3 of
+# lesson 06 here (``minipaged.lab.kernel_exercise.ExerciseKernel``), counted as "exercise".
+DECODE_STAND_IN = None
+
 
 def key_vector_size(dtype: torch.dtype) -> int:
     """How many elements fit in one 16-byte vector: the ``x`` of the key cache layout."""
@@ -125,6 +130,10 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, s
         kv_scales: None, or an 8-bit cache's (key_scales, value_scales).
         window: None, or a sliding window: the newest token sees the ``window`` newest tokens.
     """
+    if DECODE_STAND_IN is not None and key_cache.device.type == "cpu":
+        calls["paged_attention", "exercise"] += 1
+        return DECODE_STAND_IN(query, key_cache, value_cache, block_tables, context_lens, scale,
+                               max_context_len, kv_scales, window)
     name, op = _pick_for_cache(key_cache, kv_scales, window)
     if name == "cuda" and not op.supports_paged_attention(query, key_cache):
         # NOTE: a model whose head size the kernel was not built for still runs, on the

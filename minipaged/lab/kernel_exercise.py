@@ -16,9 +16,16 @@ what it is made from (``cuda_on_cpu._digest``), so the same code is never compil
 compile error raises ``CompileError`` with the compiler's messages about the learner's lines,
 which are numbered from 1 as in the learner's cell (``#line``). ``run(program, case)`` runs one
 case and returns the output, the per-thread values, and the sanitizer's report, if any.
+
+``build_library(code)`` builds the same translation unit optimised, without a sanitizer, as a
+shared library, and ``ExerciseKernel(code).paged_attention`` calls it through ctypes with the
+arguments of ``minipaged.kernels.ops.paged_attention``: lesson 16's capstone makes it the
+engine's decode attention (``capstone_steps.in_the_kernel``).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
 import subprocess
@@ -38,6 +45,7 @@ from minipaged.kernels.cuda_on_cpu import (FLAGS, RUNTIME_DIR, SANITIZERS, _dige
 KERNEL = CSRC / "paged_attention.cu"
 LAUNCH = RUNTIME_DIR / "exercise_launch.cu"
 MAIN = RUNTIME_DIR / "exercise_main.cpp"
+LIBRARY_MAIN = RUNTIME_DIR / "exercise_library.cpp"  # the shared library's one extra function
 BEGIN, END, CUT = "// >>> softmax_phase", "// <<< softmax_phase", "// >>> end of the exercise build"
 LEARNER_FILE = "your_softmax_phase.cu"  # how compiler and sanitizer messages name the learner's code
 HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, X = 64, 16, 128, 4  # the one shape the exercise build has
@@ -130,12 +138,18 @@ def build(code: str | None = None, sanitizer: str = "thread") -> Path:
     built with ``sanitizer`` (cached)."""
     if code is None:
         code = PHASE3 if PHASE3 is not None else package_phase3()
-    flags = _flags(sanitizer)
+    return _build(code, MAIN, _flags(sanitizer), SANITIZERS[sanitizer], sanitizer, "")
+
+
+def _build(code: str, main: Path, flags: list[str], link_flags: list[str], folder: str,
+           suffix: str) -> Path:
+    """Compile the runtime, ``main`` and the exercise's translation unit with ``flags`` (each
+    object cached by a digest of what it is made of), link them with ``link_flags`` into
+    ``extensions_root()/kernel_exercise/<folder>/exercise-<digest><suffix>``."""
     headers = b"".join(p.read_bytes() for p in [RUNTIME_DIR / "cuda_on_cpu.h", *CUDA_HEADERS])
-    root = extensions_root() / "kernel_exercise" / sanitizer
+    root = extensions_root() / "kernel_exercise" / folder
     root.mkdir(parents=True, exist_ok=True)
-    text = exercise_source(code)
-    parts = [(RUNTIME_DIR / "cuda_on_cpu.cpp", None), (MAIN, None), (None, text)]
+    parts = [(RUNTIME_DIR / "cuda_on_cpu.cpp", None), (main, None), (None, exercise_source(code))]
     jobs = []
     for source, body in parts:
         made_of = body.encode() if body is not None else source.read_bytes()
@@ -146,15 +160,14 @@ def build(code: str | None = None, sanitizer: str = "thread") -> Path:
         err = _finish(process, obj)
         if err is not None:
             raise CompileError(learner_messages(err))
-    program = root / f"exercise-{_digest(*(obj.name for obj, _ in jobs))}"
-    if not program.exists():
-        link = subprocess.run(["g++", *SANITIZERS[sanitizer], "-pthread",
-                               *(str(obj) for obj, _ in jobs), "-o", f"{program}.tmp"],
-                              capture_output=True, text=True)
+    target = root / f"exercise-{_digest(*(obj.name for obj, _ in jobs))}{suffix}"
+    if not target.exists():
+        link = subprocess.run(["g++", *link_flags, "-pthread", *(str(obj) for obj, _ in jobs),
+                               "-o", f"{target}.tmp"], capture_output=True, text=True)
         if link.returncode:
             raise CompileError(link.stderr[-4000:])
-        Path(f"{program}.tmp").rename(program)
-    return program
+        Path(f"{target}.tmp").rename(target)
+    return target
 
 
 @dataclass
@@ -252,3 +265,69 @@ def report_lines(report: str) -> list[int]:
         if int(line) not in seen:
             seen.append(int(line))
     return seen
+
+
+# ----------------------------------------------------------------------------------------------
+# The exercise build as a library: the learner's phase 3 in the engine (lesson 16's capstone)
+# ----------------------------------------------------------------------------------------------
+def build_library(code: str | None = None) -> Path:
+    """The exercise build with ``code`` as phase 3 (default as in ``build``) as a shared
+    library, optimised and without a sanitizer, for ``ExerciseKernel`` (cached by digest)."""
+    if code is None:
+        code = PHASE3 if PHASE3 is not None else package_phase3()
+    flags = [*FLAGS, "-O2", "-fPIC", f"-I{RUNTIME_DIR / 'include'}", f"-I{CSRC}"]
+    return _build(code, LIBRARY_MAIN, flags, ["-shared"], "library", ".so")
+
+
+class ExerciseKernel:
+    """The V1 kernel with a learner's phase 3, built for the CPU, as the engine's decode
+    attention: ``paged_attention`` takes what ``minipaged.kernels.ops.paged_attention`` takes.
+
+    Only the exercise build's one shape runs on it (float32, head size 64, block size 16); other
+    calls raise ``ValueError`` naming what differs. ``calls`` counts the calls it served.
+    """
+
+    def __init__(self, code: str | None = None) -> None:
+        self.library = _load_library(str(build_library(code)))
+        self.calls = 0
+
+    def paged_attention(self, query, key_cache, value_cache, block_tables, context_lens, scale,
+                        max_context_len=None, kv_scales=None, window=None) -> torch.Tensor:
+        num_seqs, num_heads, head_size = query.shape
+        num_blocks, num_kv_heads = key_cache.shape[:2]
+        problems = [f"{what} is {got}, the exercise build has {want}" for what, got, want in [
+            ("the dtype", query.dtype, torch.float32), ("the cache's dtype", key_cache.dtype,
+                                                        torch.float32),
+            ("the head size", head_size, HEAD_SIZE),
+            ("the block size", key_cache.shape[3], BLOCK_SIZE)] if got != want]
+        if kv_scales is not None or window is not None:
+            problems.append("an 8-bit cache or a sliding window: the exercise build reads "
+                            "neither")
+        if problems:
+            raise ValueError("your phase 3's kernel cannot run this call: " + "; ".join(problems))
+        tensors = [t.contiguous() for t in (query, key_cache, value_cache)]
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(tensors[0])
+        per_thread = torch.empty(2, num_seqs * num_heads * NUM_THREADS)
+        longest = int(lens.max()) if max_context_len is None else int(max_context_len)
+        pointer = lambda t: ctypes.c_void_p(t.data_ptr())
+        status = self.library.exercise_paged_attention_v1(
+            pointer(out), *map(pointer, tensors), pointer(tables), pointer(lens), num_seqs,
+            num_heads, num_kv_heads, tables.shape[1], longest, ctypes.c_float(scale),
+            pointer(per_thread[0]), pointer(per_thread[1]))
+        if status:
+            raise RuntimeError("the kernel with your phase 3 failed: "
+                               + self.library.exercise_last_error().decode())
+        self.calls += 1
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _load_library(path: str):
+    library = ctypes.CDLL(path)
+    library.exercise_paged_attention_v1.restype = ctypes.c_int
+    library.exercise_paged_attention_v1.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [
+        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    library.exercise_last_error.restype = ctypes.c_char_p
+    return library

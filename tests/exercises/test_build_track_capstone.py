@@ -25,6 +25,7 @@ from minipaged.exercises.answers import lesson16 as answers
 from minipaged.engine import llm_engine
 from minipaged.engine.stats import StepSnapshot
 from minipaged.exercises import capstone as capstone_module
+from minipaged.kernels import ops
 from minipaged.exercises.capstone import Request, learner_run, new_engine, run_steps
 from minipaged.outputs import RequestOutput
 from repo_paths import ROOT
@@ -387,14 +388,16 @@ def test_capstone_names_are_registered_earlier_components_then_the_step(test_com
 
 def test_the_capstone_counts_the_engines_components_and_the_wider_ones():
     names = ex.capstone_names()
-    assert names == ["FreeListAllocator", "BlockSpaceManager", "Scheduler", "Attention",
-                     "prepare_inputs", "admit_waiting", "Sampler", "PrefixCachingAllocator",
-                     "greedy_verify", "rejection_sample", "LLMEngine.step"]
+    assert names == ["FreeListAllocator", "BlockSpaceManager", "Scheduler",
+                     "softmax_phase_cuda", "Attention", "prepare_inputs", "admit_waiting",
+                     "Sampler", "PrefixCachingAllocator", "greedy_verify", "rejection_sample",
+                     "LLMEngine.step"]
     runs = ex.capstone_runs(names)
     assert "BlockSpaceManager" not in runs[1].components and "BlockSpaceManager" in runs[1].package
     assert "PrefixCachingAllocator" in runs[1].components
     assert {"greedy_verify", "rejection_sample"} <= set(runs[2].components)
     assert "LLMEngine.step" in runs[2].package and "LLMEngine.step" not in runs[2].components
+    assert "softmax_phase_cuda" in runs[3].components and "LLMEngine.step" in runs[3].components
     assert set(names) == set().union(*(run.components for run in runs))  # each one runs
 
 
@@ -598,3 +601,59 @@ def test_a_correct_but_slow_component_is_named_by_the_capstone(test_components):
     result = capstone([test_components[0], "LLMEngine.step"])
     assert result.passed, result  # correct is correct: the tick stands, the cost is named
     assert f"\n  {verdict}" in result
+
+
+# -- run 4: the learner's CUDA phase 3 in the engine's decode kernel -----------------------------
+def _kernel_run(code: str):
+    from minipaged.exercises import capstone_runs, lesson06
+
+    lesson06.save_softmax_phase(code)
+    run = next(r for r in ex.capstone_runs(ex.capstone_names()) if r.title.startswith("run 4"))
+    only = capstone_module.Run(run.title, ("softmax_phase_cuda",), run.settings, run.workload,
+                               note=run.note)
+    assert run.settings == capstone_runs.KERNEL_SETTINGS
+    before = ops.calls["paged_attention", "exercise"]
+    result = capstone_module.check_capstone(["softmax_phase_cuda"], runs=[only])
+    return result, ops.calls["paged_attention", "exercise"] - before
+
+
+@pytest.mark.slow
+def test_run_4_runs_the_learners_phase_3_in_every_decode_step_and_ticks_it(learner_dir):
+    from minipaged.exercises.answers import lesson06 as answers06
+
+    result, calls = _kernel_run(answers06.SOFTMAX_PHASE)
+    assert result.passed, result
+    assert "run 4, your CUDA phase 3" in result and "with your softmax_phase_cuda" in result
+    assert calls == 3 * 30  # three decode steps, each of SmolLM2's 30 layers
+    assert ops.DECODE_STAND_IN is None  # put back
+
+
+@pytest.mark.slow
+def test_run_4_holds_each_call_to_the_reference_not_only_the_tokens(learner_dir):
+    from minipaged.exercises.answers import lesson06 as answers06
+
+    # a softmax 10% short keeps this run's greedy tokens: only the outputs show it
+    wrong = answers06.SOFTMAX_PHASE.replace("inv_sum = 1.f / exp_sum", "inv_sum = 0.9f / exp_sum")
+    assert wrong != answers06.SOFTMAX_PHASE
+    result, _ = _kernel_run(wrong)
+    assert result.status == "failed", result
+    assert "KernelDiffers" in result and "relative error 1.0e-01" in result, result
+    assert ops.DECODE_STAND_IN is None
+
+
+def test_the_exercise_kernel_refuses_a_shape_it_was_not_built_for():
+    from minipaged.lab import kernel_exercise
+
+    kernel = kernel_exercise.ExerciseKernel()  # the package's phase 3
+    case = kernel_exercise.random_case(0, (5, 40), num_heads=4, num_kv_heads=2)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.context_lens,
+            case.scale)
+    out = kernel.paged_attention(*args)
+    expected = case.reference()
+    assert float((out - expected).abs().max() / expected.abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="the dtype is torch.float16"):
+        kernel.paged_attention(case.query.half(), *args[1:])
+    with pytest.raises(ValueError, match="the head size is 32"):
+        kernel.paged_attention(case.query[..., :32], *args[1:])
+    with pytest.raises(ValueError, match="sliding window"):
+        kernel.paged_attention(*args, window=8)
