@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import re
 import textwrap
 
 import pytest
@@ -17,8 +18,16 @@ import torch
 
 from minipaged.exercises import standalone, workbench
 from minipaged.exercises.standalone import CannotSave, free_names, standalone_source
+from repo_paths import ROOT
 
 _cells = itertools.count()
+CELL_MARK = re.compile(r"^# %%.*$", re.M)
+
+
+def learner_cells(lesson: str) -> list[str]:
+    """The cells of ``scripts/learner_answers/lesson<lesson>.py`` (after its docstring)."""
+    text = (ROOT / "scripts" / "learner_answers" / f"lesson{lesson}.py").read_text()
+    return [part.strip("\n") + "\n" for part in CELL_MARK.split(text)[1:] if part.strip()]
 
 
 class Notebook:
@@ -58,49 +67,8 @@ from minipaged.worker.sampler import (Sampler, SequenceOutput, apply_penalties, 
                                       sequence_generators, top_k_top_p_filter)
 """
 
-TEMPERATURE_CELL = '''
-def temperature_of(params):
-    """Greedy and beam search keep the model's own logprobs: temperature 1."""
-    return 1.0 if params.greedy or params.use_beam_search else params.temperature
-'''
-
-SAMPLER_CELL = '''
-class MySampler(Sampler):
-    def __call__(self, logits, rows, generators):
-        logits = apply_penalties(logits, rows)
-        temps = torch.tensor([temperature_of(r.seq_group.sampling_params) for r in rows])
-        logits = logits / temps[:, None]
-        logprobs = torch.log_softmax(logits, dim=-1)
-        by_request = {}
-        for i, row in enumerate(rows):
-            by_request.setdefault(row.seq_group.request_id, []).append(i)
-        out = {}
-        for request_id, idx in by_request.items():
-            group = rows[idx[0]].seq_group
-            params = group.sampling_params
-            if params.use_beam_search:
-                picks = self._beam_search(group, [rows[i] for i in idx], logprobs[idx])
-            else:
-                picks = {}
-                for k, i in enumerate(idx):
-                    for seq_id in rows[i].seq_ids:
-                        if params.greedy:
-                            picks[seq_id] = (k, seq_id, int(logits[i].argmax()))
-                        else:
-                            kept = top_k_top_p_filter(logits[i], params.top_k, params.top_p)
-                            token = draw(torch.softmax(kept, dim=-1), generators[seq_id])
-                            picks[seq_id] = (k, seq_id, token)
-            out[request_id] = {}
-            for seq_id, (k, parent, token) in picks.items():
-                row_logprobs = logprobs[idx[k]]
-                reported = {token: row_logprobs[token].item()}
-                if params.logprobs:
-                    best = torch.topk(row_logprobs, min(params.logprobs, len(row_logprobs)))
-                    for t, v in zip(best.indices.tolist(), best.values.tolist()):
-                        reported.setdefault(t, v)
-                out[request_id][seq_id] = SequenceOutput(parent, token, reported)
-        return out
-'''
+# the second answer set's cells (scripts/learner_answers/): a temperature helper, then the class
+TEMPERATURE_CELL, SAMPLER_CELL = learner_cells("10")
 
 
 def test_a_sampler_using_the_lessons_imports_runs_from_its_saved_file():
@@ -126,40 +94,10 @@ from minipaged.exercises.workbench import check_component
 from minipaged.worker.sampler import draw
 """
 
-RESIDUAL_CELLS = ['''
-FLOOR = 0.0  # a constant of the learner's, read by a helper
-
-
-def positive_part(x):
-    return torch.clamp(x, min=FLOOR)
-''', '''
-def residual_distribution(p, q):
-    """max(0, p - q), normalised (a helper calling a helper)."""
-    r = positive_part(p - q)
-    total = r.sum()
-    return r / total if total > 0 else p
-''']
-
-REJECTION_CELL = '''
-def rejection_sample(target_probs, draft_token_ids, draft_probs, generator):
-    p_all = target_probs.double()
-    out = []
-    for i, guess in enumerate(draft_token_ids):
-        p = p_all[i]
-        if draft_probs is None:
-            q = torch.zeros_like(p)
-            q[guess] = 1.0
-        else:
-            q = draft_probs[i].double()
-        u = torch.rand((), generator=generator, dtype=torch.float64).item()
-        if u * q[guess].item() < p[guess].item():
-            out.append(guess)
-        else:
-            out.append(draw(residual_distribution(p, q), generator))
-            return out
-    out.append(draw(p_all[len(draft_token_ids)], generator))
-    return out
-'''
+# the second answer set's cells: two greedy ones (not needed here), a helper with a constant, the
+# residual calling it, then rejection_sample calling the residual
+*_, FLOOR_CELL, RESIDUAL_CELL, REJECTION_CELL = learner_cells("12")
+RESIDUAL_CELLS = [FLOOR_CELL, RESIDUAL_CELL]
 
 
 def lesson12_notebook(*extra_cells: str) -> Notebook:
