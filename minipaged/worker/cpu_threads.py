@@ -90,10 +90,13 @@ class CpuLoad:
     def others(self) -> float:
         """Cores' worth of CPU other programs used over the last ``WINDOW_S`` or more (0 where
         the load cannot be read); cheap enough to call every step."""
+        clock = self.clock()
+        if self._samples and clock - self._samples[-1][0] < WINDOW_S / 10:
+            return self._others  # NOTE: short steps read /proc/stat at most 20 times a second
         busy = self._busy_seconds()
         if busy is None:
             return 0.0
-        now = (self.clock(), busy, self.own_cpu())
+        now = (clock, busy, self.own_cpu())
         self._samples.append(now)
         while len(self._samples) > 2 and now[0] - self._samples[1][0] >= WINDOW_S:
             self._samples.popleft()  # keep the newest sample at least WINDOW_S old
