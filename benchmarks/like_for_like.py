@@ -22,9 +22,11 @@ benchmarks/RESULTS.md with the date, the machine and the protocol.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -109,6 +111,7 @@ def run(args) -> dict:
         config = AutoConfig.for_model(shape.pop("model_type"), **shape)
         config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
         model_dir = tempfile.mkdtemp(prefix="minipaged-like-for-like-")
+        atexit.register(shutil.rmtree, model_dir, True)  # (only a config.json in it)
         config.save_pretrained(model_dir)
         kwargs, name = dict(load_format="dummy"), f"dummy {args.dummy}"
     prompts, outputs = make_trace(args.num_seqs, args.max_input_len, args.max_output_len,

@@ -25,11 +25,13 @@ date, the machine and its CPU capability.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import math
 import multiprocessing
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -249,6 +251,7 @@ def _main(args) -> int:
         config = AutoConfig.for_model(shape.pop("model_type"), **shape)
         config.bos_token_id = config.eos_token_id = config.pad_token_id = 0
         model_dir = tempfile.mkdtemp(prefix="minipaged-dummy-")
+        atexit.register(shutil.rmtree, model_dir, True)  # (only a config.json in it)
         config.save_pretrained(model_dir)
         llm_kwargs = dict(load_format="dummy")
         model_name = f"dummy {args.dummy}"
@@ -294,9 +297,12 @@ def _main(args) -> int:
         print(f"  {n} requests: minipaged {runs[n]['minipaged']['time']:.1f} s", flush=True)
     largest = traces[max(traces)]
     prompts = [p for p, _ in largest][:min(64, len(largest))]
+    threads = torch.get_num_threads()
     breakdown = decode_step_breakdown(llm, prompts)
+    torch.set_num_threads(threads)  # (its steps choose threads; transformers keeps the caller's)
     print("  " + format_decode_breakdown(breakdown, peak), flush=True)
-    # Our weights go to transformers: same weights, and the KV pool is freed first.
+    # Our weights go to transformers: same weights, and the KV pool is freed first (with
+    # --pairs it is kept for the pairs at the end: on a GPU the later engines then get less).
     state = {k: v for k, v in engine.worker.model.state_dict().items()}
     if not args.pairs:
         llm.shutdown()  # the KV pool, the CUDA graphs and torch's cached blocks go back
@@ -314,7 +320,7 @@ def _main(args) -> int:
 
     skip = set(filter(None, args.skip.split(",")))
     hf = None
-    if not ({"static", "continuous"} <= skip):
+    if args.pairs or not ({"static", "continuous"} <= skip):
         if args.dummy:
             hf = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
             hf.load_state_dict(_hf_names(state, config), strict=False)

@@ -4,7 +4,7 @@ the blocks that have left the window go back to the free list.
 A layer with window W lets the token at position p read positions p - W + 1 ... p only. Once a
 sequence's newest token is at position p, no later token reads a block whose last position is
 below p - W + 1: every layer has stopped reading it, so its memory can serve others. A
-sequence then holds at most ``ceil((W - 1) / block_size) + 1`` blocks while it decodes (6 for a
+sequence then holds at most ``ceil((W - 1) / block_size) + 1`` blocks while it decodes (5 for a
 16-token window in blocks of 4), however long it grows.
 
 The block table keeps its length (a token's block is still ``table[position // block_size]``);
@@ -47,7 +47,7 @@ class SlidingWindowBlockManager(BlockSpaceManager):
 
     Args:
         window: the sliding window of every layer, in tokens.
-        The others: ``BlockSpaceManager``'s (``enable_prefix_caching`` must be False).
+        The others: ``BlockSpaceManager``'s.
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,

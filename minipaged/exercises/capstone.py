@@ -34,8 +34,8 @@ from minipaged.sampling_params import SamplingParams
 # that the workload preempts (single sequences by recompute, groups by swap into the CPU pool),
 # with chunked prefill under a small token budget (long prompts run in chunks, one behind the
 # other), without prefix caching: the learner's block manager of lesson 03 (like vLLM v0.1's)
-# takes no cached blocks. The prefix cache has a run of its own (``prefix_caching_run`` in
-# lesson16.py), with the package's block manager around the learner's allocator.
+# takes no cached blocks. The prefix cache has a run of its own (run 2 in ``capstone_runs.py``),
+# with the package's block manager around the learner's allocator.
 CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=10, num_cpu_blocks=12, max_model_len=32,
                          watermark=0.0, enable_prefix_caching=False, enable_chunked_prefill=True,
                          max_num_batched_tokens=16, device="cpu", dtype="float32", seed=0,
@@ -166,9 +166,10 @@ def check_capstone(names: list[str], on_step=None, workload: list[Request] | Non
             results.append(_one_run(run, plugged, max_steps, on_step if number == 0 else None))
             if results[-1].mismatch is not None:
                 break  # the first difference is what to look at
+        # (inside: the verdict may run engines too, to find the component that went wrong)
+        result = _verdict(list(names), found, missing, broken, results, notes)
     finally:
         torch.set_num_threads(threads)
-    result = _verdict(list(names), found, missing, broken, results, notes)
     print(result)
     return result
 

@@ -57,21 +57,21 @@ def speculative_workload(encode) -> list[Request]:
                     SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True))]
 
 
-PREFIX_SETTINGS = dict(enable_prefix_caching=True, enable_chunked_prefill=False,
-                       max_num_batched_tokens=64, num_gpu_blocks=24, max_model_len=40)
 def kernel_workload(encode) -> list[Request]:
     """One greedy request: its prompt runs as a prompt, its three decode steps in the kernel."""
     return [Request(encode("The CUDA kernel reads the cache"),
                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]
 
 
-# the block size and dtype of lesson 06's exercise build (kernel_exercise: float32, 16 a block)
-KERNEL_SETTINGS = dict(block_size=16, enable_chunked_prefill=False, max_num_batched_tokens=64,
-                       num_gpu_blocks=8, max_model_len=64, dtype="float32")
+PREFIX_SETTINGS = dict(enable_prefix_caching=True, enable_chunked_prefill=False,
+                       max_num_batched_tokens=64, num_gpu_blocks=24, max_model_len=40)
 SPECULATIVE_SETTINGS = dict(enable_chunked_prefill=False, max_num_batched_tokens=64,
                             num_gpu_blocks=24, max_model_len=40,
                             speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_max": 3})
+# the block size and dtype of lesson 06's exercise build (kernel_exercise: float32, 16 a block)
+KERNEL_SETTINGS = dict(block_size=16, enable_chunked_prefill=False, max_num_batched_tokens=64,
+                       num_gpu_blocks=8, max_model_len=64, dtype="float32")
 
 
 def capstone_runs(names: list[str]) -> list[capstone.Run]:

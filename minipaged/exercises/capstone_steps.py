@@ -144,7 +144,15 @@ def run_steps(engine, workload: list[Request], max_steps: int = 200,
     requests are still unfinished after ``max_steps``.
     """
     snapshots: list = []
-    engine.add_observer(snapshots.append)
+    observer = snapshots.append
+    engine.add_observer(observer)
+    try:
+        yield from _steps(engine, workload, max_steps, step, snapshots)
+    finally:
+        engine.remove_observer(observer)  # (the caller's engine keeps no observer of ours)
+
+
+def _steps(engine, workload, max_steps, step, snapshots) -> Iterator[Stepped]:
     groups: dict = {}
     outputs: dict = {}
     for number in range(1, max_steps + 1):
@@ -209,7 +217,7 @@ def watched(objects: dict[str, object]) -> Iterator[tuple[dict[str, object], set
                 wrapped[name] = obj
         yield wrapped, ran
     finally:
-        for cls, own in patched:
+        for cls, own in reversed(patched):  # (a class under two names: the first's is its own)
             if own is None:
                 del cls.__init__
             else:

@@ -24,6 +24,7 @@ pools (both preemption modes) and compares every step.
 """
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 from minipaged.core.lookahead import drop_lookahead, fit_lookahead
@@ -301,13 +302,19 @@ def _record_scheduler_calls(lock: _Lockstep) -> list[tuple]:
     sched = lock.run.scheduler
 
     def recorded(method: str, fn):
-        def call(*args):
-            result = fn(*args)
+        signature = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            # by name: a learner may pass an argument by keyword (blocks_to_swap_out=...)
+            given = signature.bind(*args, **kwargs)
+            given.apply_defaults()
+            bound = list(given.arguments.values())
             if method == "_preempt":
-                words = f"_preempt(request {args[0].request_id})"
-                extra = {"blocks_to_swap_out": dict(args[1])}
+                words = f"_preempt(request {bound[0].request_id})"
+                extra = {"blocks_to_swap_out": dict(bound[1])}
             else:
-                words, extra = f"{method}(step)", _plan_state(args[0])
+                words, extra = f"{method}(step)", _plan_state(bound[0])
             calls.append((method, words, result, {**_scheduler_state(lock), **extra}))
             return result
         return call
@@ -329,7 +336,7 @@ def _first_wrong_scheduler_call(theirs: list[tuple], mine: list[tuple]):
         if got[3] != want[3]:
             return got[0], got[1], "state", want[2]
     if len(theirs) != len(mine):
-        extra = (mine + theirs)[min(len(mine), len(theirs))]
+        extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
         caller = "_schedule_running" if extra[0] == "_preempt" else extra[0]
         return caller, extra[1], "call", None
     return None

@@ -265,7 +265,7 @@ def _check_engine_step(candidate, rng: random.Random, num_cases: int) -> int:
                             request = workload[int(found.expected["request"])]
                             hint = sequence_hint(found.yours, found.expected, request.params)
                         elif found.kind == "stats":
-                            hint = stats_hint(found.yours, found.expected)
+                            hint = stats_hint(found.expected)
                         else:
                             hint = STEP_HINTS[found.kind]
                         fail("LLMEngine.step", case, f"{_describe(settings, workload)}; after "

@@ -41,7 +41,8 @@ from minipaged.sequence import SequenceStatus
 # The lesson's engine: the embedded SmolLM2 on the CPU, blocks of 4 tokens, a pool small enough
 # that the workload preempts, prefix caching on.
 SETTINGS = dict(block_size=4, num_gpu_blocks=13, num_cpu_blocks=16, max_model_len=40,
-                watermark=0.0, device="cpu", dtype="float32", seed=0)
+                watermark=0.0, device="cpu", dtype="float32", seed=0,
+                cpu_threads=1)  # both engines of a comparison compute alike, whatever the load
 
 COMPONENTS = ["FreeListAllocator", "BlockSpaceManager", "PrefixCachingAllocator", "Scheduler",
               "prepare_inputs", "paged_attention", "Sampler", "OutputProcessor"]

@@ -150,7 +150,8 @@ def _first_wrong_call(theirs: _Lockstep, mine: _Lockstep) -> tuple[_Call, str, _
         if what is not None:
             return got, what, want
     if len(mine.calls) != len(theirs.calls):  # one made a call the other did not
-        extra = (mine.calls + theirs.calls)[min(len(mine.calls), len(theirs.calls))]
+        extra = (mine.calls[len(theirs.calls)] if len(mine.calls) > len(theirs.calls)
+                 else theirs.calls[len(mine.calls)])
         return extra, "call", None
     return None
 

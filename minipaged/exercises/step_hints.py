@@ -36,15 +36,17 @@ _STATS_HINTS = {
                       "(time.perf_counter() before and after)",
 }
 _STATS_HINTS["num_generation_tokens"] = _STATS_HINTS["num_prompt_tokens"]
+STEP_HINTS["ref_counts"] = STEP_HINTS["free_gpu_blocks"] = STEP_HINTS["free_cpu_blocks"] = \
+    STEP_HINTS["block_tables"]
 _SCHEDULE_COUNT = ("count what the scheduler decided, once, right after schedule(): "
                    "self.stats.count_schedule(outs, self.scheduler.pool_counts())")
 
 
-def stats_hint(yours: dict, expected: dict) -> str:
+def stats_hint(expected: dict) -> str:
+    """The hint for the first of the engine's counters that differs (``expected``: the
+    package's values of those that differ, in the order ``step_state`` lists them)."""
     first = next(iter(expected))
     return _STATS_HINTS.get(first, _SCHEDULE_COUNT)
-STEP_HINTS["ref_counts"] = STEP_HINTS["free_gpu_blocks"] = STEP_HINTS["free_cpu_blocks"] = \
-    STEP_HINTS["block_tables"]
 
 
 def sequence_hint(yours, expected, params: SamplingParams | None = None) -> str:

@@ -88,6 +88,8 @@ class JitBuild:
         self._error: Exception | None = None
         self._thread: threading.Thread | None = None
         self.compiling = False  # a compile (not the load of a cached library) is under way
+        # set once the background build knows whether it compiles or loads (``compiling``)
+        self._decided = threading.Event()
         self._waited = False  # whether an op was asked for while the background build compiled
 
     def enabled(self) -> bool:
@@ -118,6 +120,8 @@ class JitBuild:
 
         NOTE: only a compile is not waited for. Loading a library built before takes a moment
         and is waited for, so that a process's results never depend on the build's timing."""
+        if not self._done and self._thread is not None:
+            self._decided.wait()  # (the sources' hash before a compile: a moment)
         if not self._done and self.compiling and self._thread is not None:
             if not self._waited:
                 self._waited = True
@@ -148,6 +152,8 @@ class JitBuild:
             self.load()
         except Exception:  # noqa: BLE001 - a strict build's error is raised again by load()
             pass
+        finally:
+            self._decided.set()  # (a build that failed before it knew)
 
     def _try_build(self) -> None:
         try:
@@ -209,6 +215,7 @@ def compile_extension(job: JitBuild, name: str, tag: str, sources: list[Path],
                     toolchain_identity())
     folder = build_folder(tag, key)
     job.compiling = not (folder / f"{name}.so").exists()  # (or another process compiles it)
+    job._decided.set()
     try:
         return _compile_in(job, folder, name, sources, files, include_paths, generated, probe,
                            load_kwargs)

@@ -325,7 +325,7 @@ def _compare_step(ref: StepRecord, sus: StepRecord, atol: float, rtol: float):
             if found is not None:
                 where, x, y = found
                 return Difference(ref.step, f"{group}.{name}{where}", x, y,
-                                  _token_note(group, where, a))
+                                  _token_note(group, name, where, a))
     return None
 
 
@@ -348,10 +348,14 @@ def _first_mismatch(a, b, where: str = ""):
     return where, a, b
 
 
-def _token_note(group: str, where: str, fields: dict) -> str:
+PER_TOKEN = ("input_ids", "positions", "slot_mapping")  # the inputs with one entry a token
+
+
+def _token_note(group: str, name: str, where: str, fields: dict) -> str:
     """For a per-token input list: which token of the batch, at which position."""
-    if group != "inputs" or not where.startswith("[") or "positions" not in fields:
-        return ""
+    if (group != "inputs" or name not in PER_TOKEN or not where.startswith("[")
+            or "positions" not in fields):
+        return ""  # (context_lens, block_tables, prompt_lens ...: one entry a sequence)
     index = int(where[1:where.index("]")])
     positions, ids = fields["positions"], fields["input_ids"]
     if index < len(positions):

@@ -43,6 +43,8 @@ def load_first_layers(model: str | None = None, num_layers: int = 1):
     if num_layers > full:
         raise ValueError(f"num_layers must be at most the model's {full} layers, got {num_layers}")
     config.num_hidden_layers = num_layers  # GPT2Config maps it to n_layer
+    if getattr(config, "layer_types", None):  # (Qwen2, Qwen3, Gemma 3: one entry a layer)
+        config.layer_types = list(config.layer_types[:num_layers])
     files = sorted(glob.glob(os.path.join(source, "*.safetensors")))
     if not files:
         raise ValueError(f"{source!r} has no .safetensors checkpoint to read layers from")

@@ -80,6 +80,8 @@ def check_block_manager(bm) -> list[Violation]:
     holders: dict[tuple[Device, int], list[tuple[int, int]]] = {}  # block -> (seq id, index)
     for seq_id, table in bm.block_tables.items():
         for index, block in enumerate(table):
+            if block.block_number < 0:
+                continue  # a sliding window's dropped marker (core/sliding_window.py): no block
             holders.setdefault((block.device, block.block_number), []).append((seq_id, index))
     for allocator in (bm.gpu_allocator, bm.cpu_allocator):
         found += _check_pool(bm, allocator, holders)

@@ -305,12 +305,30 @@ class ExerciseKernel:
                             "neither")
         if problems:
             raise ValueError("your phase 3's kernel cannot run this call: " + "; ".join(problems))
-        tensors = [t.contiguous() for t in (query, key_cache, value_cache)]
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
+        # NOTE: the kernel reads raw pointers: what would read past a buffer is refused here
+        caches = (num_blocks, num_kv_heads, HEAD_SIZE // X, BLOCK_SIZE, X), (
+            num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE)
+        if num_heads % num_kv_heads or (tuple(key_cache.shape),
+                                        tuple(value_cache.shape)) != caches:
+            problems.append(f"query heads {num_heads}, key cache {tuple(key_cache.shape)} and "
+                            f"value cache {tuple(value_cache.shape)} do not fit together")
+        if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+            problems.append(f"block_tables {tuple(tables.shape)} and context_lens "
+                            f"{tuple(lens.shape)} must have a row for each of {num_seqs} "
+                            f"sequences")
+        elif num_seqs and (int(lens.min()) < 1
+                           or int(lens.max()) > tables.shape[1] * BLOCK_SIZE
+                           or int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+            problems.append(f"context_lens {lens.tolist()} must be 1 to {tables.shape[1]} "
+                            f"blocks of {BLOCK_SIZE}, block numbers 0 to {num_blocks - 1}")
+        if problems:
+            raise ValueError("your phase 3's kernel cannot run this call: " + "; ".join(problems))
+        tensors = [t.contiguous() for t in (query, key_cache, value_cache)]
         out = torch.empty_like(tensors[0])
         per_thread = torch.empty(2, num_seqs * num_heads * NUM_THREADS)
-        longest = int(lens.max()) if max_context_len is None else int(max_context_len)
+        longest = max(int(lens.max()) if num_seqs else 0, int(max_context_len or 0))
         pointer = lambda t: ctypes.c_void_p(t.data_ptr())
         status = self.library.exercise_paged_attention_v1(
             pointer(out), *map(pointer, tensors), pointer(tables), pointer(lens), num_seqs,

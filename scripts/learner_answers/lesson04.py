@@ -36,7 +36,8 @@ class MyScheduler(Scheduler):
                 if drop_lookahead(seqs):
                     continue
                 victim = queue.pop() if queue else group  # the newest one not served yet
-                step.preempted.append(self._preempt(victim, step.blocks_to_swap_out))
+                swap_out = step.blocks_to_swap_out
+                step.preempted.append(self._preempt(victim, blocks_to_swap_out=swap_out))
                 if victim is group:
                     gave_up = True
                     break

@@ -7,6 +7,7 @@ import torch
 from minipaged import SamplingParams
 from minipaged.core.sliding_window import SlidingWindowBlockManager
 from minipaged.engine.llm_engine import LLMEngine
+from minipaged.lab.invariants import check_block_manager
 from tiny_models import greedy_reference, pick_prompts, save_tiny_model
 
 
@@ -28,6 +29,8 @@ def held_blocks_per_step(engine, prompt, max_tokens):
         out = append_slot(seq)
         held.append((seq.get_len(), manager.num_held_blocks(seq),
                      manager.get_num_free_gpu_blocks()))
+        # the invariants of lab/invariants.py hold with dropped markers in the table
+        assert check_block_manager(manager) == [], check_block_manager(manager)
         return out
 
     manager.append_slot = spy

@@ -657,3 +657,14 @@ def test_the_exercise_kernel_refuses_a_shape_it_was_not_built_for():
         kernel.paged_attention(case.query[..., :32], *args[1:])
     with pytest.raises(ValueError, match="sliding window"):
         kernel.paged_attention(*args, window=8)
+    # what would read past a buffer: refused before the kernel runs
+    past_the_pool = case.block_tables.clone()
+    past_the_pool[0, 0] = case.key_cache.shape[0]
+    with pytest.raises(ValueError, match="block numbers 0 to"):
+        kernel.paged_attention(*args[:3], past_the_pool, *args[4:])
+    with pytest.raises(ValueError, match="context_lens"):
+        kernel.paged_attention(*args[:4], case.context_lens * 10, args[5])
+    with pytest.raises(ValueError, match="a row for each"):
+        kernel.paged_attention(*args[:4], case.context_lens[:1], args[5])
+    with pytest.raises(ValueError, match="do not fit together"):
+        kernel.paged_attention(case.query, case.key_cache, case.value_cache[:1], *args[3:])

@@ -192,3 +192,15 @@ def test_first_layers_of_gpt2_keep_their_blocks_and_positions(tiny_gpt2):
     full = checkpoint.load_state_dict(path)
     assert len(model.h) == 1
     assert torch.equal(model.wpe.weight, full["transformer.wpe.weight"])
+
+
+@pytest.mark.lesson07
+@pytest.mark.parametrize("kind", ["qwen2", "gemma3"])
+def test_first_layers_cut_a_model_with_layer_types(kind, tmp_path):
+    """Qwen2 and Gemma 3 name each layer's kind (``layer_types``): the cut keeps as many."""
+    from minipaged.lab.first_layers import load_first_layers
+    from tiny_models import save_tiny_model
+
+    save_tiny_model(kind, tmp_path)
+    config, _, model = load_first_layers(str(tmp_path), num_layers=1)
+    assert len(model.layers) == 1 and len(config.layer_types) == 1
