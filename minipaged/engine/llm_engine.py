@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import fields
 from typing import Callable
 
 import torch
@@ -121,6 +122,17 @@ class LLMEngine:
         """The scheduler's block manager, to look at (lessons); the engine goes through the
         scheduler."""
         return self.scheduler.block_manager
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+        """vLLM's way to build an engine from its arguments object: here an ``EngineConfig``
+        (``EngineConfig.from_settings(model, **settings)``), the same as
+        ``LLMEngine(model, **settings)``."""
+        if not isinstance(engine_args, EngineConfig):
+            raise TypeError(f"engine_args must be an EngineConfig, got "
+                            f"{type(engine_args).__name__}")
+        return cls(engine_args.model, **{f.name: getattr(engine_args, f.name)
+                                         for f in fields(engine_args) if f.name != "model"})
 
     # -- requests --------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -134,3 +134,20 @@ def test_the_pool_is_sized_with_the_bytes_its_tensors_take(tiny_llama):
     allocated = sum(t.numel() * t.element_size() for layer in cache for t in layer)
     assert engine.block_bytes * 12 == allocated
     assert engine.block_bytes == 8 * engine.model_shape.kv_bytes_per_token(4)
+
+
+def test_from_engine_args_builds_the_engine_its_config_describes(tiny_llama):
+    """vLLM's ``LLMEngine.from_engine_args``: an ``EngineConfig`` in, the same engine as
+    ``LLMEngine(model, **settings)``; anything else is refused by name."""
+    from minipaged.config import EngineConfig
+    from minipaged.engine.llm_engine import LLMEngine
+
+    path, _ = tiny_llama
+    config = EngineConfig.from_settings(path, block_size=8, num_gpu_blocks=12, max_model_len=64,
+                                        dtype="float32",
+                                        preemption_mode="swap", max_num_seqs=3)
+    engine = LLMEngine.from_engine_args(config)
+    assert engine.config == config
+    assert engine.block_manager.block_size == 8 and engine.scheduler.config.max_num_seqs == 3
+    with pytest.raises(TypeError, match="engine_args must be an EngineConfig, got dict"):
+        LLMEngine.from_engine_args({"model": path})
