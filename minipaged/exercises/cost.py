@@ -27,6 +27,7 @@ import gc
 import importlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,6 +151,12 @@ def measure(name: str, probe: Probe, candidate, package, repeats: int = REPEATS)
     verdict = CostVerdict(name, probe, [])
     gc_was = gc.isenabled()
     gc.disable()  # NOTE: a collection inside one run and not the other would read as cost
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    if torch is not None:
+        # NOTE: one thread: torch's worker threads on a busy machine wait for a core in one run
+        # and not in the other; one thread is slowed alike in both.
+        torch.set_num_threads(1)
     try:
         for size in probe.sizes:
             verdict.rows.append((size, _time_size(probe, candidate, package, size, repeats)))
@@ -165,6 +172,8 @@ def measure(name: str, probe: Probe, candidate, package, repeats: int = REPEATS)
     finally:
         if gc_was:
             gc.enable()
+        if threads is not None:
+            torch.set_num_threads(threads)
     return verdict
 
 
@@ -284,6 +293,162 @@ def _prepare_inputs_work(fn, size: int) -> dict[str, Work]:
     return {"prepare_inputs": prepare}
 
 
+def _running_groups(manager, size: int, length: int, num_computed: int) -> list:
+    """``size`` running single-sequence groups of ``length`` tokens, ``num_computed`` of them in
+    the cache, oldest first, their prompts' blocks allocated in ``manager``."""
+    from minipaged.sampling_params import SamplingParams
+    from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    params, groups = SamplingParams(), []
+    for i in range(size):
+        seq = Sequence(i, None, [7] * num_computed, manager.block_size)
+        group = SequenceGroup(str(i), [seq], params, arrival_time=float(i))
+        manager.allocate(group)
+        for _ in range(length - num_computed):  # decoded, not yet in the cache
+            seq.append_token_id(8, {8: 0.0})
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = num_computed
+        groups.append(group)
+    return groups
+
+
+def _scheduler_work(cls, size: int) -> dict[str, Work]:
+    """``size`` running groups decoding, as the package's engine builds its scheduler
+    (``cls(config, block_manager)``): a step where every group has its slot, and a step on a
+    full pool where each group needs a new block, so that the newest half is preempted."""
+    from minipaged.core.block_manager import BlockSpaceManager
+    from minipaged.core.scheduler import SchedulerConfig
+    from minipaged.sequence import SequenceStatus
+
+    config = SchedulerConfig(max_num_seqs=size, max_num_batched_tokens=4 * size)
+    # Every group's newest token goes into a block it holds: the step changes nothing.
+    roomy = cls(config, BlockSpaceManager(16, 2 * size, 0, watermark=0.0))
+    roomy.running = _running_groups(roomy.block_manager, size, 20, 19)
+    # Every group's newest token opens a new block, and no block is free.
+    full = cls(config, BlockSpaceManager(16, size, 0, watermark=0.0))
+    groups = _running_groups(full.block_manager, size, 17, 16)
+    full.running = list(groups)
+    manager = full.block_manager
+
+    def decode(times: int) -> None:
+        for _ in range(times):
+            roomy.schedule()
+
+    def preempt(times: int) -> None:
+        for _ in range(times):
+            full.schedule()
+            # (untimed in spirit, the same for both: the step undone, as the package does it)
+            for group in full.running:  # served: give its new block back
+                manager.gpu_allocator.free(manager.block_tables[group.seqs[0].seq_id].pop())
+            for group in full.waiting:  # preempted by recompute: its block again
+                seq = group.seqs[0]
+                seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 16
+                manager._register(seq, group, [manager.gpu_allocator.allocate()])
+            full.waiting.clear()
+            full.running = list(groups)
+
+    return {"schedule": decode, "schedule with preemption": preempt}
+
+
+def _admission_work(fn, size: int) -> dict[str, Work]:
+    """``size`` waiting groups of 8-token prompts; a step whose budget admits the oldest 32 (the
+    scheduler's step 4 alone, ``fn`` as the ``Scheduler``'s ``_admit_waiting``), then undone."""
+    from minipaged.core.block_manager import BlockSpaceManager
+    from minipaged.core.scheduler import Scheduler, SchedulerConfig
+    from minipaged.core.scheduler_outputs import StepPlan
+    from minipaged.sampling_params import SamplingParams
+    from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+    admitted = 32
+    cls = type("SchedulerWithThisAdmission", (Scheduler,), {"_admit_waiting": fn})
+    scheduler = cls(SchedulerConfig(max_num_seqs=size, max_num_batched_tokens=8 * admitted),
+                    BlockSpaceManager(16, 2 * admitted, 0, watermark=0.0))
+    params = SamplingParams()
+    waiting = [SequenceGroup(str(i), [Sequence(i, None, [7] * 8, 16)], params,
+                             arrival_time=float(i)) for i in range(size)]
+    scheduler.waiting = list(waiting)
+
+    def admit(times: int) -> None:
+        for _ in range(times):
+            scheduler._admit_waiting(StepPlan(budget=8 * admitted))
+            for group in scheduler.running:  # undone: back to waiting, the blocks freed
+                scheduler.block_manager.free(group.seqs[0])
+                group.seqs[0].status = SequenceStatus.WAITING
+                group.pending_chunks = []
+            scheduler.running.clear()
+            scheduler.waiting[:] = waiting
+
+    return {"_admit_waiting": admit}
+
+
+def _sampler_work(cls, size: int) -> dict[str, Work]:
+    """A decode step of ``size`` single-sequence requests over a vocabulary of 2,048 tokens:
+    half greedy, half seeded draws at temperature 0.8 with top-k 50, every one with presence
+    and frequency penalties over its 16 generated tokens and its 2 best tokens' logprobs."""
+    import torch
+
+    from minipaged.sampling_params import SamplingParams
+    from minipaged.sequence import Sequence, SequenceGroup
+    from minipaged.worker.model_runner import Row
+    from minipaged.worker.sampler import sequence_generators
+
+    vocab, rows, generators = 2048, [], {}
+    for i in range(size):
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, top_k=-1 if i % 2 else 50,
+                                presence_penalty=0.5, frequency_penalty=0.3, logprobs=2,
+                                seed=None if i % 2 else i)
+        seq = Sequence(i, None, [1, 2, 3], 16)
+        seq.output_token_ids = [(i * 31 + k * 97) % vocab for k in range(16)]
+        group = SequenceGroup(f"req{i}", [seq], params, arrival_time=float(i))
+        rows.append(Row(group, [i], False))
+        generators.update(sequence_generators(i if i % 2 == 0 else f"engine/req{i}", [i]))
+    logits = torch.randn(size, vocab, generator=torch.Generator().manual_seed(size))  # (R, V)
+    sampler = cls()
+
+    def sample(times: int) -> None:  # (the generators advance: the work stays the same)
+        for _ in range(times):
+            sampler(logits.clone(), rows, generators)
+
+    return {"__call__": sample}
+
+
+def _attention_work(cls, size: int) -> dict[str, Work]:
+    """A decode step of ``size`` sequences with contexts of 48 to 63 tokens in blocks of 16, the
+    pool just large enough for them (it grows with the batch), GPT-2 shapes: 4 heads of 32."""
+    import torch
+
+    from minipaged.kernels import ops
+    from minipaged.sampling_params import SamplingParams
+    from minipaged.sequence import Sequence, SequenceGroup
+    from minipaged.step_record import SequenceRun
+    from minipaged.worker.model_runner import prepare_inputs
+
+    block_size, num_heads, head_size, runs = 16, 4, 32, []
+    num_blocks = 4 * size
+    for i in range(size):
+        length = 48 + i % 16
+        seq = Sequence(i, None, [7] * length, block_size)
+        group = SequenceGroup(str(i), [seq], SamplingParams(), arrival_time=float(i))
+        table = [(i + k * size) % num_blocks for k in range(-(-length // block_size))]
+        runs.append(SequenceRun(group, [i], [7], length - 1, table, True, False))
+    meta = prepare_inputs(runs, block_size, torch.device("cpu")).meta
+    g = torch.Generator().manual_seed(size)
+    query = torch.randn(size, num_heads * head_size, generator=g)  # (T, H * D)
+    key = torch.randn(size, num_heads * head_size, generator=g)
+    value = torch.randn(size, num_heads * head_size, generator=g)
+    x = ops.key_vector_size(torch.float32)
+    kv_cache = (torch.randn(num_blocks, num_heads, head_size // x, block_size, x, generator=g),
+                torch.randn(num_blocks, num_heads, head_size, block_size, generator=g))
+    attention = cls(num_heads, head_size, head_size ** -0.5)
+
+    def forward(times: int) -> None:  # (it writes the same keys into the same slots each time)
+        with torch.inference_mode():
+            for _ in range(times):
+                attention(query, key, value, kv_cache, meta)
+
+    return {"forward": forward}
+
+
 PROBES: dict[str, Probe] = {
     "prepare_inputs": Probe("sequences", (16, 128, 1024), _prepare_inputs_work,
                             "minipaged.worker.model_runner:prepare_inputs"),
@@ -294,6 +459,13 @@ PROBES: dict[str, Probe] = {
                                     "PrefixCachingAllocator"),
     "BlockSpaceManager": Probe("blocks", (800, 8_000, 80_000), _block_manager_work,
                                "minipaged.core.block_manager:BlockSpaceManager"),
+    "Scheduler": Probe("running groups", (16, 128, 1024), _scheduler_work,
+                       "minipaged.engine.cache_setup:Scheduler"),
+    "admit_waiting": Probe("waiting groups", (64, 1024, 8192), _admission_work,
+                           "minipaged.core.scheduler:Scheduler._admit_waiting"),
+    "Sampler": Probe("rows", (4, 32, 256), _sampler_work, "minipaged.engine.llm_engine:Sampler"),
+    "Attention": Probe("sequences", (4, 32, 256), _attention_work,
+                       "minipaged.models.gpt2:PagedAttention"),
 }
 
 
@@ -310,7 +482,9 @@ def measure_cost(name: str, candidate, package=None) -> CostVerdict | None:
         return None
     if package is None:
         module, _, attribute = probe.package.partition(":")
-        package = getattr(importlib.import_module(module), attribute)
+        package = importlib.import_module(module)
+        for part in attribute.split("."):  # (a method: "Scheduler._admit_waiting")
+            package = getattr(package, part)
     return measure(name, probe, candidate, package)
 
 
