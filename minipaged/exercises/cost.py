@@ -351,7 +351,7 @@ def _scheduler_work(cls, size: int) -> dict[str, Work]:
 
 
 def _admission_work(fn, size: int) -> dict[str, Work]:
-    """``size`` waiting groups of 8-token prompts; a step whose budget admits the oldest 32 (the
+    """``size`` waiting groups of 8-token prompts; a step whose budget admits the oldest 64 (the
     scheduler's step 4 alone, ``fn`` as the ``Scheduler``'s ``_admit_waiting``), then undone."""
     from minipaged.core.block_manager import BlockSpaceManager
     from minipaged.core.scheduler import Scheduler, SchedulerConfig
@@ -359,7 +359,7 @@ def _admission_work(fn, size: int) -> dict[str, Work]:
     from minipaged.sampling_params import SamplingParams
     from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
-    admitted = 32
+    admitted = 64
     cls = type("SchedulerWithThisAdmission", (Scheduler,), {"_admit_waiting": fn})
     scheduler = cls(SchedulerConfig(max_num_seqs=size, max_num_batched_tokens=8 * admitted),
                     BlockSpaceManager(16, 2 * admitted, 0, watermark=0.0))
@@ -461,7 +461,7 @@ PROBES: dict[str, Probe] = {
                                "minipaged.core.block_manager:BlockSpaceManager"),
     "Scheduler": Probe("running groups", (16, 128, 1024), _scheduler_work,
                        "minipaged.engine.cache_setup:Scheduler"),
-    "admit_waiting": Probe("waiting groups", (64, 1024, 8192), _admission_work,
+    "admit_waiting": Probe("waiting groups", (128, 2048, 32768), _admission_work,
                            "minipaged.core.scheduler:Scheduler._admit_waiting"),
     "Sampler": Probe("rows", (4, 32, 256), _sampler_work, "minipaged.engine.llm_engine:Sampler"),
     "Attention": Probe("sequences", (4, 32, 256), _attention_work,
