@@ -19,7 +19,27 @@ machine slows both alike rather than one of them.
                        #  10,000 blocks (294x at 1,000 blocks): the cost of get_num_free_blocks
                        #  grows faster with the number of blocks than the package's"
 
-Components without a probe here (the kernel's phase, the verifications) get no cost check.
+The probes (``PROBES``), each with the size that grows: the allocators and the block manager
+(lessons 02, 03, 11: blocks in the pool), the ``Scheduler`` (lesson 04: running groups, a step
+where each has its slot and one on a full pool that preempts the newest half), ``Attention``
+(lesson 07: decode sequences, the pool growing with them), ``prepare_inputs`` (lesson 08:
+sequences), ``admit_waiting`` (lesson 09: waiting groups, 64 of them admitted) and the ``Sampler``
+(lesson 10: rows, with penalties, greedy and seeded draws). torch runs on one thread while they
+are timed.
+
+What a ratio can tell depends on the work per unit of size: where the package's own step costs
+tens of microseconds of Python per group (the scheduler), a scan at C speed inside its loop (a
+``max`` over the queue for each victim) stays a small factor up to thousands of groups and is
+not told; a scan that calls Python per element (recounting the served groups' tokens for each
+group) is.
+
+Components without a probe here get no cost check: the kernel's phase (CUDA C++, timed by
+nothing on the CPU but the sanitizers' build), the verifications (one step's few drafts: no size
+grows that a learner's loop could scan), and ``LLMEngine.step``: its work is the model's forward
+and the package's scheduler, sampler and output processing, which grow with the batch themselves;
+a probe would run the real model for hundreds of running groups per timed unit (seconds on a CPU,
+past the few seconds a check may take after every pass), and a learner's Python scan over the
+groups per output would hide under the model's own growing cost.
 """
 from __future__ import annotations
 
@@ -337,13 +357,13 @@ def _scheduler_work(cls, size: int) -> dict[str, Work]:
     def preempt(times: int) -> None:
         for _ in range(times):
             full.schedule()
-            # (untimed in spirit, the same for both: the step undone, as the package does it)
+            # The step undone, through the package's block manager: the same work for both.
             for group in full.running:  # served: give its new block back
                 manager.gpu_allocator.free(manager.block_tables[group.seqs[0].seq_id].pop())
             for group in full.waiting:  # preempted by recompute: its block again
                 seq = group.seqs[0]
                 seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 16
-                manager._register(seq, group, [manager.gpu_allocator.allocate()])
+                manager._register(seq, group, [manager.gpu_allocator.allocate()])  # (as allocate)
             full.waiting.clear()
             full.running = list(groups)
 
