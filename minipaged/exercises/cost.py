@@ -19,7 +19,27 @@ machine slows both alike rather than one of them.
                        #  10,000 blocks (294x at 1,000 blocks): the cost of get_num_free_blocks
                        #  grows faster with the number of blocks than the package's"
 
-Components without a probe here (the kernel's phase, the verifications) get no cost check.
+The probes (``PROBES``), each with the size that grows: the allocators and the block manager
+(lessons 02, 03, 11: blocks in the pool), the ``Scheduler`` (lesson 04: running groups, a step
+where each has its slot and one on a full pool that preempts the newest half), ``Attention``
+(lesson 07: decode sequences, the pool growing with them), ``prepare_inputs`` (lesson 08:
+sequences), ``admit_waiting`` (lesson 09: waiting groups, 64 of them admitted) and the ``Sampler``
+(lesson 10: rows, with penalties, greedy and seeded draws); they are in ``cost_probes.py``.
+torch runs on one thread while they are timed.
+
+What a ratio can tell depends on the work per unit of size: where the package's own step costs
+tens of microseconds of Python per group (the scheduler), a scan at C speed inside its loop (a
+``max`` over the queue for each victim) stays a small factor up to thousands of groups and is
+not told; a scan that calls Python per element (recounting the served groups' tokens for each
+group) is.
+
+Components without a probe here get no cost check: the kernel's phase (CUDA C++, timed by
+nothing on the CPU but the sanitizers' build), the verifications (one step's few drafts: no size
+grows that a learner's loop could scan), and ``LLMEngine.step``: its work is the model's forward
+and the package's scheduler, sampler and output processing, which grow with the batch themselves;
+a probe would run the real model for hundreds of running groups per timed unit (seconds on a CPU,
+past the few seconds a check may take after every pass), and a learner's Python scan over the
+groups per output would hide under the model's own growing cost.
 """
 from __future__ import annotations
 
@@ -27,10 +47,12 @@ import gc
 import importlib
 import json
 import os
+import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from minipaged.exercises.cost_probes import PROBES, Probe, Work
 
 # The verdict's thresholds: slower by this much at the largest size, and the ratio grown by this
 # much from the smallest size. A constant factor (Python written another way) is not what the
@@ -43,26 +65,6 @@ REPEATS = 9
 MIN_SECONDS = 0.0005
 SWITCH = "MINIPAGED_COST_CHECKS"  # "0": no cost checks (the test suite's checker tests)
 RECORD = "costs.json"  # in the learner's folder: component -> its cost verdict, when slow
-
-Work = Callable[[int], None]  # work(times): one unit of an operation, ``times`` times
-
-
-@dataclass(frozen=True)
-class Probe:
-    """How to load a component with work of a given size.
-
-    Args:
-        what: the size's unit, for the verdict ("blocks").
-        sizes: small to large.
-        prepare: ``prepare(component, size)`` builds what the work needs (untimed) and returns
-            {operation: work}; each work leaves the state as it found it.
-        package: where the package's own component is (``module:name``).
-    """
-
-    what: str
-    sizes: tuple[int, ...]
-    prepare: Callable[[object, int], dict[str, Work]]
-    package: str  # "module:name" of the package's own component, the yardstick
 
 
 @dataclass
@@ -150,6 +152,12 @@ def measure(name: str, probe: Probe, candidate, package, repeats: int = REPEATS)
     verdict = CostVerdict(name, probe, [])
     gc_was = gc.isenabled()
     gc.disable()  # NOTE: a collection inside one run and not the other would read as cost
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    if torch is not None:
+        # NOTE: one thread: torch's worker threads on a busy machine wait for a core in one run
+        # and not in the other; one thread is slowed alike in both.
+        torch.set_num_threads(1)
     try:
         for size in probe.sizes:
             verdict.rows.append((size, _time_size(probe, candidate, package, size, repeats)))
@@ -165,136 +173,9 @@ def measure(name: str, probe: Probe, candidate, package, repeats: int = REPEATS)
     finally:
         if gc_was:
             gc.enable()
+        if threads is not None:
+            torch.set_num_threads(threads)
     return verdict
-
-
-# -- the probes --------------------------------------------------------------------------------
-def _allocator_work(cls, size: int) -> dict[str, Work]:
-    """A pool of ``size`` blocks, half of them held (the free list and the held blocks both
-    grow with the pool)."""
-    from minipaged.block import Device
-
-    allocator = cls(Device.GPU, 16, size)
-    held = [allocator.allocate() for _ in range(size // 2)]
-    shared = held[len(held) // 2]
-
-    def allocate_free(times: int) -> None:
-        for _ in range(times):
-            block = allocator.allocate()
-            allocator.free(block)
-
-    def acquire_free(times: int) -> None:
-        for _ in range(times):
-            allocator.acquire(shared)
-            allocator.free(shared)
-
-    def count(times: int) -> None:
-        for _ in range(times):
-            allocator.get_num_free_blocks()
-
-    return {"allocate + free": allocate_free, "acquire + free": acquire_free,
-            "get_num_free_blocks": count}
-
-
-def _block_manager_work(cls, size: int) -> dict[str, Work]:
-    """A manager of ``size`` GPU blocks with ``size // 8`` running sequences of 2 blocks."""
-    from minipaged.sampling_params import SamplingParams
-    from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
-
-    block_size = 4
-    manager = cls(block_size, size, 64, watermark=0.0)
-    params = SamplingParams()
-    seqs = []
-    for i in range(size // 8):
-        seq = Sequence(i, None, [1, 2, 3, 4, 5, 6], block_size)
-        manager.allocate(SequenceGroup(str(i), [seq], params, arrival_time=float(i)))
-        seq.status = SequenceStatus.RUNNING
-        seqs.append(seq)
-    ids = iter(range(size, 1 << 62))
-
-    def new_seq():
-        number = next(ids)
-        seq = Sequence(number, None, [1, 2, 3, 4, 5, 6, 7], block_size)
-        return seq, SequenceGroup(str(number), [seq], params, arrival_time=float(number))
-
-    def fresh():  # a running sequence to append to and fork from
-        seq, group = new_seq()
-        manager.allocate(group)
-        seq.status = SequenceStatus.RUNNING
-        return seq
-    state = {"growing": fresh()}
-
-    def allocate_free(times: int) -> None:
-        for _ in range(times):
-            seq, group = new_seq()
-            manager.can_allocate(group)
-            manager.allocate(group)
-            seq.status = SequenceStatus.RUNNING
-            manager.free(seq)
-
-    def append(times: int) -> None:  # one sequence grows: a new block every 4 tokens
-        for _ in range(times):
-            growing = state["growing"]
-            if growing.get_len() >= 64:  # (once in 57 appends: back to a short sequence)
-                manager.free(growing)
-                growing = state["growing"] = fresh()
-            growing.append_token_id(8, {8: 0.0})
-            manager.append_slot(growing)
-
-    def fork_free(times: int) -> None:
-        for _ in range(times):
-            child, _ = new_seq()
-            child.copy_state_from(state["growing"])
-            child.status = SequenceStatus.RUNNING
-            manager.fork(state["growing"], child)
-            manager.free(child)
-
-    def count(times: int) -> None:
-        for _ in range(times):
-            manager.get_num_free_gpu_blocks()
-
-    return {"allocate + free": allocate_free, "append_slot": append, "fork + free": fork_free,
-            "get_num_free_gpu_blocks": count}
-
-
-def _prepare_inputs_work(fn, size: int) -> dict[str, Work]:
-    """A decode step of ``size`` sequences, each with a context of 60 to 68 tokens in blocks of
-    16 scattered over the pool, and one prompt of 32 tokens."""
-    import torch
-
-    from minipaged.sampling_params import SamplingParams
-    from minipaged.sequence import Sequence, SequenceGroup
-    from minipaged.step_record import SequenceRun
-
-    block_size, runs = 16, []
-    for i in range(size + 1):
-        length = 32 if i == size else 60 + i % 9
-        seq = Sequence(i, None, [7] * length, block_size)
-        group = SequenceGroup(str(i), [seq], SamplingParams(), arrival_time=float(i))
-        table = [(i * 7919 + k * 104729) % (8 * (size + 1)) for k in range(-(-length // 16))]
-        start = 0 if i == size else length - 1
-        runs.append(SequenceRun(group, [i], [7] * (length - start), start, table, True,
-                                i == size))
-    device = torch.device("cpu")
-
-    def prepare(times: int) -> None:
-        for _ in range(times):
-            fn(runs, block_size, device)
-
-    return {"prepare_inputs": prepare}
-
-
-PROBES: dict[str, Probe] = {
-    "prepare_inputs": Probe("sequences", (16, 128, 1024), _prepare_inputs_work,
-                            "minipaged.worker.model_runner:prepare_inputs"),
-    "FreeListAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work,
-                               "minipaged.core.allocator:FreeListAllocator"),
-    "PrefixCachingAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work,
-                                    "minipaged.core.prefix_caching_allocator:"
-                                    "PrefixCachingAllocator"),
-    "BlockSpaceManager": Probe("blocks", (800, 8_000, 80_000), _block_manager_work,
-                               "minipaged.core.block_manager:BlockSpaceManager"),
-}
 
 
 def measure_cost(name: str, candidate, package=None) -> CostVerdict | None:
@@ -310,7 +191,9 @@ def measure_cost(name: str, candidate, package=None) -> CostVerdict | None:
         return None
     if package is None:
         module, _, attribute = probe.package.partition(":")
-        package = getattr(importlib.import_module(module), attribute)
+        package = importlib.import_module(module)
+        for part in attribute.split("."):  # (a method: "Scheduler._admit_waiting")
+            package = getattr(package, part)
     return measure(name, probe, candidate, package)
 
 

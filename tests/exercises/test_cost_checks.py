@@ -3,17 +3,33 @@ the package's does not gets a verdict naming the operation; the package's own co
 correct learners' ones never do, on a busy machine too."""
 import multiprocessing
 import time
+from pathlib import Path
 
+import nbformat
 import pytest
+import torch
 
 from minipaged.core.allocator import FreeListAllocator
 from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.lookahead import drop_lookahead, fit_lookahead
+from minipaged.core.prefill_plan import plan_prefill
 from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
+from minipaged.core.scheduler import Scheduler
 from minipaged.exercises.answers.lesson02 import MyFreeListAllocator
 from minipaged.exercises.answers.lesson03 import MyBlockSpaceManager
+from minipaged.exercises.answers.lesson04 import MyScheduler
+from minipaged.exercises.answers.lesson07 import Attention
 from minipaged.exercises.answers.lesson08 import prepare_inputs as answer_prepare_inputs
+from minipaged.exercises.answers.lesson09 import admit_waiting as answer_admit_waiting
+from minipaged.exercises.answers.lesson10 import ReferenceSampler
 from minipaged.exercises.answers.lesson11 import MyPrefixCachingAllocator
 from minipaged.exercises.cost import PROBES, measure_cost
+from minipaged.kernels import ops
+from minipaged.models.attention import PagedAttention
+from minipaged.sequence import SequenceStatus
+from minipaged.worker.sampler import Sampler
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class CountsByScanning(MyFreeListAllocator):
@@ -85,6 +101,104 @@ class CountsFreeByScanning(MyBlockSpaceManager):
         return sum(1 for block in self.gpu_allocator.blocks if block.ref_count == 0)
 
 
+class RecountsTheBudget(MyScheduler):
+    """Correct, but works the budget left out again from every group served so far, after
+    serving each group."""
+
+    def _schedule_running(self, step):
+        budget = step.budget
+        queue = sorted(self.running, key=lambda g: g.arrival_time)
+        self.running = []
+        while queue:
+            group = queue.pop(0)
+            if group.pending_chunks:
+                self.running.append(group)
+                continue
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            fit_lookahead(seqs, step.budget)
+            served = True
+            while not self.block_manager.can_append_slot(group):
+                if drop_lookahead(seqs):
+                    continue
+                victim = queue.pop() if queue else group
+                step.preempted.append(self._preempt(victim, step.blocks_to_swap_out))
+                if victim is group:
+                    served = False
+                    break
+            if served:
+                self._append_slots(group, step.blocks_to_copy)
+                self.running.append(group)
+                step.decode_groups.append(group)
+                step.budget = budget - sum(1 + s.num_lookahead_slots for g in step.decode_groups
+                                           for s in g.get_seqs(SequenceStatus.RUNNING))
+
+
+def admit_the_oldest_found_with_min(self, step):
+    """A learner's step 4, correct, that looks for the oldest waiting group again before each
+    admission (the package sorts the queue once)."""
+    if self.swapped or step.preempted or step.stalled:
+        return
+    while self.waiting:
+        group = min(self.waiting, key=lambda g: g.arrival_time)
+        _, shared_len, identical = self.block_manager.prompt_layout(group)
+        needed = 1 if self.config.enable_chunked_prefill else self._first_chunk_len(group)
+        if (step.budget < needed
+                or self._num_running_seqs() + group.get_max_num_running_seqs()
+                > self.config.max_num_seqs or not self.block_manager.can_allocate(group)):
+            break
+        self.waiting.remove(group)
+        cached = self.block_manager.allocate(group)
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            seq.status = SequenceStatus.RUNNING
+        group.pending_chunks = plan_prefill(group, shared_len, identical, cached)
+        self.running.append(group)
+        step.budget = self._take_chunks(group, step.budget, step.chunks)
+        if group.pending_chunks:
+            break
+
+
+class PenalizesRowByRow(ReferenceSampler):
+    """Correct, but penalizes row by row with the batch helper, which penalizes every row."""
+
+    @staticmethod
+    def penalized(logits, rows):
+        out = logits.clone()
+        for i in range(len(rows)):
+            out[i] = ReferenceSampler.penalized(logits, rows)[i]
+        return out
+
+
+class LaysOutThePoolPerSequence(Attention):
+    """Correct, but its own decode path lays the whole pool out slot by slot for each sequence
+    (to index it by slot number), where the package reads only the sequence's blocks."""
+
+    def forward(self, query, key, value, kv_cache, meta):
+        num_tokens = query.shape[0]
+        start = meta.num_fresh_prompt_tokens + meta.num_chunk_tokens
+        if kv_cache is None or start == num_tokens or len(kv_cache) > 2:
+            return super().forward(query, key, value, kv_cache, meta)
+        # the prompts and chunks as the reference does them (it writes the cache too), then
+        # the decodes by hand over the cache it wrote
+        out = super().forward(query, key, value, kv_cache, meta).clone()
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        per_kv_head = self.num_heads // self.num_kv_heads
+        block_size = kv_cache[1].shape[-1]
+        for i in range(num_tokens - start):
+            keys = kv_cache[0].permute(0, 3, 1, 2, 4).reshape(
+                -1, self.num_kv_heads, self.head_size)  # (slots, KVH, D)
+            values = kv_cache[1].permute(0, 3, 1, 2).reshape(-1, self.num_kv_heads,
+                                                              self.head_size)
+            n = int(meta.context_lens[i])
+            table = meta.block_tables[i].long()
+            slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+            kk = keys[slots].repeat_interleave(per_kv_head, dim=1)  # (n, H, D)
+            vv = values[slots].repeat_interleave(per_kv_head, dim=1)
+            weights = torch.softmax(torch.einsum("hd,nhd->hn", q[start + i], kk) * self.scale,
+                                    dim=-1)  # (H, n)
+            out[start + i] = torch.einsum("hn,nhd->hd", weights, vv).reshape(-1)
+        return out
+
+
 @pytest.mark.parametrize("name,slow,operation", [
     ("FreeListAllocator", CountsByScanning, "get_num_free_blocks"),
     ("FreeListAllocator", ChecksMembershipOnFree, "allocate + free"),
@@ -92,6 +206,10 @@ class CountsFreeByScanning(MyBlockSpaceManager):
     ("BlockSpaceManager", RefCountsFromTables, "+ free"),
     ("BlockSpaceManager", CountsFreeByScanning, "get_num_free_gpu_blocks"),
     ("prepare_inputs", pads_each_table_to_the_widest, "prepare_inputs"),
+    ("Scheduler", RecountsTheBudget, "schedule"),
+    ("admit_waiting", admit_the_oldest_found_with_min, "_admit_waiting"),
+    ("Sampler", PenalizesRowByRow, "__call__"),
+    ("Attention", LaysOutThePoolPerSequence, "forward"),
 ])
 def test_a_cost_that_grows_with_the_pool_gets_a_verdict_naming_the_operation(name, slow,
                                                                                  operation):
@@ -108,15 +226,46 @@ CORRECT = [("FreeListAllocator", FreeListAllocator), ("FreeListAllocator", MyFre
            ("PrefixCachingAllocator", PrefixCachingAllocator),
            ("PrefixCachingAllocator", MyPrefixCachingAllocator),
            ("prepare_inputs", None), ("prepare_inputs", answer_prepare_inputs)]
+# the components probed since, with their answers in both sets ("learner": scripts/learner_answers)
+LATER = [("Scheduler", Scheduler), ("Scheduler", MyScheduler), ("Scheduler", "learner"),
+         ("admit_waiting", None), ("admit_waiting", answer_admit_waiting),
+         ("admit_waiting", "learner"),
+         ("Sampler", Sampler), ("Sampler", ReferenceSampler), ("Sampler", "learner"),
+         ("Attention", PagedAttention), ("Attention", Attention), ("Attention", "learner")]
+LESSON_OF = {"Scheduler": "04_scheduler", "admit_waiting": "09_continuous_batching",
+             "Sampler": "10_sampling", "Attention": "07_forward_pass"}
 
 
-@pytest.mark.parametrize("name,component", CORRECT)
+def _learners(name):
+    """The second answer set's component ``name``: the lesson's import cell, then the learner's
+    cells, run as the notebook runs them (``scripts/answer_lessons.py``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("answer_lessons",
+                                                  ROOT / "scripts" / "answer_lessons.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    path = ROOT / "lessons" / f"{LESSON_OF[name]}.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    namespace: dict = {"__name__": "__main__"}
+    for source in [notebook.cells[1].source] + harness.learner_cells(path):
+        exec(compile(source, f"learner-{name}", "exec"), namespace)
+    (stub,) = [stub for cell in notebook.cells if harness.component_of(cell) == name
+               for stub in harness.stubs_in(cell.source)]
+    return namespace[stub]
+
+
+def _component(name, component):
+    from minipaged.exercises import workbench
+
+    if component is None:  # the package's own
+        return workbench.component(name).package_object()
+    return _learners(name) if component == "learner" else component
+
+
+@pytest.mark.parametrize("name,component", CORRECT + LATER)
 def test_no_false_alarm_on_correct_components(name, component):
-    if component is None:  # the package's own function
-        from minipaged.exercises import workbench
-
-        component = workbench.component(name).package_object()
-    verdict = measure_cost(name, component)
+    verdict = measure_cost(name, _component(name, component))
     assert not verdict.slow, verdict.message()
     assert verdict.message().startswith("  cost: at most")
 
@@ -128,8 +277,9 @@ def _spin(seconds):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,component", CORRECT[:4] + CORRECT[-1:])
+@pytest.mark.parametrize("name,component", CORRECT[:4] + CORRECT[-1:] + LATER)
 def test_no_false_alarm_while_both_cores_are_busy(name, component):
+    component = _component(name, component)
     busy = [multiprocessing.Process(target=_spin, args=(60,), daemon=True) for _ in range(2)]
     for process in busy:
         process.start()
@@ -146,7 +296,8 @@ def test_no_false_alarm_while_both_cores_are_busy(name, component):
 def test_a_component_without_a_probe_gets_none():
     assert measure_cost("softmax_phase_cuda", object()) is None
     assert set(PROBES) >= {"FreeListAllocator", "BlockSpaceManager", "PrefixCachingAllocator",
-                           "prepare_inputs"}
+                           "prepare_inputs", "Scheduler", "admit_waiting", "Sampler",
+                           "Attention"}
 
 
 def test_a_slow_component_is_told_quickly():
@@ -189,5 +340,7 @@ def test_each_probe_measures_against_the_components_own_package_object():
 
     for name, probe in PROBES.items():
         module, _, attribute = probe.package.partition(":")
-        assert getattr(importlib.import_module(module), attribute) is \
-            workbench.component(name).package_object(), name
+        package = importlib.import_module(module)
+        for part in attribute.split("."):
+            package = getattr(package, part)
+        assert package is workbench.component(name).package_object(), name
