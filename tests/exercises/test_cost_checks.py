@@ -344,3 +344,20 @@ def test_each_probe_measures_against_the_components_own_package_object():
         for part in attribute.split("."):
             package = getattr(package, part)
         assert package is workbench.component(name).package_object(), name
+
+
+def test_a_finding_the_second_measurement_denies_does_not_stand(monkeypatch):
+    """A slow-looking first measurement that a second one does not confirm leaves no alarm, even
+    where taking each side's best time apart would pair one run's slow with the other's fast."""
+    from minipaged.exercises import cost
+
+    probe = cost.Probe("blocks", (10, 100), lambda component, size: {}, "unused:unused")
+    # (mine, theirs) per call: the first pass says 20x at 100 blocks; the second 1.0x, but its
+    # mine 9 with the first pass's theirs 0.9 would read 10x
+    passes = iter([{"op": (1.0, 1.0)}, {"op": (20.0, 1.0)}, {"op": (1.0, 1.0)},
+                   {"op": (9.0, 9.0)}])
+    monkeypatch.setattr(cost, "_time_size", lambda *args: next(passes))
+    verdict = cost.measure("test", probe, None, None)
+    assert not verdict.slow, verdict.rows
+    assert verdict.rows == [(10, {"op": (1.0, 1.0)}), (100, {"op": (9.0, 9.0)})]
+    assert "at most 1.0x the package's time at 100 blocks" in verdict.message()
