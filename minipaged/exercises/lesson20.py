@@ -155,7 +155,8 @@ def prompt_logits(llm, prompt: list[int]) -> torch.Tensor:
 
 @exercise
 def check_qwen3_queries_keys(fn, num_cases: int = 24, seed: int | None = 0) -> CheckResult:
-    from minipaged import LLM, SamplingParams
+    from minipaged.entrypoints.llm import LLM
+    from minipaged.sampling_params import SamplingParams
     from minipaged.lab.tiny_families import VOCAB, greedy_tokens
 
     learner = Learner(NAME, fn)
