@@ -403,3 +403,8 @@ def quantize_vector(x, fmt):
     if fmt == "int8":
         y = torch.round(y)
     return y.to(dtype), float(scale)
+
+
+# ---- lesson 20 (a new model is a diff) ---------------------------------------
+
+from minipaged.exercises.answers.lesson20 import qwen3_queries_keys  # noqa: E402

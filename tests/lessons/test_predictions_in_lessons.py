@@ -115,6 +115,7 @@ MEASURING = {
     "12": "runs[name] = dict(tokens=out.outputs[0].token_ids, text=out.outputs[0].text,",
     "15": "rows = roofline.decode_sweep(llm, batch_sizes, prompt_len=4, num_steps=3)",
     "18": "engines[kind] = LLM(kv_cache_bytes=BUDGET, max_model_len=256, num_cpu_blocks=0,",
+    "20": "tokens, held, shots = run_and_watch(mistral, PROMPT, NEW, picture_at=40)",
 }
 
 
