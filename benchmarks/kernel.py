@@ -4,8 +4,9 @@ memory bandwidth of the GPU?
 Decode attention reads every cached key and value once and does little arithmetic on them, so
 its speed limit is memory bandwidth. For each batch size and context length this script times
 
-  v1, v2    our CUDA kernels (minipaged.kernels.cuda_kernels), reading K/V through block tables: V1 one
-            CUDA block per (head, sequence), V2 also split into 512-token partitions
+  v1, v2    our CUDA kernels (minipaged.kernels.cuda_kernels), reading K/V through block
+            tables: V1 one CUDA block per (head, sequence), V2 also split into 512-token
+            partitions
   auto      what the launcher runs for that batch (version 0): V1, or V2 with partitions of 64
             to 512 tokens (shorter when few sequences run); `plan` names it (V2/64: 64 tokens)
   gather    the torch reference idea: gather the blocks into dense tensors, then SDPA
@@ -18,14 +19,14 @@ sequences of the batch (the script stops on a mismatch: a fast wrong kernel is n
 
 Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
 physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up, of a CUDA
-graph that replays one call per input copy (at least 10; as the engine replays its decode step): a call's host-side work
-(argument checks, the launch) would otherwise be timed too, and at batch 1 it takes longer than
-the kernel. --eager times plain calls instead. Every case
+graph that replays one call per input copy (at least 10; as the engine replays its decode
+step): a call's host-side work (argument checks, the launch) would otherwise be timed too, and
+at batch 1 it takes longer than the kernel. --eager times plain calls instead. Every case
 rotates through enough copies of its inputs that one pass over them touches more than twice the
 GPU's L2 cache (its size as torch reports it, else the 50 MB of an H100), so that no case, however
 small, is served from L2; a case whose copies would not fit in memory is capped, with a warning.
 
-    PYTHONPATH=. python3 benchmarks/kernel.py [--quick] [--eager] [--partitions]
+    PYTHONPATH=. python3 benchmarks/kernel.py [--quick] [--eager] [--partitions] [--gqa | --grid]
 
 --partitions adds a table for small batches: V2 with each forced partition size (64 to 512
 tokens) next to the automatic plan; for batch 1 also the same with the fused reduce (fused/64 ..
@@ -35,6 +36,22 @@ default until these columns are measured, see docs/ARCHITECTURE.md).
 A second table (--gqa for it alone) takes grouped-query attention, 32 query heads on 8 kv heads
 (a LLaMA-3 8B layer): today's per-head kernels (V1, V2: each kv head read once per query head,
 4 times) next to the grouped kernel (version 3: once per group), with the K/V bytes each reads.
+
+--grid prints only the kernel grid (gpu-check stage 8), every case both warm and cold: 32 query
+heads on 8 kv heads (the grouped kernel V3 and the automatic plan, version 0) and 32 on 32 (the
+automatic plan), head size 128, block size 16, fp16 and bf16, batch 1, 8 and 64, contexts
+1,024, 4,096 and 16,384. Warm replays calls on one input copy, so K/V that fits in L2 may be
+read from it (copy 0 of the cold pool: the other copies' blocks lie around it unread); cold
+rotates through copies until one pass touches more than 4 x L2 (GRID_L2_FACTOR). A case whose
+one copy already passes 4 x L2 (64 x 16,384 MHA fp16 is 17 GB) has one copy: warm and cold are
+then one measurement, timed once ("same as warm"). Above the table: the card, its L2 and where
+the size comes from, the copy bandwidth, graph replays or eager; each row gives the cold copies,
+and time, TB/s (K/V bytes the kernel must read, each kv head once, / time) and the fraction of
+the copy, warm and cold. Each kernel is checked against the reference before it is timed (bf16
+within 1e-2, fp16 2e-3). Budget: grid_time_estimate() gives about 20 s on an H100 or H200
+(10 s of start-up, 0.1 s of host work per measurement, over twice what stage 3's measurements
+took, and every kernel call at 2.5 TB/s); to keep that, calls reading at least 1 GiB are timed
+over 5 replays instead of 15 (fp16 and bf16 both stay).
 """
 from __future__ import annotations
 
@@ -461,8 +478,8 @@ GRID_L2_FACTOR = 4  # cold: one pass over a case's copies touches more than 4 x 
 GRID_ROUNDS = 15  # replays timed per measurement (the median is kept) ...
 GRID_BIG_ROUNDS = 5  # ... and for a call that reads at least GRID_BIG_BYTES
 GRID_BIG_BYTES = 2**30
-# the time budget's model (grid_time_estimate), fitted loosely to gpu-check stage 3 on an H200
-# (16 s for about 190 measurements of the same helpers, start-up included)
+# the time budget's model (grid_time_estimate), set from gpu-check stage 3 on an H200 (16 s for
+# about 150 measurements of the same helpers, start-up included: ~0.04 s each after ~10 s)
 GRID_START_S = 10.0  # python, torch, loading the built kernels, the copy bandwidth
 GRID_MEASURE_S = 0.1  # one measurement's host work: inputs, check, capture
 GRID_CALL_FLOOR_S = 10e-6  # the shortest call (batch 1, 1,024 tokens) takes about this

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from repo_paths import ROOT
 
@@ -62,6 +64,20 @@ def test_warm_is_one_copy_and_cold_passes_four_l2s_with_no_copy_to_spare(l2):
         assert cold == 1 or (cold - 1) * nbytes <= 4 * l2  # and no more copies than needed
         big += cold == 1
     assert big > 0  # the big cases: warm and cold are one measurement
+
+
+@given(per_copy=st.integers(1, 2**36), l2=st.integers(2**20, 2**30))
+def test_cold_copies_for_any_case_and_l2(per_copy, l2):
+    """Any K/V size and L2: cold passes 4 x L2 with no copy to spare, unless the memory cap
+    binds, and then a warning says the case may be partly served from L2."""
+    warm, cold, warning = bench.grid_copies(per_copy, l2)
+    assert warm == 1 and cold >= 1
+    if warning is None:
+        assert cold * per_copy > 4 * l2 and (cold - 1) * per_copy <= 4 * l2
+        assert cold == 1 or cold * per_copy <= bench.MAX_ROTATION_BYTES
+    else:
+        assert cold * per_copy <= bench.MAX_ROTATION_BYTES < (cold + 1) * per_copy
+        assert "L2" in warning
 
 
 def test_copies_for_an_h100_by_case():
