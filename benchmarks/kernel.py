@@ -4,8 +4,9 @@ memory bandwidth of the GPU?
 Decode attention reads every cached key and value once and does little arithmetic on them, so
 its speed limit is memory bandwidth. For each batch size and context length this script times
 
-  v1, v2    our CUDA kernels (minipaged.kernels.cuda_kernels), reading K/V through block tables: V1 one
-            CUDA block per (head, sequence), V2 also split into 512-token partitions
+  v1, v2    our CUDA kernels (minipaged.kernels.cuda_kernels), reading K/V through block
+            tables: V1 one CUDA block per (head, sequence), V2 also split into 512-token
+            partitions
   auto      what the launcher runs for that batch (version 0): V1, or V2 with partitions of 64
             to 512 tokens (shorter when few sequences run); `plan` names it (V2/64: 64 tokens)
   gather    the torch reference idea: gather the blocks into dense tensors, then SDPA
@@ -18,14 +19,14 @@ sequences of the batch (the script stops on a mismatch: a fast wrong kernel is n
 
 Setup: head size 128, 32 query heads and 32 kv heads (a LLaMA-7B layer), fp16, block size 16,
 physical blocks shuffled. Times are medians of CUDA-event measurements after a warm-up, of a CUDA
-graph that replays one call per input copy (at least 10; as the engine replays its decode step): a call's host-side work
-(argument checks, the launch) would otherwise be timed too, and at batch 1 it takes longer than
-the kernel. --eager times plain calls instead. Every case
+graph that replays one call per input copy (at least 10; as the engine replays its decode
+step): a call's host-side work (argument checks, the launch) would otherwise be timed too, and
+at batch 1 it takes longer than the kernel. --eager times plain calls instead. Every case
 rotates through enough copies of its inputs that one pass over them touches more than twice the
 GPU's L2 cache (its size as torch reports it, else the 50 MB of an H100), so that no case, however
 small, is served from L2; a case whose copies would not fit in memory is capped, with a warning.
 
-    PYTHONPATH=. python3 benchmarks/kernel.py [--quick] [--eager] [--partitions]
+    PYTHONPATH=. python3 benchmarks/kernel.py [--quick] [--eager] [--partitions] [--gqa | --grid]
 
 --partitions adds a table for small batches: V2 with each forced partition size (64 to 512
 tokens) next to the automatic plan; for batch 1 also the same with the fused reduce (fused/64 ..
@@ -35,6 +36,22 @@ default until these columns are measured, see docs/ARCHITECTURE.md).
 A second table (--gqa for it alone) takes grouped-query attention, 32 query heads on 8 kv heads
 (a LLaMA-3 8B layer): today's per-head kernels (V1, V2: each kv head read once per query head,
 4 times) next to the grouped kernel (version 3: once per group), with the K/V bytes each reads.
+
+--grid prints only the kernel grid (gpu-check stage 8), every case both warm and cold: 32 query
+heads on 8 kv heads (the grouped kernel V3 and the automatic plan, version 0) and 32 on 32 (the
+automatic plan), head size 128, block size 16, fp16 and bf16, batch 1, 8 and 64, contexts
+1,024, 4,096 and 16,384. Warm replays calls on one input copy, so K/V that fits in L2 may be
+read from it (copy 0 of the cold pool: the other copies' blocks lie around it unread); cold
+rotates through copies until one pass touches more than 4 x L2 (GRID_L2_FACTOR). A case whose
+one copy already passes 4 x L2 (64 x 16,384 MHA fp16 is 17 GB) has one copy: warm and cold are
+then one measurement, timed once ("same as warm"). Above the table: the card, its L2 and where
+the size comes from, the copy bandwidth, graph replays or eager; each row gives the cold copies,
+and time, TB/s (K/V bytes the kernel must read, each kv head once, / time) and the fraction of
+the copy, warm and cold. Each kernel is checked against the reference before it is timed (bf16
+within 1e-2, fp16 2e-3). Budget: grid_time_estimate() gives about 20 s on an H100 or H200
+(10 s of start-up, 0.1 s of host work per measurement, over twice what stage 3's measurements
+took, and every kernel call at 2.5 TB/s); to keep that, calls reading at least 1 GiB are timed
+over 5 replays instead of 15 (fp16 and bf16 both stay).
 """
 from __future__ import annotations
 
@@ -169,19 +186,20 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def paged_inputs(batch: int, context: int, copies: int, num_kv_heads: int = NUM_KV_HEADS):
+def paged_inputs(batch: int, context: int, copies: int, num_kv_heads: int = NUM_KV_HEADS,
+                 dtype: torch.dtype = DTYPE):
     """A shuffled pool of `copies` independent batches: (queries [copies, batch, heads, D],
     key_cache, value_cache, tables [copies, batch, blocks], context_lens, scale)."""
-    x = 16 // torch.tensor([], dtype=DTYPE).element_size()
+    x = 16 // dtype.itemsize
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = copies * batch * blocks_per_seq
     key_cache = torch.empty(num_blocks, num_kv_heads, HEAD_SIZE // x, BLOCK_SIZE, x,
-                            dtype=DTYPE, device="cuda").normal_()
+                            dtype=dtype, device="cuda").normal_()
     value_cache = torch.empty(num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE,
-                              dtype=DTYPE, device="cuda").normal_()
+                              dtype=dtype, device="cuda").normal_()
     pool = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     tables = pool.view(copies, batch, blocks_per_seq)  # copy c reads its own blocks
-    queries = torch.randn(copies, batch, NUM_HEADS, HEAD_SIZE, dtype=DTYPE, device="cuda")
+    queries = torch.randn(copies, batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device="cuda")
     context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     return queries, key_cache, value_cache, tables, context_lens, HEAD_SIZE ** -0.5
 
@@ -270,8 +288,11 @@ def verify(kernels, query, key_cache, value_cache, tables, context_lens, scale, 
                                     context_lens[:n], scale)
     err = ((out.double() - ref.double()).flatten(1).norm(dim=1)
            / ref.double().flatten(1).norm(dim=1)).max().item()
-    if not err < 2e-3:  # (NaN fails too)
-        raise SystemExit(f"V{version} disagrees with the reference: relative error {err:.2e}")
+    # both outputs are rounded to the cache's dtype: bf16 keeps 8 bits of mantissa, fp16 11
+    tolerance = 1e-2 if query.dtype == torch.bfloat16 else 2e-3
+    if not err < tolerance:  # (NaN fails too)
+        raise SystemExit(f"V{version} disagrees with the reference ({query.dtype}): relative "
+                         f"error {err:.2e}")
 
 
 def time_contiguous(batch: int, context: int, copies: int) -> dict:
@@ -318,6 +339,9 @@ def main() -> int:
                         help="also sweep V2's partition size for small batches")
     parser.add_argument("--gqa", action="store_true",
                         help="only the grouped-query table (32 query heads on 8 kv heads)")
+    parser.add_argument("--grid", action="store_true",
+                        help="only the grid: GQA and MHA, fp16 and bf16, each case warm (one "
+                             "input copy) and cold (copies past 4 x L2)")
     args = parser.parse_args()
     global USE_GRAPHS
     USE_GRAPHS = not args.eager
@@ -331,6 +355,9 @@ def main() -> int:
         print("benchmarks/kernel.py: the minipaged CUDA kernels did not build (see the warning)")
         return 1
 
+    if args.grid:
+        grid_table(kernels)
+        return 0
     if args.gqa:
         gqa_table(kernels, l2_cache_bytes()[0], [1, 64] if args.quick else GQA_BATCHES,
                   [1024, 4096] if args.quick else GQA_CONTEXTS)
@@ -438,6 +465,157 @@ def partition_sweep(kernels, copy_bw: float, l2_bytes: int) -> None:
             print(f"{batch:5d} {context:7d} {row['v1_ms'] * 1e3:9.1f} {cells} "
                   f"{row['v0_ms'] * 1e3:9.1f} {row['chosen']:>7} {fraction:8.0%} {fused_cells}",
                   flush=True)
+
+
+# -- the grid (--grid): every case warm and cold -------------------------------------------------
+# (name, kv heads, versions timed): 32 query heads of 128 on 8 kv heads (the grouped kernel, V3,
+# and the automatic plan), and on 32 (multi-head: the automatic plan)
+GRID_SHAPES = (("GQA 32/8", 8, (3, 0)), ("MHA 32/32", 32, (0,)))
+GRID_DTYPES = (torch.float16, torch.bfloat16)
+GRID_BATCHES = (1, 8, 64)
+GRID_CONTEXTS = (1024, 4096, 16384)
+GRID_L2_FACTOR = 4  # cold: one pass over a case's copies touches more than 4 x L2
+GRID_ROUNDS = 15  # replays timed per measurement (the median is kept) ...
+GRID_BIG_ROUNDS = 5  # ... and for a call that reads at least GRID_BIG_BYTES
+GRID_BIG_BYTES = 2**30
+# the time budget's model (grid_time_estimate), set from gpu-check stage 3 on an H200 (16 s for
+# about 150 measurements of the same helpers, start-up included: ~0.04 s each after ~10 s)
+GRID_START_S = 10.0  # python, torch, loading the built kernels, the copy bandwidth
+GRID_MEASURE_S = 0.1  # one measurement's host work: inputs, check, capture
+GRID_CALL_FLOOR_S = 10e-6  # the shortest call (batch 1, 1,024 tokens) takes about this
+GRID_BANDWIDTH = 2.5e12  # K/V bytes per second assumed for the estimate (an H100 reaches more)
+
+
+def grid_cases() -> list[tuple]:
+    """The grid's cases in print order: (shape name, kv heads, versions, dtype, batch, context)."""
+    return [(name, kv_heads, versions, dtype, batch, context)
+            for name, kv_heads, versions in GRID_SHAPES for dtype in GRID_DTYPES
+            for batch in GRID_BATCHES for context in GRID_CONTEXTS]
+
+
+def grid_kv_bytes(batch: int, context: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+    """K/V bytes a kernel must read for one decode step: every kv head once (a grouped kernel
+    serves its query heads from one read), a key and a value per token.
+
+    Args:
+        batch: sequences in the step.
+        context: tokens of each sequence.
+        num_kv_heads: kv heads of the layer (not query heads).
+        dtype: the cache's element type.
+    """
+    return batch * context * kv_bytes_per_token(1, num_kv_heads, HEAD_SIZE, dtype.itemsize)
+
+
+def grid_copies(bytes_per_copy: int, l2_bytes: int) -> tuple[int, int, str | None]:
+    """(warm copies, cold copies, warning or None) for a case that reads ``bytes_per_copy``.
+
+    Warm replays one copy (1); cold rotates through copies until one pass touches more than
+    ``GRID_L2_FACTOR`` x L2 (``rotation_copies``). Cold 1 means one copy already passes that:
+    warm and cold are then the same measurement, timed once.
+
+    Args:
+        bytes_per_copy: K/V bytes one call reads.
+        l2_bytes: the GPU's L2 cache size.
+    """
+    cold, warning = rotation_copies(bytes_per_copy, l2_bytes, factor=GRID_L2_FACTOR)
+    return 1, cold, warning
+
+
+def grid_rounds(bytes_per_call: int) -> int:
+    """Replays timed for a call reading ``bytes_per_call``: fewer for the largest calls (ms
+    each, so that the grid stays within its budget; 5 replays of 10 calls still give a median)."""
+    return GRID_BIG_ROUNDS if bytes_per_call >= GRID_BIG_BYTES else GRID_ROUNDS
+
+
+def grid_time_estimate(l2_bytes: int, bandwidth: float = GRID_BANDWIDTH) -> float:
+    """Seconds the grid should take on a GPU of ``l2_bytes`` of L2 that reads K/V at
+    ``bandwidth`` bytes/s: start-up, host work per measurement, and every kernel call that
+    time_ms makes (3 warm-ups, 1 on the capture stream, 1 replay checking the graph, then the
+    timed replays, each of max(10, copies) calls) plus the check and filling the inputs.
+
+    Args:
+        l2_bytes: the GPU's L2 cache size.
+        bandwidth: K/V bytes per second a kernel reads (calls never faster than 10 us).
+    """
+    total = GRID_START_S
+    for _, kv_heads, versions, dtype, batch, context in grid_cases():
+        nbytes = grid_kv_bytes(batch, context, kv_heads, dtype)
+        _, cold, _ = grid_copies(nbytes, l2_bytes)
+        call_s = max(nbytes / bandwidth, GRID_CALL_FLOOR_S)
+        total += cold * nbytes / bandwidth  # filling the pool (normal_ writes it once)
+        for _ in versions:
+            total += call_s  # the reference check (a few sequences; counted as one call)
+            for copies in ((1, cold) if cold > 1 else (1,)):
+                calls = max(10, copies)
+                total += GRID_MEASURE_S + (4 + (grid_rounds(nbytes) + 1) * calls) * call_s
+    return total
+
+
+def grid_table(kernels) -> None:
+    """The grid: for each case the kernel's time and K/V bandwidth warm and cold."""
+    import time
+
+    began = time.perf_counter()
+    copy_bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    l2_bytes, l2_source = l2_cache_bytes()
+    mode = "CUDA graph replays" if USE_GRAPHS else "eager calls"
+    print(f"kernel grid on {torch.cuda.get_device_name()}: L2 {l2_bytes / 1e6:.1f} MB "
+          f"({l2_source}); device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + write, eager)")
+    print(f"protocol: warm = one input copy, called again and again (K/V that fits in L2 may be "
+          f"read from it); cold = each call reads the next of 'copies' copies, one pass over them "
+          f"touching more than {GRID_L2_FACTOR} x L2; where one copy already passes that "
+          f"(copies 1) warm and cold are one measurement, timed once")
+    print(f"times: median over {GRID_ROUNDS} timed {mode} of max(10, copies) calls "
+          f"({GRID_BIG_ROUNDS} for calls reading >= {GRID_BIG_BYTES / 2**30:.0f} GiB), after a "
+          f"check of the outputs against the torch reference; TB/s = K/V bytes the kernel must "
+          f"read (each kv head once) / time; 'copy' = that as a fraction of the copy")
+    print(f"decode attention, head size {HEAD_SIZE}, {NUM_HEADS} query heads, block size "
+          f"{BLOCK_SIZE}, blocks shuffled; estimated {grid_time_estimate(l2_bytes):.0f} s for "
+          f"{len(grid_cases())} cases")
+    header = (f"{'shape':<9} {'dtype':<5} {'batch':>5} {'context':>7} {'K/V MB':>8} "
+              f"{'copies':>6} {'kernel':<12} {'warm us':>9} {'TB/s':>5} {'copy':>5} "
+              f"{'cold us':>9} {'TB/s':>5} {'copy':>5}")
+    print(header)
+    print("-" * len(header))
+    for name, kv_heads, versions, dtype, batch, context in grid_cases():
+        nbytes = grid_kv_bytes(batch, context, kv_heads, dtype)
+        _, cold, warning = grid_copies(nbytes, l2_bytes)
+        if warning:
+            print(f"{name}, batch {batch}, context {context}: {warning}", flush=True)
+        inputs = paged_inputs(batch, context, cold, kv_heads, dtype)
+        queries, key_cache, value_cache, tables, context_lens, scale = inputs
+        out = torch.empty_like(queries[0])
+        rounds = grid_rounds(nbytes)
+        for version in versions:
+            verify(kernels, queries[0], key_cache, value_cache, tables[0], context_lens, scale,
+                   version)
+
+            def paged(i, version=version):
+                kernels.paged_attention(queries[i], key_cache, value_cache, tables[i],
+                                        context_lens, scale, context, out=out, version=version)
+
+            # warm: copy 0 only (its blocks lie among the cold copies', which it never reads)
+            cells = [grid_cells(nbytes, time_ms(paged, 1, rounds=rounds), copy_bw)]
+            if cold > 1:
+                cells.append(grid_cells(nbytes, time_ms(paged, cold, rounds=rounds), copy_bw))
+            else:
+                cells.append(f"{'same as warm':>21}")  # one copy passes 4 x L2 by itself
+            kernel = "v3" if version == 3 else "auto " + plan_name(kernels, batch, context,
+                                                                    kv_heads)
+            dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+            print(f"{name:<9} {dtype_name:<5} {batch:5d} {context:7d} {nbytes / 1e6:8.1f} "
+                  f"{cold:6d} {kernel:<12} {cells[0]} {cells[1]}", flush=True)
+        del inputs, queries, key_cache, value_cache, tables, out
+        torch.cuda.empty_cache()
+    print(f"\nthe grid took {time.perf_counter() - began:.0f} s (estimated "
+          f"{grid_time_estimate(l2_bytes):.0f} s, start-up included)")
+
+
+def grid_cells(nbytes: int, ms: float, copy_bw: float) -> str:
+    """'time us, TB/s, fraction of the copy' of one measurement."""
+    bw = nbytes / (ms * 1e-3)
+    return f"{ms * 1e3:9.1f} {bw / 1e12:5.2f} {bw / copy_bw:5.0%}"
 
 
 if __name__ == "__main__":

