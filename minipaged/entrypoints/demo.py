@@ -1,10 +1,15 @@
-"""``make demo``: answer a handful of prompts with the embedded model and show what happened."""
+"""``make demo``: answer a handful of prompts with the embedded model and show what happened.
+
+``make demo-gemma`` (``minipaged demo --model gemma-3-270m``) asks the same of the real Gemma 3
+270M, once its package is installed (``worker/checkpoint.py``).
+"""
 from __future__ import annotations
 
 import time
 
 from minipaged.entrypoints.llm import LLM
 from minipaged.sampling_params import SamplingParams
+from minipaged.worker.checkpoint import EMBEDDED_MODEL
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -15,9 +20,15 @@ QUESTIONS = [
 ]
 
 
-def main() -> int:
+def main(model: str | None = None) -> int:
+    """Answer QUESTIONS greedily and print the engine's numbers.
+
+    Args:
+        model: None for the embedded SmolLM2-135M-Instruct, or any model ``LLM`` takes that has a
+            chat template (``"gemma-3-270m"``).
+    """
     t0 = time.perf_counter()
-    llm = LLM()  # the embedded SmolLM2-135M-Instruct (converted from GGUF on first use)
+    llm = LLM(model)  # a packaged model is converted from GGUF on first use, then cached
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=96)
@@ -31,8 +42,8 @@ def main() -> int:
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     pool, stats, shape = engine.scheduler.pool_counts(), engine.stats, engine.model_shape
     print("\n--- minipaged ---")
-    print(f"model: SmolLM2-135M-Instruct ({shape.num_layers} layers, {shape.num_heads} heads, "
-          f"{shape.num_kv_heads} kv heads) on {engine.device}, {engine.dtype}; "
+    print(f"model: {model or EMBEDDED_MODEL} ({shape.num_layers} layers, {shape.num_heads} heads, "
+          f"{shape.num_kv_heads} kv heads, vocabulary {shape.vocab_size:,}) on {engine.device}, {engine.dtype}; "
           f"loaded in {load_s:.1f} s")
     print(f"generated {num_tokens} tokens for {len(outputs)} requests in {gen_s:.2f} s: "
           f"{num_tokens / gen_s:.1f} tokens/s, {stats.num_steps} engine steps")

