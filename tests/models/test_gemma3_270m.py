@@ -146,9 +146,17 @@ def test_greedy_chat_text_matches_transformers(gemma):
 @needs_package
 @pytest.mark.slow
 def test_chat_entry_point(gemma):
-    """``LLM.chat`` formats with the template and stops at the end of the model's turn."""
+    """``LLM.chat`` formats with the template and stops at <eos> or <end_of_turn>: its reply is
+    the greedy tokens above, cut after the first of them."""
     llm, hf, prompts = gemma
-    out = llm.chat([{"role": "user", "content": CHATS[0]}],
-                   SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)[0]
-    assert out.prompt_token_ids == prompts[0]
-    assert "Paris" in out.outputs[0].text
+    outs = llm.chat([[{"role": "user", "content": q}] for q in CHATS],
+                    SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    full = llm.generate(prompt_token_ids=prompts, use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    stops = llm.llm_engine.eos_token_ids
+    for prompt, out, whole in zip(prompts, outs, full):
+        assert out.prompt_token_ids == prompt
+        tokens = whole.outputs[0].token_ids
+        ends = [i for i, t in enumerate(tokens) if t in stops]
+        assert out.outputs[0].token_ids == (tokens[:ends[0] + 1] if ends else tokens)
+        assert out.outputs[0].finish_reason == ("stop" if ends else "length")
