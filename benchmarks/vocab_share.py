@@ -42,8 +42,9 @@ def measure(llm, batch: int, steps: int, prompt_len: int) -> dict:
             return out
         return timed
 
+    sampler = engine.sampler
     model.compute_logits = timer("head", model.compute_logits)  # (an instance attribute)
-    engine.sampler = timer("sample", engine.sampler)
+    engine.sampler = timer("sample", sampler)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
         for i in range(batch):
@@ -61,7 +62,8 @@ def measure(llm, batch: int, steps: int, prompt_len: int) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        del model.compute_logits, engine.sampler
+        del model.compute_logits  # the class's method again
+        engine.sampler = sampler
     return {"step": step, "head": spent["head"] / steps, "sample": spent["sample"] / steps}
 
 
