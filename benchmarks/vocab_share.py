@@ -47,8 +47,9 @@ def measure(llm, batch: int, steps: int, prompt_len: int) -> dict:
     engine.sampler = timer("sample", sampler)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+        ids = min(1000, engine.hf_config.vocab_size - 10)  # ordinary tokens, past the specials
         for i in range(batch):
-            prompt = [(7 * i + 11 * t) % 1000 + 10 for t in range(prompt_len)]
+            prompt = [(7 * i + 11 * t) % ids + 10 for t in range(prompt_len)]
             engine.add_request(f"vocab-{batch}-{i}", None, params, prompt_token_ids=prompt)
         while engine.scheduler.waiting:
             engine.step()  # the prompts
