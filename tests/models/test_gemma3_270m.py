@@ -160,3 +160,15 @@ def test_chat_entry_point(gemma):
         ends = [i for i, t in enumerate(tokens) if t in stops]
         assert out.outputs[0].token_ids == (tokens[:ends[0] + 1] if ends else tokens)
         assert out.outputs[0].finish_reason == ("stop" if ends else "length")
+
+
+def test_the_command_line_names_pip_without_the_package(monkeypatch, capsys):
+    from minipaged.entrypoints import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None
+                        if name == checkpoint.GEMMA_MODULE else real(name, *a))
+    for argv in (["demo", "--model", "gemma-3-270m"],
+                 ["generate", "Hi", "--model", "gemma-3-270m"]):
+        assert cli.main(argv) == 2
+        assert checkpoint.GEMMA_PIP in capsys.readouterr().err
