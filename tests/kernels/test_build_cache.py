@@ -226,3 +226,23 @@ def test_while_a_background_build_compiles_the_reference_runs_then_the_op(tmp_pa
     again.start_in_background()
     assert again.load_unless_compiling() is not None  # loaded and waited for, never None
     assert "still compiling" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value: Linux")
+def test_a_background_build_runs_at_a_lower_priority_than_the_engine():
+    """The compiler a background build starts inherits its thread's nice value: the engine's
+    threads keep theirs (a first run's conversion and generation come first)."""
+    seen = {}
+
+    def make(job):
+        seen["build"] = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's
+        seen["compiler"] = int(subprocess.run(["sh", "-c", "cut -d' ' -f19 /proc/self/stat"],
+                                              capture_output=True, text=True).stdout)
+        return object()
+
+    job = build.JitBuild("the test op", "~1 s", make)
+    job.start_in_background()
+    job._thread.join(30)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert seen["build"] == min(mine + 10, 19) and seen["compiler"] == seen["build"]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # this thread keeps its own
