@@ -18,6 +18,8 @@ the next start reads plain safetensors in a second or two.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import importlib.util
 import os
@@ -138,6 +140,39 @@ def _gemma_chat_ready(config, tokenizer) -> None:
     config.eos_token_id = eos + [end_of_turn]
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Inside the block, transformers' GGUF loading parses each file once.
+
+    Loading a model and its tokenizer from GGUF, transformers opens the file three times (the
+    config, the weights, the tokenizer: each parses the whole header, every token of the
+    vocabulary a Python string) and builds gguf's tensor-name table once per tensor. Both are
+    pure functions of their arguments, so each is made once here: the embedded model's first
+    conversion took 46 s, of which these were about 25 s. Without the ``gguf`` package (or with
+    another shape of it) nothing is patched.
+    """
+    try:
+        import gguf
+        readers, make_reader = {}, gguf.GGUFReader
+        name_map = gguf.get_tensor_name_map
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
+
+
 def _convert_gguf(gguf_path: str, target: str, label: str, duration: str,
                   adjust=None) -> None:
     """Dequantize a GGUF file through transformers and write it to ``target`` as safetensors,
@@ -154,8 +189,9 @@ def _convert_gguf(gguf_path: str, target: str, label: str, duration: str,
 
     folder, name = os.path.split(gguf_path)
     print(f"minipaged: converting {label} from GGUF (once, {duration}) into {target}")
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     os.makedirs(cache_root(), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".convert-")
     try:
