@@ -177,9 +177,9 @@ def _lower_this_threads_priority() -> None:
     """Let a background build take only the CPU the engine leaves.
 
     On Linux a thread's nice value is its own, and the compiler processes the thread starts
-    inherit it: a first run's model conversion and generation then come first (on two cores the
-    compile had taken half of them and pushed the demo's first text from about 65 s to 92 s).
-    Elsewhere ``os.nice`` would lower the whole process, so it is left alone there."""
+    inherit it: a first run's model conversion and generation then come first where they would
+    compete for a core. Elsewhere ``os.nice`` would lower the whole process, so it is left alone
+    there."""
     if sys.platform.startswith("linux"):
         try:
             os.nice(10)
