@@ -207,8 +207,10 @@ class LaysOutThePoolPerSequence(Attention):
     ("BlockSpaceManager", CountsFreeByScanning, "get_num_free_gpu_blocks"),
     ("prepare_inputs", pads_each_table_to_the_widest, "prepare_inputs"),
     ("Scheduler", RecountsTheBudget, "schedule"),
-    ("admit_waiting", admit_the_oldest_found_with_min, "_admit_waiting"),
-    ("Sampler", PenalizesRowByRow, "__call__"),
+    # (slow: the slow variant's own runs at the larger sizes take tens of seconds on 2 cores)
+    pytest.param("admit_waiting", admit_the_oldest_found_with_min, "_admit_waiting",
+                 marks=pytest.mark.slow),
+    pytest.param("Sampler", PenalizesRowByRow, "__call__", marks=pytest.mark.slow),
     ("Attention", LaysOutThePoolPerSequence, "forward"),
 ])
 def test_a_cost_that_grows_with_the_pool_gets_a_verdict_naming_the_operation(name, slow,
