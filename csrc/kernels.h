@@ -2,6 +2,8 @@
 // sanitizer program csrc/cuda_on_cpu/sanitize_main.cpp) links against. Every function returns 0 on
 // success, a cudaError_t (> 0) or one of the negative codes listed in paged_attention.cu
 // (minipaged::ErrorCode). Pointers are device pointers unless a comment says otherwise.
+// window (the paged attentions): a sliding window's tokens, the newest token sees positions
+// context_len - window .. context_len - 1 and no block before them is read; 0 = the whole context.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,8 +24,8 @@ int minipaged_paged_attention(void* out, const void* query, const void* key_cach
                               int max_blocks_per_seq, int64_t q_seq_stride, int64_t q_head_stride,
                               int64_t k_block_stride, int64_t k_head_stride,
                               int64_t v_block_stride, int64_t v_head_stride, float scale,
-                              int max_context_len, int dtype, int version, void* workspace,
-                              int64_t workspace_bytes, cudaStream_t stream);
+                              int max_context_len, int window, int dtype, int version,
+                              void* workspace, int64_t workspace_bytes, cudaStream_t stream);
 int minipaged_paged_attention_8bit(void* out, const void* query, const void* key_cache,
                                    const void* value_cache, const float* key_scales,
                                    const float* value_scales, const int* block_tables,
@@ -33,8 +35,8 @@ int minipaged_paged_attention_8bit(void* out, const void* query, const void* key
                                    int64_t q_head_stride, int64_t k_block_stride,
                                    int64_t k_head_stride, int64_t v_block_stride,
                                    int64_t v_head_stride, float scale, int max_context_len,
-                                   int dtype, int cache_dtype, int version, void* workspace,
-                                   int64_t workspace_bytes, cudaStream_t stream);
+                                   int window, int dtype, int cache_dtype, int version,
+                                   void* workspace, int64_t workspace_bytes, cudaStream_t stream);
 // layer_kernels.cu: the small operations between a LLaMA layer's matmuls (dtype as above).
 int minipaged_rms_norm(void* out, const void* input, const void* residual, void* sum_out,
                        const void* weight, float eps, int num_tokens, int hidden,

@@ -13,6 +13,13 @@
 //   block_tables [num_seqs, max_blocks_per_seq] int32
 //   context_lens [num_seqs] int32
 //   out          [num_seqs, num_heads, head_size]              contiguous
+//   window       int (KernelArgs::window): a sliding window's tokens, 0 = the whole context.
+//                The newest token (position context_len - 1) then sees positions
+//                context_len - window .. context_len - 1 only: every kernel starts its block
+//                loop at the window's first block and masks that block's tokens before the
+//                window (logit -FLT_MAX, value 0); V2 and version 3 skip the partitions wholly
+//                before it, and their reduce combines the others only. A block wholly before
+//                the window is never read (it may be back on the free list).
 //
 // Work split: one CUDA block of 128 threads = 4 warps of 32 lanes per (head, sequence) in V1,
 // per (head, sequence, partition of PARTITION_SIZE tokens) in V2. Either way a CUDA block runs
@@ -330,16 +337,18 @@ __device__ __forceinline__ float key_dot_shared_chunks(const T* k, const float* 
 // ---- phase 4's value load ------------------------------------------------------------------
 // One lane's 16-byte slice of a value row: the values of tokens first_token .. + X - 1 (from
 // the range's start), as floats. Tokens at or past num_tokens (the tail of the last block) get
-// value 0: their cache slots were never written, and 0 * NaN = NaN.
+// value 0: their cache slots were never written, and 0 * NaN = NaN. So do the tokens before
+// first_valid (a sliding window's first block: tokens that left the window), whose probability
+// is 0 but whose slots may hold anything.
 template <typename C>
-__device__ __forceinline__ void load_value_slice(const C* p, int first_token, int num_tokens,
-                                                 float (&vals)[Vec16<C>::N]) {
+__device__ __forceinline__ void load_value_slice(const C* p, int first_token, int first_valid,
+                                                 int num_tokens, float (&vals)[Vec16<C>::N]) {
   unpack<C>(load16(p), vals);
   MP_TRACE(TRACE_VALUE_LOAD, reinterpret_cast<uintptr_t>(p), 16, 0);
-  if (first_token + Vec16<C>::N > num_tokens) {
+  if (first_token < first_valid || first_token + Vec16<C>::N > num_tokens) {
 #pragma unroll
     for (int j = 0; j < Vec16<C>::N; ++j) {
-      if (first_token + j >= num_tokens) vals[j] = 0.f;
+      if (first_token + j < first_valid || first_token + j >= num_tokens) vals[j] = 0.f;
     }
   }
 }
@@ -351,8 +360,8 @@ __device__ __forceinline__ PartitionStats attend(
     const C* __restrict__ key_cache,      // already offset to this kv head
     const C* __restrict__ value_cache,    // already offset to this kv head
     const int* __restrict__ block_table,  // this sequence's row
-    int start, int end, int64_t k_block_stride, int64_t v_block_stride, float scale,
-    float* logits, float* q_smem, float* red_smem, float* out_smem,
+    int start, int end, int visible, int64_t k_block_stride, int64_t v_block_stride,
+    float scale, float* logits, float* q_smem, float* red_smem, float* out_smem,
     const CodeScales scales = CodeScales{nullptr, nullptr, 0}) {
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   constexpr bool CODES = !std::is_same<C, T>::value;     // an 8-bit cache with scales
@@ -374,10 +383,14 @@ __device__ __forceinline__ PartitionStats attend(
   const int warp = threadIdx.x / WARP_SIZE;
   const int lane = threadIdx.x % WARP_SIZE;
   // KV blocks [first_block, first_block + num_blocks) of the block table cover [start, end);
-  // `start` is a multiple of BLOCK_SIZE.
+  // `start` is a multiple of BLOCK_SIZE. A sliding window: the tokens before `visible` (those of
+  // the range's first block that left the window, if any) get logit -FLT_MAX, so probability 0,
+  // and value 0; the callers start the range at the window's first block, so no block wholly
+  // before the window is read.
   const int first_block = start / BLOCK_SIZE;
   const int num_blocks = (end - start + BLOCK_SIZE - 1) / BLOCK_SIZE;
   const int num_tokens = end - start;
+  const int first_valid = visible - start;  // from `start`; <= 0 when the whole range is seen
 
   // ---- phase 1: the query into shared memory --------------------------------------------------
   for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) q_smem[d] = to_float(q[d]);
@@ -408,6 +421,9 @@ __device__ __forceinline__ PartitionStats attend(
     if (token < num_tokens) {
       // an 8-bit cache: q . (codes * s) = (q . codes) * s, one multiply per token
       if constexpr (CODES) qk *= scales.key[physical_block * scales.block_stride + token_in_block];
+      // Left the window: exp(-FLT_MAX - max) is 0 in phase 3, and the maximum never drops to
+      // -FLT_MAX (the range holds at least one token of the window).
+      if (token < first_valid) qk = -FLT_MAX;
       if (lane_in_group == 0) {
         logits[token] = qk;
         MP_TRACE(TRACE_LOGIT, start + token, 0, qk);
@@ -475,7 +491,7 @@ __device__ __forceinline__ PartitionStats attend(
       const int row = row_in_pass + i * ROWS_PER_PASS;
       if (row < HEAD_SIZE) {
         float vals[V_VEC];
-        load_value_slice<C>(v + row * BLOCK_SIZE, first_token, num_tokens, vals);
+        load_value_slice<C>(v + row * BLOCK_SIZE, first_token, first_valid, num_tokens, vals);
 #pragma unroll
         for (int j = 0; j < V_VEC; ++j) acc[i] += probs[j] * vals[j];
       }
@@ -544,7 +560,15 @@ struct KernelArgs {
   // an 8-bit cache (lesson 18): [num_blocks, num_kv_heads, block_size] each; else null
   const float* k_scales = nullptr;
   const float* v_scales = nullptr;
+  // a sliding window's tokens (Mistral, Gemma 3's sliding layers), 0: the whole context
+  int window = 0;
 };
+
+// The first position the newest token sees: 0, or with a sliding window of `window` tokens
+// (0: none) the oldest of the window's, context_len - window. (0 for an empty context.)
+__device__ __forceinline__ int first_visible(int context_len, int window) {
+  return window > 0 && window < context_len ? context_len - window : 0;
+}
 
 // The scales `attend` reads for kv head `kv_head`, a block of BLOCK_SIZE tokens.
 template <int BLOCK_SIZE>
@@ -584,12 +608,14 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v1_kernel(
     fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row, context_len == 0 ? 0.f : quiet_nan());
     return;
   }
+  // A sliding window: from the window's first block (the blocks before it are never read).
+  const int visible = first_visible(context_len, a.window);
   attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>(
       query + seq * a.q_seq_stride + head * a.q_head_stride,
       key_cache + kv_head * a.k_head_stride, value_cache + kv_head * a.v_head_stride,
-      a.block_tables + (int64_t)seq * a.max_blocks_per_seq, 0, context_len, a.k_block_stride,
-      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem,
-      code_scales<BLOCK_SIZE>(a, kv_head));
+      a.block_tables + (int64_t)seq * a.max_blocks_per_seq, visible / BLOCK_SIZE * BLOCK_SIZE,
+      context_len, visible, a.k_block_stride, a.v_block_stride, a.scale, logits, q_smem,
+      red_smem, out_smem, code_scales<BLOCK_SIZE>(a, kv_head));
   write_output<T, HEAD_SIZE, NUM_THREADS>(out_row, out_smem);
 }
 
@@ -611,6 +637,15 @@ constexpr int PARTITION_SIZE = 512;  // tokens per partition: 2 KiB of logits, a
 // (11.5 / 26.7 / 73.0 us).
 constexpr int MIN_PARTITION_SIZE = 64;
 constexpr int V2_BLOCKS_PER_SM = 4;
+
+// A sliding window: the partitions before the one that holds the window's first position
+// (`visible`, first_visible) lie wholly before the window. Their CUDA blocks return at once,
+// write no results and are not counted: the reduce combines partitions seen_from .. the last
+// only, so no partition with no token (maximum -FLT_MAX, sum 0) enters the weights. The grid
+// keeps every partition of the longest context (the plan does not know the windows).
+__device__ __forceinline__ int first_seen_partition(int visible, int partition_size) {
+  return visible / partition_size;
+}
 
 // ---- combining the partitions -------------------------------------------------------------
 // Softmax over the whole context from the partitions' softmaxes: with m = max_p max_logits[p]
@@ -720,11 +755,18 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
     }
     return;
   }
-  const int start = partition * partition_size;
+  const int partition_start = partition * partition_size;
   // This sequence has fewer partitions than the longest one (or an empty context, for which the
-  // reduce kernel writes zeros): nothing to do. Uniform over the CUDA block.
-  if (start >= context_len) return;
-  const int end = context_len - start < partition_size ? context_len : start + partition_size;
+  // reduce kernel writes zeros), or this partition lies wholly before its sliding window:
+  // nothing to do, and the reduce skips it (see first_seen_partition). Uniform over the block.
+  const int visible = first_visible(context_len, a.window);
+  const int seen_from = first_seen_partition(visible, partition_size);
+  if (partition_start >= context_len || partition < seen_from) return;
+  const int end = context_len - partition_start < partition_size ? context_len
+                                                                 : partition_start + partition_size;
+  // the window's first block, if it is in this partition
+  const int window_block = visible / BLOCK_SIZE * BLOCK_SIZE;
+  const int start = window_block > partition_start ? window_block : partition_start;
 
   __shared__ float logits[PARTITION_SIZE];  // the largest partition's
   __shared__ __align__(16) float q_smem[HEAD_SIZE];
@@ -735,8 +777,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
   const PartitionStats stats = attend<T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, C>(
       query + seq * a.q_seq_stride + head * a.q_head_stride,
       key_cache + kv_head * a.k_head_stride, value_cache + kv_head * a.v_head_stride,
-      a.block_tables + (int64_t)seq * a.max_blocks_per_seq, start, end, a.k_block_stride,
-      a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem,
+      a.block_tables + (int64_t)seq * a.max_blocks_per_seq, start, end, visible,
+      a.k_block_stride, a.v_block_stride, a.scale, logits, q_smem, red_smem, out_smem,
       code_scales<BLOCK_SIZE>(a, kv_head));
   const int64_t slot = first + partition;
   if (threadIdx.x == 0) {
@@ -746,14 +788,15 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_kernel(
   write_output<float, HEAD_SIZE, NUM_THREADS>(tmp_out + slot * HEAD_SIZE, out_smem);
 
   if (counters == nullptr ||
-      !finished_last(counters + (int64_t)seq * num_heads + head, num_partitions,
+      !finished_last(counters + (int64_t)seq * num_heads + head, num_partitions - seen_from,
                      &finished_last_smem)) {
     return;
   }
   // The last of this (sequence, head)'s partitions: combine them, the weights in `logits`.
+  const int64_t seen = first + seen_from;  // the first partition that ran
   combine_partitions<T, HEAD_SIZE, NUM_THREADS, true>(
-      out + ((int64_t)seq * num_heads + head) * HEAD_SIZE, max_logits + first, exp_sums + first,
-      tmp_out + first * HEAD_SIZE, num_partitions, logits, red_smem);
+      out + ((int64_t)seq * num_heads + head) * HEAD_SIZE, max_logits + seen, exp_sums + seen,
+      tmp_out + seen * HEAD_SIZE, num_partitions - seen_from, logits, red_smem);
 }
 
 // V2's separate reduce: one CUDA block per (head, sequence) runs `combine_partitions`.
@@ -762,7 +805,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, HEAD_SIZE]
     const float* __restrict__ max_logits, const float* __restrict__ exp_sums,
     const float* __restrict__ tmp_out, const int* __restrict__ context_lens,
-    int max_partitions, int partition_size) {
+    int max_partitions, int partition_size, int window) {
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   const int head = blockIdx.x;
   const int num_heads = gridDim.x;
@@ -779,10 +822,12 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     fill_row<T, HEAD_SIZE, NUM_THREADS>(out_row, context_len == 0 ? 0.f : quiet_nan());
     return;
   }
-  const int64_t first = ((int64_t)seq * num_heads + head) * max_partitions;
+  // the partitions that ran: those wholly before a sliding window wrote nothing
+  const int seen_from = first_seen_partition(first_visible(context_len, window), partition_size);
+  const int64_t seen = ((int64_t)seq * num_heads + head) * max_partitions + seen_from;
   combine_partitions<T, HEAD_SIZE, NUM_THREADS, false>(
-      out_row, max_logits + first, exp_sums + first, tmp_out + first * HEAD_SIZE, num_partitions,
-      weights, red_smem);
+      out_row, max_logits + seen, exp_sums + seen, tmp_out + seen * HEAD_SIZE,
+      num_partitions - seen_from, weights, red_smem);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -854,9 +899,17 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
     }
     return;
   }
-  const int start = partition * partition_size;
-  if (start >= context_len) return;  // as in V2: the reduce kernel handles what is left
-  const int end = context_len - start < partition_size ? context_len : start + partition_size;
+  const int partition_start = partition * partition_size;
+  // as in V2: past a shorter context, or wholly before the sliding window, nothing to do
+  const int visible = first_visible(context_len, a.window);
+  const int seen_from = first_seen_partition(visible, partition_size);
+  if (partition_start >= context_len || partition < seen_from) return;
+  const int end = context_len - partition_start < partition_size ? context_len
+                                                                 : partition_start + partition_size;
+  // the window's first block, if it is in this partition (`attend`'s masking, below)
+  const int window_block = visible / BLOCK_SIZE * BLOCK_SIZE;
+  const int start = window_block > partition_start ? window_block : partition_start;
+  const int first_valid = visible - start;  // tokens before it (from `start`) left the window
   const int first_block = start / BLOCK_SIZE;
   const int num_blocks = (end - start + BLOCK_SIZE - 1) / BLOCK_SIZE;
   const int num_tokens = end - start;
@@ -893,8 +946,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
     for (int h = 0; h < MAX_GROUP; ++h) {
       if (h < group) {  // uniform over the warp: the butterfly's lanes all take part
         const float partial = key.dot(q_smem + h * HEAD_SIZE, lane_in_group);
-        const float qk = a.scale * butterfly<G / 2, 1>(partial, SumOp());
+        float qk = a.scale * butterfly<G / 2, 1>(partial, SumOp());
         if (token < num_tokens) {
+          if (token < first_valid) qk = -FLT_MAX;  // left the window (see `attend`)
           if (lane_in_group == 0) {
             logits[h * PARTITION_SIZE + token] = qk;
             MP_TRACE(TRACE_LOGIT, start + token, h, qk);
@@ -962,7 +1016,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
       const int row = row_in_pass + i * ROWS_PER_PASS;
       if (row < HEAD_SIZE) {
         float vals[V_VEC];  // loaded once for the whole group
-        load_value_slice<T>(v + row * BLOCK_SIZE, first_token, num_tokens, vals);
+        load_value_slice<T>(v + row * BLOCK_SIZE, first_token, first_valid, num_tokens, vals);
 #pragma unroll
         for (int h = 0; h < MAX_GROUP; ++h) {
           if (h < group) {
@@ -1009,16 +1063,16 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_grouped_kernel(
   }
 
   if (!fused || !finished_last(counters + (int64_t)seq * a.num_kv_heads + kv_head,
-                               num_partitions, &finished_last_smem)) {
+                               num_partitions - seen_from, &finished_last_smem)) {
     return;
   }
   // The last of this (sequence, kv head)'s partitions: combine each query head's, its weights
-  // in its own logits rows and its own reduction slots.
+  // in its own logits rows and its own reduction slots (from the first partition that ran).
   for (int h = 0; h < group; ++h) {
+    const int64_t seen = first_slot(h) + seen_from;
     combine_partitions<T, HEAD_SIZE, NUM_THREADS, true>(
-        out_row(h), max_logits + first_slot(h), exp_sums + first_slot(h),
-        tmp_out + first_slot(h) * HEAD_SIZE, num_partitions, logits + h * PARTITION_SIZE,
-        red_smem + h * 2 * NUM_WARPS);
+        out_row(h), max_logits + seen, exp_sums + seen, tmp_out + seen * HEAD_SIZE,
+        num_partitions - seen_from, logits + h * PARTITION_SIZE, red_smem + h * 2 * NUM_WARPS);
   }
 }
 
@@ -1045,6 +1099,7 @@ enum ErrorCode {
   BAD_PARTITION_SIZE = -10,      // a forced partition size that is no power of two in [64, 512]
   NOT_GROUPED_SHAPE = -11,       // version 3 forced where the grouped kernel is not built
   BAD_REDUCE_MODE = -12,         // minipaged_set_v2_reduce's mode is neither 0 nor 1
+  BAD_WINDOW = -13,              // a negative sliding window
 };
 
 // Where the grouped kernel (version 3) is built: at most MAX_GROUP query heads per kv head,
@@ -1293,7 +1348,7 @@ int launch_reduce(const AttentionArgs& a, const PartitionResults& r) {
   const size_t weights_smem = (size_t)a.plan.partitions * sizeof(float);
   reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, weights_smem, a.stream>>>(
       static_cast<T*>(a.out), r.max_logits, r.exp_sums, r.tmp_out, a.k.context_lens,
-      a.plan.partitions, a.plan.partition_size);
+      a.plan.partitions, a.plan.partition_size, a.k.window);
   return launch_error();
 }
 
@@ -1542,8 +1597,9 @@ extern "C" int minipaged_paged_attention(
     const int* block_tables, const int* context_lens, int num_seqs, int num_heads,
     int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
     int64_t q_seq_stride, int64_t q_head_stride, int64_t k_block_stride, int64_t k_head_stride,
-    int64_t v_block_stride, int64_t v_head_stride, float scale, int max_context_len, int dtype,
-    int version, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
+    int64_t v_block_stride, int64_t v_head_stride, float scale, int max_context_len, int window,
+    int dtype, int version, void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
+  if (window < 0) return minipaged::BAD_WINDOW;
   if (num_seqs == 0 || num_heads == 0) return 0;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return minipaged::BAD_HEAD_COUNTS;
   if (num_seqs > minipaged::MAX_GRID_Y) return minipaged::TOO_MANY_SEQUENCES;
@@ -1557,12 +1613,13 @@ extern "C" int minipaged_paged_attention(
   const minipaged::Plan plan = minipaged::make_plan(
       num_seqs, num_heads, num_kv_heads, head_size, max_context_len, version, false);
   if (plan.error) return plan.error;
+  minipaged::KernelArgs k{block_tables, context_lens, max_blocks_per_seq, num_kv_heads,
+                          q_seq_stride, q_head_stride, k_block_stride, k_head_stride,
+                          v_block_stride, v_head_stride, scale};
+  k.window = window;
   const minipaged::AttentionArgs a{
       out, query, key_cache, value_cache, num_seqs, num_heads, head_size, max_context_len, plan,
-      static_cast<float*>(workspace), workspace_bytes / (int64_t)sizeof(float), stream,
-      minipaged::KernelArgs{block_tables, context_lens, max_blocks_per_seq, num_kv_heads,
-                            q_seq_stride, q_head_stride, k_block_stride, k_head_stride,
-                            v_block_stride, v_head_stride, scale}};
+      static_cast<float*>(workspace), workspace_bytes / (int64_t)sizeof(float), stream, k};
   if (plan.version == 3) return minipaged::launch_grouped_any(a, dtype, head_size, block_size);
   return minipaged::dispatch(dtype, head_size, block_size, [&](auto type, auto head, auto block) {
     using T = typename decltype(type)::type;
@@ -1601,8 +1658,9 @@ extern "C" int minipaged_paged_attention_8bit(
     const int* context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_size,
     int block_size, int max_blocks_per_seq, int64_t q_seq_stride, int64_t q_head_stride,
     int64_t k_block_stride, int64_t k_head_stride, int64_t v_block_stride, int64_t v_head_stride,
-    float scale, int max_context_len, int dtype, int cache_dtype, int version, void* workspace,
-    int64_t workspace_bytes, cudaStream_t stream) {
+    float scale, int max_context_len, int window, int dtype, int cache_dtype, int version,
+    void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
+  if (window < 0) return minipaged::BAD_WINDOW;
   if (num_seqs == 0 || num_heads == 0) return 0;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return minipaged::BAD_HEAD_COUNTS;
   if (num_seqs > minipaged::MAX_GRID_Y) return minipaged::TOO_MANY_SEQUENCES;
@@ -1616,6 +1674,7 @@ extern "C" int minipaged_paged_attention_8bit(
                           v_block_stride, v_head_stride, scale};
   k.k_scales = key_scales;
   k.v_scales = value_scales;
+  k.window = window;
   // (no grouped kernel for 8-bit codes: version 0 runs V1 or V2, a forced 3 is refused)
   const minipaged::Plan plan = minipaged::make_plan(
       num_seqs, num_heads, num_kv_heads, head_size, max_context_len, version, true);

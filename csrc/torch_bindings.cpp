@@ -70,6 +70,7 @@ void check_code(int code, const std::string& what) {
     case -11: why = "the grouped kernel (version 3) is built for at most 8 query heads per kv "
                     "head, head sizes 64 and 128 and a 16- or 32-bit cache"; break;
     case -12: why = "the reduce mode must be 0 (a reduce kernel) or 1 (fused)"; break;
+    case -13: why = "window must be a number of tokens >= 0 (0: the whole context)"; break;
     default:
       why = code > 0 ? std::string("CUDA error: ") +
                            cudaGetErrorString(static_cast<cudaError_t>(code)) + error_detail()
@@ -138,6 +139,11 @@ void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cac
               value_cache.stride(0) * e % 16 == 0 && value_cache.stride(1) * e % 16 == 0,
               "key_cache and value_cache must start on 16-byte boundaries and keep every block "
               "of every head on one (the kernels read them in 16-byte vectors)");
+}
+
+void check_window(int64_t window) {
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, "window must be a number of tokens >= 0 "
+              "(0: the whole context), got ", window);
 }
 
 // out, query [num_seqs, num_heads, head_size], the caches, block_tables, context_lens (on the
@@ -219,11 +225,13 @@ torch::Tensor plan_decode(const torch::Tensor& query, const torch::Tensor& key_c
 
 // ---------------------------------------------------------------------------------------------
 // version: 0 = chosen (make_plan in paged_attention.cu), 1 = V1, 2 = V2 (partitioned),
-// 3 = grouped (one CUDA block per kv head for all its query heads). Returns the version that ran.
+// 3 = grouped (one CUDA block per kv head for all its query heads). window: a sliding window's
+// tokens, 0 = the whole context. Returns the version that ran.
 int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                         torch::Tensor value_cache, torch::Tensor block_tables,
                         torch::Tensor context_lens, double scale, int64_t max_context_len,
-                        int64_t version) {
+                        int64_t version, int64_t window) {
+  check_window(window);
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(),
               "query and the caches must have the same dtype");
   if (!check_decode_batch(out, query, key_cache, value_cache, block_tables, context_lens,
@@ -245,8 +253,8 @@ int64_t paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor ke
       block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
       (int)num_kv_heads, (int)head_size, (int)block_size, (int)block_tables.size(1),
       query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
-      value_cache.stride(0), value_cache.stride(1), (float)scale, (int)max_context_len, dtype,
-      (int)version, workspace.data_ptr(), workspace_bytes, current_stream());
+      value_cache.stride(0), value_cache.stride(1), (float)scale, (int)max_context_len,
+      (int)window, dtype, (int)version, workspace.data_ptr(), workspace_bytes, current_stream());
   if (code == -4 && chosen == 1) {
     int64_t static_bytes = 0, longest = 0;
     minipaged_paged_attention_v1_limits((int)head_size, (int)block_size, dtype, &static_bytes,
@@ -462,7 +470,8 @@ int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tens
                              torch::Tensor value_cache, torch::Tensor key_scales,
                              torch::Tensor value_scales, torch::Tensor block_tables,
                              torch::Tensor context_lens, double scale, int64_t max_context_len,
-                             int64_t version) {
+                             int64_t version, int64_t window) {
+  check_window(window);
   const int cache_dtype = cache_dtype_code(key_cache);
   check_scales(key_cache, key_scales, value_scales);
   if (!check_decode_batch(out, query, key_cache, value_cache, block_tables, context_lens,
@@ -484,8 +493,8 @@ int64_t paged_attention_8bit(torch::Tensor out, torch::Tensor query, torch::Tens
                  (int)num_heads, (int)num_kv_heads, (int)head_size, (int)block_size,
                  (int)block_tables.size(1), query.stride(0), query.stride(1),
                  key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
-                 value_cache.stride(1), (float)scale, (int)max_context_len, dtype_code(query),
-                 cache_dtype, (int)version, workspace.data_ptr(), workspace_bytes,
+                 value_cache.stride(1), (float)scale, (int)max_context_len, (int)window,
+                 dtype_code(query), cache_dtype, (int)version, workspace.data_ptr(), workspace_bytes,
                  current_stream()),
              "paged_attention_8bit (8-bit caches: head sizes 64, 128; block sizes 16, 32)");
   return chosen;
@@ -624,8 +633,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "minipaged CUDA kernels (see csrc/). Use them through minipaged.kernels.ops (or build.CUDA_OP.load()).";
   m.def("paged_attention", &paged_attention,
         "paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale, "
-        "max_context_len, version): single-query attention through block tables, written into "
-        "out; returns the version that ran (1, 2 or 3 = grouped)");
+        "max_context_len, version, window=0): single-query attention through block tables, "
+        "written into out (window: a sliding window's tokens, 0 = the whole context); returns "
+        "the version that ran (1, 2 or 3 = grouped)",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("max_context_len"), py::arg("version"), py::arg("window") = 0);
   m.def("paged_attention_plan", &paged_attention_plan,
         "paged_attention_plan(num_seqs, num_heads, num_kv_heads, head_size, max_context_len, "
         "cache_dtype, version) -> [version that runs, workspace bytes, partition size]");
@@ -645,7 +658,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)");
   m.def("paged_attention_8bit", &paged_attention_8bit,
         "paged_attention_8bit(out, query, key_cache, value_cache, key_scales, value_scales, "
-        "block_tables, context_lens, scale, max_context_len, version): over an 8-bit cache");
+        "block_tables, context_lens, scale, max_context_len, version, window=0): over an 8-bit "
+        "cache",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("key_scales"), py::arg("value_scales"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("max_context_len"),
+        py::arg("version"), py::arg("window") = 0);
   m.def("reshape_and_cache_8bit", &reshape_and_cache_8bit,
         "reshape_and_cache_8bit(key, value, key_cache, value_cache, key_scales, value_scales, "
         "slot_mapping): quantize into an 8-bit cache, one scale per token and kv head");

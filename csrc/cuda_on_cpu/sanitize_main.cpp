@@ -104,7 +104,7 @@ void attention_case(int version, std::vector<int> lens, double tolerance, int nu
       out.data(), query.data(), key_cache.data(), value_cache.data(), tables.data(), lens.data(),
       num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks,
       num_heads * head_size, head_size, block_elems, (int64_t)head_size * block_size, block_elems,
-      (int64_t)head_size * block_size, scale, max_len, dtype_code<T>(), version,
+      (int64_t)head_size * block_size, scale, max_len, /*window=*/0, dtype_code<T>(), version,
       workspace.empty() ? nullptr : workspace.data(), workspace_bytes, nullptr);
 
   double worst = 0;

@@ -6,7 +6,8 @@ builds the same files for the CPU and wraps them in the same class. Its operatio
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
-                    max_context_len=None, out=None, version=0) -> out
+                    max_context_len=None, out=None, version=0, kv_scales=None,
+                    window=None) -> out
     copy_blocks(key_caches, value_caches, block_mapping: dict[int, list[int]])
     swap_blocks(src, dst, block_mapping: dict[int, int])
 
@@ -32,6 +33,7 @@ class CudaKernels:
     """Thin Python wrappers: argument conversion here, checks in torch_bindings.cpp."""
 
     supports_8bit_cache = True  # ``kv_scales`` (lesson 18): the ``_8bit`` entry points
+    supports_window = True  # ``window``: every decode kernel (V1, V2, version 3, 8-bit caches)
 
     def __init__(self, module):
         self.module = module  # the compiled extension
@@ -50,7 +52,7 @@ class CudaKernels:
 
     def paged_attention(
         self, query, key_cache, value_cache, block_tables, context_lens, scale,
-        max_context_len=None, out=None, version=0, kv_scales=None,
+        max_context_len=None, out=None, version=0, kv_scales=None, window=None,
     ):
         """Decode attention into ``out`` (allocated if None); returns ``out``.
 
@@ -67,9 +69,16 @@ class CudaKernels:
         GPU are not read back (that would cost a synchronisation per call): there the kernel
         writes zeros for an empty context and NaN for one longer than ``max_context_len``.
         ``kv_scales``: an 8-bit cache's (key_scales, value_scales) (lesson 18).
+
+        ``window``: None (or 0) for the whole context, or a sliding window's tokens: the newest
+        token sees positions ``context_len - window .. context_len - 1`` only. Every version
+        starts at the window's first block, masks that block's tokens before the window, and
+        never reads a block wholly before it (V2 and version 3 skip the partitions that lie
+        wholly before it), so those blocks may already be back on the free list.
         """
         import torch
 
+        window = _window_tokens(window)
         if context_lens.device.type == "cpu" and context_lens.numel():
             shortest = int(context_lens.min())
             if shortest < 1:
@@ -103,11 +112,11 @@ class CudaKernels:
         if kv_scales is not None:
             self.module.paged_attention_8bit(
                 out, query, key_cache, value_cache, *kv_scales, block_tables, context_lens,
-                float(scale), int(max_context_len), int(version))
+                float(scale), int(max_context_len), int(version), window)
             return out
         self.module.paged_attention(
             out, query, key_cache, value_cache, block_tables, context_lens,
-            float(scale), int(max_context_len), int(version),
+            float(scale), int(max_context_len), int(version), window,
         )
         return out
 
@@ -234,6 +243,15 @@ def _check_block_numbers(block_tables, context_lens, num_blocks: int, block_size
         seq, col = (int(i) for i in bad.nonzero()[0])
         raise RuntimeError(f"block_tables[{seq}, {col}] = {int(tables[seq, col])} is not a block "
                          f"of the cache ({num_blocks} blocks)")
+
+
+def _window_tokens(window) -> int:
+    """The kernels' ``window`` argument: None or 0 = the whole context, else the tokens."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or int(window) != window or window < 0:
+        raise ValueError(f"window must be None or a number of tokens >= 0, got {window!r}")
+    return int(window)
 
 
 def _check_slots(slot_mapping, num_slots: int) -> None:

@@ -77,7 +77,7 @@ def _pick_for_cache(key_cache: torch.Tensor, kv_scales, window: int | None = Non
     """``_pick`` for an operation on a KV cache: an 8-bit cache (``kv_scales`` given) goes to
     the compiled op only where it reads 8-bit caches (``supports_8bit_cache``), else to the
     reference, which always does (lesson 18); a sliding window likewise only where the op
-    reads windows (``supports_window``)."""
+    reads windows (``supports_window``: the C++ CPU op and the CUDA decode kernels)."""
     name, op = _pick(key_cache)
     if kv_scales is not None and not getattr(op, "supports_8bit_cache", False):
         return "reference", None

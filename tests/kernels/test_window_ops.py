@@ -107,8 +107,9 @@ def test_the_cpu_op_runs_windows_and_the_engine_counts_it(kernels):
 
 
 def test_an_op_that_reads_no_window_is_passed_by(monkeypatch):
-    """A compiled op without ``supports_window`` (the CUDA kernels today) never gets a window
-    call: the reference answers, counted as such, and a warning says so once."""
+    """A compiled op without ``supports_window`` (as the CUDA kernels were before they read
+    windows) never gets a window call: the reference answers, counted as such, and a warning
+    says so once."""
 
     class NoWindowOp:  # stands for a compiled op that reads whole contexts only
         supports_8bit_cache = True
