@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime
 import os
 import random
 import shutil
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minipaged import LLM, SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from machine import machine_description  # noqa: E402
+from machine import append_results, machine_description  # noqa: E402
 
 SHAPES = {
     "qwen3-0.6b": dict(model_type="llama", hidden_size=1024, intermediate_size=3072,
@@ -194,17 +193,15 @@ def main(argv=None) -> int:
     table = format_result(result)
     print(f"{machine}\n\n{table}")
     if args.record:
-        path = os.path.join(os.path.dirname(__file__), "RESULTS.md")
-        with open(path, "a") as f:
-            f.write(f"\n## Like for like: the small engines' offline benchmark "
-                    f"({datetime.date.today().isoformat()})\n\n- machine: {machine}\n"
-                    f"- protocol: `python benchmarks/like_for_like.py "
-                    f"{' '.join(sys.argv[1:])}`; random.seed({args.seed}), "
-                    f"{args.num_seqs} sequences, prompts randint(100, {args.max_input_len}) ids "
-                    f"in [0, 10000], outputs randint(100, {args.max_output_len}), temperature "
-                    f"0.6, ignore_eos, max_model_len {args.max_model_len}; one warm-up request; "
-                    f"the floor as the script's docstring defines it\n"
-                    + (f"- note: {args.note}\n" if args.note else "") + f"\n{table}\n")
+        path = append_results(
+            "Like for like: the small engines' offline benchmark",
+            [f"machine: {machine}",
+             f"protocol: `python benchmarks/like_for_like.py {' '.join(sys.argv[1:])}`; "
+             f"random.seed({args.seed}), {args.num_seqs} sequences, prompts randint(100, "
+             f"{args.max_input_len}) ids in [0, 10000], outputs randint(100, "
+             f"{args.max_output_len}), temperature 0.6, ignore_eos, max_model_len "
+             f"{args.max_model_len}; one warm-up request; the floor as the script's docstring "
+             f"defines it"], args.note, table)
         print(f"recorded in {path}")
     return 0
 

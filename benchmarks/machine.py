@@ -17,3 +17,16 @@ def machine_description(device: torch.device | str = "cpu") -> str:
     except (OSError, StopIteration):
         pass
     return f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def append_results(title: str, facts: list[str], note: str, body: str) -> str:
+    """Append a section to benchmarks/RESULTS.md: ``## title (today)``, the facts as a list (and
+    the note), then the body. Returns the file's path."""
+    import datetime
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+    facts = facts + ([f"note: {note}"] if note else [])
+    with open(path, "a") as f:
+        f.write(f"\n## {title} ({datetime.date.today().isoformat()})\n\n"
+                + "".join(f"- {fact}\n" for fact in facts) + f"\n{body}\n")
+    return path

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipaged.models import cpu_matmul
+
 
 @dataclass
 class TensorParallelState:
@@ -136,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
         if self.transposed:
             return x @ self.weight if self.bias is None else torch.addmm(self.bias, x,
                                                                          self.weight)
-        return F.linear(x, self.weight, self.bias)
+        return cpu_matmul.linear(x, self.weight, self.bias)
 
 
 class FusedColumns(nn.Module):
@@ -192,7 +194,7 @@ class FusedColumns(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (T, in) -> outputs
         if not self.fused:
             return tuple(l(x) for l in self.linears)
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)  # views
+        return cpu_matmul.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)  # views
 
     def extra_repr(self) -> str:
         return f"out_features={self.sizes} in one matmul"
@@ -220,7 +222,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:  # (T, in / N) -> (T, out)
         """This rank's term of the sum, before the all-reduce."""
-        return x @ self.weight if self.transposed else F.linear(x, self.weight)
+        return x @ self.weight if self.transposed else cpu_matmul.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in / N) -> (T, out)
         out = all_reduce(self.partial(x))

@@ -29,9 +29,12 @@ from collections import Counter, deque
 
 import torch
 
-# Elements of one activation (tokens x hidden size) worth a thread of their own: a decode step of
-# 8 sequences of a 576-wide model (4,608) stays on one thread, one of 16 (9,216) takes two.
-MIN_ELEMENTS_PER_THREAD = 8192
+# Elements of one activation (tokens x hidden size) worth a thread of their own: every step of a
+# 576-wide model (576 for one token) may take two threads, a tiny test model's (64 wide) decode
+# of 3 sequences stays on one. On the 2-core AMD EPYC of 2026-11-29, quiet, two threads ran 1,
+# 4 and 16 greedy requests as fast as one or faster (3.42/3.55 s, 5.29/6.08 s, 10.04/11.37 s:
+# benchmarks/threads.py); what keeps a step off a busy core is the load, below.
+MIN_ELEMENTS_PER_THREAD = 256
 # A busy core is one that other programs kept at least this busy over the window.
 BUSY_FRACTION = 0.5
 WINDOW_S = 0.5  # the load is averaged over at least this long

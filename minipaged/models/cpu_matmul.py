@@ -1,0 +1,100 @@
+"""Which routine runs a linear layer's matmul on the CPU: the fastest on this machine (lesson 15).
+
+A linear layer computes ``y = x W^T`` for ``x`` of (rows, in) and ``W`` of (out, in). The same
+numbers come out of three routines that torch ships, and which is fastest depends on the CPU,
+the library and the shape:
+
+- ``xw``: ``F.linear`` (BLAS, MKL on x86), torch's default;
+- ``wx``: ``(W x^T)^T``, the operands the other way round, so BLAS picks another kernel;
+- ``onednn``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``), where torch has it.
+
+On the 2-core AMD EPYC (AVX2) of 2026-11-29, SmolLM2's MLP matmul (3,072 x 576) took 6.3 ms
+(xw), 4.5 ms (wx) and 4.1 ms (onednn) for a decode step of 64 rows; for 4,096 rows (a prompt)
+225, 291 and 218 ms. So nothing is assumed: the first time a shape is seen (the weight's, the
+rows rounded up to a power of two, the dtype and torch's thread count) each routine runs on the
+real input, in turn, and the fastest is kept for that shape for the rest of the process
+(``choices``). Every step of more than ``MAX_ROWS`` rows is one shape, measured on its first
+``MAX_ROWS`` rows. The routines agree up to float rounding (the same products, summed in each
+kernel's order: about 1e-6 of the result's size). On a GPU nothing is measured; the setting
+``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``) fixes the routine on the CPU too.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 1024  # larger steps share one choice, measured on this many rows
+TRIES = 2  # runs of each routine per measurement; the fastest run of each counts
+
+
+def _xw(x, weight):
+    return F.linear(x, weight)
+
+
+def _wx(x, weight):
+    return (weight @ x.t()).t().contiguous()  # (rows, out), laid out as x W^T's
+
+
+def _onednn(x, weight):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+ROUTINES = {"xw": _xw, "wx": _wx, "onednn": _onednn}
+
+# (rows rounded up to a power of two, out, in, dtype, threads) -> the routine's name
+choices: dict[tuple, str] = {}
+
+
+def _bucket(rows: int) -> int:
+    return 1 << (min(rows, MAX_ROWS + 1) - 1).bit_length()  # (every large step: 2 x MAX_ROWS)
+
+
+def _forced() -> str | None:
+    form = os.environ.get("MINIPAGED_LINEAR_FORM", "")
+    if form and form not in ROUTINES:
+        raise ValueError(f"MINIPAGED_LINEAR_FORM must be one of {sorted(ROUTINES)} (or unset), "
+                         f"got {form!r}")
+    return form or None
+
+
+def _fastest(x: torch.Tensor, weight: torch.Tensor) -> str:
+    x = x[:MAX_ROWS]
+    best = {}
+    for _ in range(TRIES):
+        for name, routine in ROUTINES.items():  # in turn: a load that comes and goes hits all
+            if best.get(name) == float("inf"):
+                continue
+            t0 = time.perf_counter()
+            try:
+                routine(x, weight)
+            except (RuntimeError, AttributeError, NotImplementedError):
+                best[name] = float("inf")  # not in this build of torch, or not for this dtype
+                continue
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    return min(best, key=best.get)  # (xw first: it wins a tie)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on the CPU by the routine that is fastest here (above).
+
+    Args:
+        x: (rows, in) or (..., in).
+        weight: (out, in).
+        bias: None or (out,).
+    """
+    name = _forced()
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)  # (autograd: the routines need not all support it)
+    if name is None:
+        key = (_bucket(x.shape[0]), *weight.shape, weight.dtype, torch.get_num_threads())
+        name = choices.get(key)
+        if name is None:
+            name = choices[key] = _fastest(x, weight)
+    if name == "xw":
+        return F.linear(x, weight, bias)
+    out = ROUTINES[name](x, weight)
+    return out if bias is None else out + bias
