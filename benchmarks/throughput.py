@@ -103,7 +103,11 @@ def sync(device):
 def run_minipaged(llm: LLM, trace) -> dict:
     engine = llm.llm_engine
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in trace]
+    # NOTE: every run computes every prompt: neither an earlier run of the same trace (--pairs)
+    # nor the warm-up leaves cached blocks for it to find
+    assert llm.reset_prefix_cache(), "a request still holds blocks"
     llm.generate(prompt_token_ids=[trace[0][0]], sampling_params=params[:1], use_tqdm=False)
+    llm.reset_prefix_cache()
     before = engine.stats.as_dict()
     sync(engine.device)
     t0 = time.perf_counter()

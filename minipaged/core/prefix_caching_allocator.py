@@ -164,6 +164,18 @@ class PrefixCachingAllocator(FreeListAllocator):
             self._evict(holder)
         self.by_hash[name] = block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's name): all must be free, none held by a request;
+        returns whether it could. Benchmarks call it so that a trace run twice computes its
+        prompts twice."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        while self.evictable:
+            _, block = self.evictable.popitem(last=False)
+            del self.by_hash[self.contents.pop(block.block_number).block_hash]
+            self.free_blocks.append(block)
+        return True
+
     # -- copies: copy-on-write and swapping ------------------------------------------------------
     def copy_contents(self, src: PhysicalTokenBlock, dst: PhysicalTokenBlock) -> None:
         table = self.contents if dst.device is self.device else self.swapped_contents

@@ -10,8 +10,21 @@ sequence then holds at most ``ceil((W - 1) / block_size) + 1`` blocks while it d
 The block table keeps its length (a token's block is still ``table[position // block_size]``);
 a block that left the window is replaced by a *dropped* marker, one per pool, that no allocator
 owns: its references cost nothing, it is never copied, swapped or named, and the worker sees
-it as block 0, which the attention never reads because it lies outside every window
-(``reference.paged_attention``'s mask; the snapshot shows it as -1).
+it as the *sink* (``sink_block``: one block past the pool, which the engine adds to the cache
+for it; block 0 where there is none), which the attention never reads because it lies outside
+every window (``reference.paged_attention``'s mask; the snapshot shows it as -1).
+
+**A long prompt holds only its last window's blocks.** A prompt computed from scratch in one
+step attends to its own keys and values in flight, not to the cache; only the keys its first
+decode will read must be stored. So it is admitted with markers before that window, and the
+prompt step writes those positions into the sink, where nothing reads them: a 160-token prompt
+of a 16-token window in blocks of 4 holds 5 blocks, not 40. Admitting it still asks for room for
+the whole prompt (as vLLM V1 allocates a prompt scheduled whole), which the blocks not taken
+leave free for everyone else. If the scheduler cuts the prompt into chunks (a later chunk reads
+the earlier ones from the cache), the markers are turned into blocks at once, in the same
+scheduling pass. With prefix caching a prompt takes all its blocks: a block's name chains
+through every block before it, and a later prompt finds its blocks only if all were stored
+(the ones that leave the window stay cached, and count as free).
 
 With prefix caching (lesson 11) a block's name is a hash over the blocks before it: a block
 leaves only once the block after it is named, and naming starts at the first block still held
@@ -20,16 +33,15 @@ prompt with the same start still finds it, until it is evicted.
 
 Not used (the plain ``BlockSpaceManager`` keeps every block, which is always right) when some
 layers see the whole context (Gemma 3) or with a draft model (whose layers may not slide).
-NOTE: a prompt still takes all its blocks when it is admitted; they leave at its first decode.
 """
 from __future__ import annotations
 
 from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.allocator import BlockAllocator
 from minipaged.core.block_manager import BlockSpaceManager
-from minipaged.sequence import Sequence
+from minipaged.sequence import Sequence, SequenceGroup
 
-DROPPED_NUMBER = -1  # the marker's number in snapshots; the worker reads block 0 instead
+DROPPED_NUMBER = -1  # the marker's number in snapshots; the worker reads the sink (or block 0)
 
 
 class _DroppedMarkers:
@@ -47,17 +59,27 @@ class SlidingWindowBlockManager(BlockSpaceManager):
 
     Args:
         window: the sliding window of every layer, in tokens.
+        sink_block: the number of a cache block outside the pool (``num_gpu_blocks``: the
+            engine allocates one more) that dropped markers stand for in the worker's block
+            tables; None: block 0, and every prompt takes all its blocks.
         The others: ``BlockSpaceManager``'s.
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  watermark: float = 0.01, enable_prefix_caching: bool = False, *,
-                 window: int) -> None:
+                 window: int, sink_block: int | None = None) -> None:
         if window < 1:
             raise ValueError(f"window must be a positive number of tokens, got {window}")
+        if sink_block is not None and sink_block < num_gpu_blocks:
+            raise ValueError(f"sink_block {sink_block} is a block of the pool (0 to "
+                             f"{num_gpu_blocks - 1}): it must lie past it")
         super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
                          enable_prefix_caching)
         self.window = window
+        self.sink_block = sink_block
+        # seq_id -> (the seq_ids sharing its table, markers at its start) of a prompt admitted
+        # with its last window only and not yet scheduled
+        self._prompt_markers: dict[int, tuple[list[int], int]] = {}
         self.dropped = {device: PhysicalTokenBlock(device, DROPPED_NUMBER, block_size)
                         for device in (Device.GPU, Device.CPU)}
         self._markers = _DroppedMarkers()
@@ -66,7 +88,8 @@ class SlidingWindowBlockManager(BlockSpaceManager):
     @classmethod
     def like(cls, other: SlidingWindowBlockManager) -> SlidingWindowBlockManager:
         return cls(other.block_size, other.num_total_gpu_blocks, other.num_total_cpu_blocks,
-                   other.watermark, other.enable_prefix_caching, window=other.window)
+                   other.watermark, other.enable_prefix_caching, window=other.window,
+                   sink_block=other.sink_block)
 
     def _is_dropped(self, block: PhysicalTokenBlock) -> bool:
         return block is self.dropped[block.device]
@@ -75,6 +98,57 @@ class SlidingWindowBlockManager(BlockSpaceManager):
         if self._is_dropped(block):
             return self._markers  # type: ignore[return-value]  (acquire and free only)
         return super()._allocator_of(block)
+
+    # -- admitting a prompt: only its last window's blocks -------------------------------------
+    def num_blocks_before_window(self, seq_group: SequenceGroup) -> int:
+        """How many of a waiting group's first blocks it is admitted without: those wholly
+        before the positions its first decode reads. 0 without a sink, with prefix caching, or
+        for a group whose sequences differ (a recompute after preemption)."""
+        if self.sink_block is None or self.enable_prefix_caching:
+            return 0
+        seqs, _, identical = self.prompt_layout(seq_group)
+        if not identical:
+            return 0
+        # the first decode computes position get_len() and reads get_len() - window + 1 on
+        num_before = max(0, seqs[0].get_len() + 1 - self.window) // self.block_size
+        return min(num_before, len(seqs[0].logical_token_blocks) - 1)  # (the newest stays)
+
+    def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
+        """``BlockSpaceManager.allocate``, but a prompt admitted whole holds only the blocks of
+        its last window, markers before them (``can_allocate`` still asks room for them all:
+        a prompt cut into chunks takes them in ``cache_blocks``)."""
+        num_before = self.num_blocks_before_window(seq_group)
+        if not num_before:
+            return super().allocate(seq_group)
+        seqs, _, _ = self.prompt_layout(seq_group)
+        held = [self.gpu_allocator.allocate() for _ in seqs[0].logical_token_blocks[num_before:]]
+        for block in held:
+            for _ in seqs[1:]:  # one reference per sequence, as BlockSpaceManager.allocate
+                self.gpu_allocator.acquire(block)
+        seq_ids = [s.seq_id for s in seqs]
+        for seq in seqs:
+            self._register(seq, seq_group, [self.dropped[Device.GPU]] * num_before + held)
+            self._prompt_markers[seq.seq_id] = (seq_ids, num_before)
+        self._emit("allocate", request_id=seq_group.request_id, seq_ids=seq_ids,
+                   blocks=[b.block_number for b in self.block_tables[seqs[0].seq_id]], cached=[])
+        return {seq_id: 0 for seq_id in seq_ids}
+
+    def _take_prompt_markers(self, seq: Sequence, num_tokens: int) -> None:
+        """The scheduler takes a prompt admitted with markers: computed whole, they stay;
+        cut into chunks, they become blocks (the admission counted them free)."""
+        seq_ids, num_before = self._prompt_markers.pop(seq.seq_id, ([], 0))
+        for seq_id in seq_ids:
+            self._prompt_markers.pop(seq_id, None)
+        if num_tokens >= seq.get_len() or not num_before:
+            return
+        for i in range(num_before):
+            block = self.gpu_allocator.allocate()
+            for n, seq_id in enumerate(seq_ids):
+                if n:
+                    self.gpu_allocator.acquire(block)
+                self.block_tables[seq_id][i] = block
+        self._emit("allocate", request_id=self.seq_request[seq.seq_id], seq_ids=seq_ids,
+                   blocks=[b.block_number for b in self.block_tables[seq.seq_id]], cached=[])
 
     # -- the window ------------------------------------------------------------------------------
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
@@ -115,7 +189,10 @@ class SlidingWindowBlockManager(BlockSpaceManager):
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Name the sequence's full blocks among its first ``num_tokens`` tokens, from the
-        first block it still holds (the chain's names before it are known)."""
+        first block it still holds (the chain's names before it are known). The scheduler
+        calls it for every prefill chunk it takes: see ``_take_prompt_markers``."""
+        if self._prompt_markers:
+            self._take_prompt_markers(seq, num_tokens)
         table = self.block_tables[seq.seq_id]
         first = next((i for i, b in enumerate(table) if not self._is_dropped(b)), len(table))
         num_full = num_tokens // self.block_size
@@ -123,6 +200,10 @@ class SlidingWindowBlockManager(BlockSpaceManager):
             self.gpu_allocator.name_blocks(
                 table[first:num_full],
                 [b.token_ids for b in seq.logical_token_blocks[first:num_full]])
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self._prompt_markers.pop(seq.seq_id, None)
 
     # -- swapping: a marker stays a marker -------------------------------------------------------
     def _swap_out_block(self, gpu_block: PhysicalTokenBlock) -> tuple[PhysicalTokenBlock, bool]:
@@ -140,9 +221,11 @@ class SlidingWindowBlockManager(BlockSpaceManager):
 
     # -- reading ---------------------------------------------------------------------------------
     def get_block_table(self, seq: Sequence) -> list[int]:
-        # NOTE: block 0 for a dropped block: a real block, so every back-end's checks pass, and
-        # never read, as it lies outside the window of every query
-        return [0 if self._is_dropped(b) else b.block_number
+        # NOTE: the sink (or block 0) for a dropped block: a real block, so every back-end's
+        # checks pass, never read, as it lies outside the window of every query; only a prompt
+        # step writes into it, and only the sink, which belongs to no sequence
+        sink = 0 if self.sink_block is None else self.sink_block
+        return [sink if self._is_dropped(b) else b.block_number
                 for b in self.block_tables[seq.seq_id]]
 
     def snapshot(self) -> dict:

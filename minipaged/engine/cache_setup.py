@@ -54,20 +54,21 @@ def init_kv_cache(cfg: EngineConfig, worker: Worker, shape: ModelShape,
     with naming_memory_holders(worker):  # on a GPU, a refusal says who holds memory
         num_gpu_blocks, num_cpu_blocks = kv_pool_blocks(cfg, block_bytes, max_len, profiled)
         max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks, budget)
+    window = frees_out_of_window(cfg, shape)
+    # NOTE: with a window, one block past the pool: the sink (core/sliding_window.py)
     worker.init_cache(shape.num_layers, shape.num_kv_heads, shape.head_size, cfg.block_size,
-                      num_gpu_blocks, num_cpu_blocks, cfg.kv_cache_dtype,
+                      num_gpu_blocks + (window is not None), num_cpu_blocks, cfg.kv_cache_dtype,
                       use_cuda_graphs=not cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                       max_model_len=max_len)
     scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
                                        cfg.enable_chunked_prefill)
-    window = frees_out_of_window(cfg, shape)
     if window is None:
         scheduler = Scheduler.with_pools(scheduler_config, cfg.block_size, num_gpu_blocks,
                                          num_cpu_blocks, cfg.watermark, cfg.enable_prefix_caching)
     else:
         scheduler = Scheduler(scheduler_config, SlidingWindowBlockManager(
             cfg.block_size, num_gpu_blocks, num_cpu_blocks, cfg.watermark,
-            cfg.enable_prefix_caching, window=window))
+            cfg.enable_prefix_caching, window=window, sink_block=num_gpu_blocks))
     return CacheSetup(scheduler, num_gpu_blocks, num_cpu_blocks, block_bytes, reason)
 
 

@@ -213,6 +213,12 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (vLLM's name); False, and nothing forgotten, while
+        a request holds blocks. True without prefix caching (nothing to forget)."""
+        reset = getattr(self.block_manager.gpu_allocator, "reset_prefix_cache", None)
+        return True if reset is None else reset()
+
     def add_observer(self, fn: Callable[[StepSnapshot], None]) -> None:
         """Call ``fn(snapshot)`` after every step (the live visualizer uses this)."""
         self._observers.append(fn)

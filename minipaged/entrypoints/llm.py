@@ -41,6 +41,11 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (``LLMEngine.reset_prefix_cache``): the next prompts are
+        computed in full."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

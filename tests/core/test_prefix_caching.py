@@ -249,3 +249,51 @@ def test_stats_count_cached_prompt_tokens_and_evictions(tiny_llama):
 def test_enable_prefix_caching_must_be_a_bool(tiny_llama):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLMEngine(tiny_llama[0], enable_prefix_caching="yes")
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_once_nothing_holds_them(tiny_llama):
+    """vLLM's ``reset_prefix_cache``: after it a prompt is computed again (same tokens); while a
+    request holds blocks it refuses and forgets nothing; without prefix caching it is a no-op."""
+    from minipaged import LLM, SamplingParams
+
+    path, _ = tiny_llama
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
+    manager = llm.llm_engine.block_manager
+    prompt = list(range(3, 23))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    assert manager.num_cached_tokens == 16  # the second found 4 blocks
+    engine = llm.llm_engine
+    engine.add_request("held", None, params, prompt_token_ids=prompt)
+    engine.step()
+    assert llm.reset_prefix_cache() is False  # a request holds blocks: nothing forgotten
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert manager.num_cached_tokens == 32
+    assert llm.reset_prefix_cache() is True
+    assert manager.gpu_allocator.evictable_block_numbers() == []
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+    again = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    assert manager.num_cached_tokens == 32  # computed in full
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    plain = LLM(path, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False)
+    assert plain.reset_prefix_cache() is True
+
+
+def test_the_throughput_benchmark_computes_every_prompt_every_run(tiny_llama):
+    """--pairs runs the same trace again: no run may find the earlier one's blocks."""
+    import sys
+
+    from minipaged import LLM
+    from repo_paths import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import make_trace, run_minipaged
+
+    path, _ = tiny_llama
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
+    trace = make_trace("uniform", 6, (8, 20), (2, 5), 64, 256, 0)
+    for _ in range(2):
+        run_minipaged(llm, trace)
+        assert llm.llm_engine.block_manager.num_cached_tokens == 0

@@ -18,6 +18,17 @@ def mistral_16(tmp_path_factory):
     return str(path), save_tiny_model("mistral", path, seed=8, sliding_window=16)
 
 
+def greedy_tokens(engine, prompt, max_tokens):
+    """One greedy request run to its end: its tokens."""
+    engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                 ignore_eos=True), prompt_token_ids=prompt)
+    tokens = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    return tokens
+
+
 def held_blocks_per_step(engine, prompt, max_tokens):
     """Run one request step by step. Per step, once the scheduler has placed its new token (the
     blocks the step runs with): the sequence's length, the blocks it holds, the free blocks."""
@@ -34,13 +45,7 @@ def held_blocks_per_step(engine, prompt, max_tokens):
         return out
 
     manager.append_slot = spy
-    engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                 ignore_eos=True), prompt_token_ids=prompt)
-    tokens = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = out.outputs[0].token_ids
-    return held, tokens
+    return held, greedy_tokens(engine, prompt, max_tokens)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -70,3 +75,92 @@ def test_a_160_token_sequence_never_holds_more_than_6_blocks(mistral_16, prefix_
     with torch.no_grad():
         want = greedy_reference(hf, prompt, 156)
     assert tokens == want
+
+
+def spy_held_blocks(engine):
+    """After every scheduling pass: (the largest table a sequence holds, the free blocks)."""
+    manager = engine.scheduler.block_manager
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        held = [manager.num_held_blocks(s) for s in manager.seqs.values()
+                if s.seq_id in manager.block_tables]
+        seen.append((max(held, default=0), manager.get_num_free_gpu_blocks()))
+        assert check_block_manager(manager) == [], check_block_manager(manager)
+        return out
+
+    engine.scheduler.schedule = spy
+    return seen
+
+
+@pytest.mark.parametrize("settings", [
+    dict(enable_prefix_caching=False),  # chunked prefill on: a prompt that fits goes whole
+    dict(enable_chunked_prefill=False, enable_prefix_caching=False),
+])
+def test_a_160_token_prompt_holds_only_its_last_window(mistral_16, settings):
+    """A prompt of 150 tokens is admitted with the 5 blocks of its last window (the others are
+    markers; the prompt step writes them into the sink), decodes to 160 tokens on at most 6,
+    and gives transformers' tokens: the prompt attends to itself in flight."""
+    path, hf = mistral_16
+    engine = LLMEngine(path, block_size=4, num_gpu_blocks=40, max_model_len=160,
+                       dtype="float32", **settings)
+    manager = engine.scheduler.block_manager
+    assert manager.sink_block == 40  # one block past the pool
+    assert engine.worker.cache_engine.num_gpu_blocks == 41
+    seen = spy_held_blocks(engine)
+    (prompt,) = pick_prompts(hf, [150], 10)
+    tokens = greedy_tokens(engine, prompt, 10)
+    print("held, free after each scheduling pass:", seen)
+    # the prompt step: positions 135 ... 149 are what the first decode (150) reads: blocks
+    # 33-37, and 33 to 37 is 5 blocks
+    assert seen[0] == (5, 35)
+    assert max(h for h, _ in seen) <= 6
+    with torch.no_grad():
+        want = greedy_reference(hf, prompt, 10)
+    assert tokens == want
+    assert manager.get_num_free_gpu_blocks() == 40
+
+
+def test_a_prompt_cut_into_chunks_takes_its_blocks_and_gives_transformers_tokens(mistral_16):
+    """With chunks of 32 tokens, later chunks read the earlier ones from the cache: the markers
+    become blocks in the scheduling pass that admits the prompt, and leave as the window moves."""
+    path, hf = mistral_16
+    engine = LLMEngine(path, block_size=4, num_gpu_blocks=40, max_model_len=160,
+                       dtype="float32", max_num_batched_tokens=32, enable_prefix_caching=False)
+    seen = spy_held_blocks(engine)
+    (prompt,) = pick_prompts(hf, [100], 8, seed=3)
+    tokens = greedy_tokens(engine, prompt, 8)
+    assert seen[0][0] == 25  # all 100 tokens' blocks: the prompt is cut
+    assert max(h for h, _ in seen[-6:]) <= 6  # decoding: the window's blocks only
+    with torch.no_grad():
+        assert tokens == greedy_reference(hf, prompt, 8)
+
+
+def test_with_prefix_caching_a_long_prompt_takes_all_its_blocks(mistral_16):
+    """A block's name chains through every block before it: with prefix caching a prompt
+    stores all its blocks, so the same prompt again finds them (and gets the same tokens)."""
+    path, hf = mistral_16
+    engine = LLMEngine(path, block_size=4, num_gpu_blocks=40, max_model_len=160,
+                       dtype="float32")
+    seen = spy_held_blocks(engine)
+    (prompt,) = pick_prompts(hf, [60], 6, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for i in range(2):
+        engine.add_request(str(i), None, params, prompt_token_ids=prompt)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs.append(out.outputs[0].token_ids)
+    assert seen[0][0] == 15  # all 60 tokens' blocks
+    with torch.no_grad():
+        assert outs == [greedy_reference(hf, prompt, 6)] * 2
+    assert engine.scheduler.block_manager.num_cached_tokens == 56  # all but the last block
+
+
+def test_the_sink_must_lie_past_the_pool():
+    with pytest.raises(ValueError, match="sink_block 3 is a block of the pool .0 to 9.: it "
+                                         "must lie past it"):
+        SlidingWindowBlockManager(4, 10, 0, window=8, sink_block=3)

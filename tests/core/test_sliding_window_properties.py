@@ -3,7 +3,8 @@ workloads on a tiny all-sliding Mistral (window 8, blocks of 4) give the same to
 logprobs with ``SlidingWindowBlockManager`` as with the ``BlockSpaceManager`` that keeps every
 block, through copy-on-write (n = 2 sampling, beam search's forks), swapping or recompute (small
 pools), chunked prefill, prefix caching (shared prompt starts), speculative decoding by prompt
-lookup and multi-step decode."""
+lookup and multi-step decode; without prefix caching, prompts admitted with only their last
+window's blocks."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,8 +26,15 @@ MODES = [  # engine settings a workload runs under
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
          num_gpu_blocks=32),
     dict(num_scheduler_steps=4, num_gpu_blocks=32),
+    # without prefix caching a prompt is admitted with its last window's blocks only: whole,
+    # cut into chunks (its markers become blocks), recomputed, verified by speculation
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=6, num_gpu_blocks=26,
+         enable_prefix_caching=False),
+    dict(preemption_mode="recompute", num_gpu_blocks=26, enable_prefix_caching=False),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+         num_gpu_blocks=32, enable_prefix_caching=False),
 ]
-SINGLE_SEQUENCE_ONLY = (4,)  # the modes that run neither n = 2 nor beam search
+SINGLE_SEQUENCE_ONLY = (4, 8)  # the modes that run neither n = 2 nor beam search
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +86,7 @@ def run(engine, prompts, params):
 
 
 @given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4))
-@settings(max_examples=examples(25), deadline=None,
+@settings(max_examples=examples(40), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_freeing_out_of_window_blocks_changes_no_output(engines, mode, reqs):
     freeing, keeping = engines(mode)
