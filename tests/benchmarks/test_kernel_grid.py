@@ -105,6 +105,7 @@ def test_the_grid_fits_its_gpu_check_stage_and_ninety_seconds():
     assert bench.grid_rounds(bench.grid_kv_bytes(1, 1024, 8, torch.float16)) == 15
 
 
+@pytest.mark.slow  # (a fresh interpreter importing torch: 6 s)
 def test_grid_without_cuda_says_so_and_exits_0():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: --grid would time it")

@@ -48,7 +48,7 @@ def held_blocks_per_step(engine, prompt, max_tokens):
     return held, greedy_tokens(engine, prompt, max_tokens)
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_a_160_token_sequence_never_holds_more_than_6_blocks(mistral_16, prefix_caching):
     path, hf = mistral_16
     # NOTE: the pool must hold a whole prompt of max_model_len tokens (a prompt takes all its

@@ -75,6 +75,7 @@ def test_only_runs_the_stages_named(tmp_path):
     assert re.search(r"unknown argument", run("--bogus").stderr)
 
 
+@pytest.mark.slow  # (8 s)
 def test_the_decode_profile_runs_small_on_the_cpu():
     """Stage 5's script, on a CPU and a 1-layer model: the step, the floor, multi-step decode's
     step and the top-20 table."""

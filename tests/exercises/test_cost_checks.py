@@ -206,8 +206,8 @@ class LaysOutThePoolPerSequence(Attention):
     ("BlockSpaceManager", RefCountsFromTables, "+ free"),
     ("BlockSpaceManager", CountsFreeByScanning, "get_num_free_gpu_blocks"),
     ("prepare_inputs", pads_each_table_to_the_widest, "prepare_inputs"),
-    ("Scheduler", RecountsTheBudget, "schedule"),
-    # (slow: the slow variant's own runs at the larger sizes take tens of seconds on 2 cores)
+    # (slow: the slow variant's own runs at the larger sizes take 6 to tens of seconds)
+    pytest.param("Scheduler", RecountsTheBudget, "schedule", marks=pytest.mark.slow),
     pytest.param("admit_waiting", admit_the_oldest_found_with_min, "_admit_waiting",
                  marks=pytest.mark.slow),
     pytest.param("Sampler", PenalizesRowByRow, "__call__", marks=pytest.mark.slow),

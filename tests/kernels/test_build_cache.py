@@ -39,6 +39,7 @@ def hold_lock(folder: Path) -> subprocess.Popen:
     return child
 
 
+@pytest.mark.slow  # (4 s)
 def test_the_lock_dies_with_its_holder_and_a_waiter_says_what_it_waits_for(tmp_path, capsys):
     folder = tmp_path / "build"
     holder = hold_lock(folder)

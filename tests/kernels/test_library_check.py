@@ -59,6 +59,7 @@ def test_a_probe_that_returns_is_reported(tmp_path):
     assert problem is not None and "did not raise" in problem
 
 
+@pytest.mark.slow  # (5 s)
 def test_the_verdict_is_kept_until_the_library_changes(tmp_path, monkeypatch):
     lib = fake_library(tmp_path, "def check(n):\n    raise RuntimeError(f'got {n}')\n")
     calls = []
