@@ -14,7 +14,11 @@ On the 2-core AMD EPYC (AVX2) of 2026-11-29, SmolLM2's MLP matmul (3,072 x 576) 
 rows rounded up to a power of two, the dtype and torch's thread count) each routine runs on the
 real input, in turn, and the fastest is kept for that shape for the rest of the process
 (``choices``). Every step of more than ``MAX_ROWS`` rows is one shape, measured on its first
-``MAX_ROWS`` rows. The routines agree up to float rounding (the same products, summed in each
+``MAX_ROWS`` rows. One row (a decode step of one sequence) always takes ``F.linear``: the three
+took the same time within a few hundredths of a millisecond there, and a measurement that
+small, on weights still in the cache from its own runs, picked one with which a 32-token
+request of SmolLM2 on two threads took 4.85 s, against 3.51 s with ``F.linear``
+(benchmarks/threads.py, 2026-11-29). The routines agree up to float rounding (the same products, summed in each
 kernel's order: about 1e-6 of the result's size). On a GPU nothing is measured; the setting
 ``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``) fixes the routine on the CPU too.
 """
@@ -87,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         bias: None or (out,).
     """
     name = _forced()
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or torch.is_grad_enabled():
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] <= 1 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)  # (autograd: the routines need not all support it)
     if name is None:
         key = (_bucket(x.shape[0]), *weight.shape, weight.dtype, torch.get_num_threads())

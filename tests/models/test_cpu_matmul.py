@@ -61,6 +61,7 @@ def test_one_measurement_per_shape_then_the_choice_is_kept(monkeypatch):
     cpu_matmul.linear(torch.randn(1500, 32), w)
     assert measured[2:] == [(3000, (48, 32))]
     cpu_matmul.linear(torch.randn(0, 32), w)  # no rows: nothing to measure
+    cpu_matmul.linear(torch.randn(1, 32), w)  # one row: F.linear
     cpu_matmul.linear(torch.randn(2, 3, 32), w)  # 3-D: F.linear as it is
     assert len(measured) == 3
     with torch.enable_grad():  # autograd: F.linear as it is
