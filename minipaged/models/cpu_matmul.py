@@ -18,9 +18,10 @@ real input, in turn, and the fastest is kept for that shape for the rest of the 
 took the same time within a few hundredths of a millisecond there, and a measurement that
 small, on weights still in the cache from its own runs, picked one with which a 32-token
 request of SmolLM2 on two threads took 4.85 s, against 3.51 s with ``F.linear``
-(benchmarks/threads.py, 2026-11-29). The routines agree up to float rounding (the same products, summed in each
-kernel's order: about 1e-6 of the result's size). On a GPU nothing is measured; the setting
-``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``) fixes the routine on the CPU too.
+(benchmarks/threads.py, 2026-11-29). The routines agree up to float rounding (the same
+products, summed in each kernel's order: about 1e-6 of the result's size). On a GPU nothing is
+measured; the setting ``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``) fixes the routine on
+the CPU too.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def _fastest(x: torch.Tensor, weight: torch.Tensor) -> str:
             t0 = time.perf_counter()
             try:
                 routine(x, weight)
-            except (RuntimeError, AttributeError, NotImplementedError):
+            except (RuntimeError, AttributeError, NotImplementedError, TypeError):
                 best[name] = float("inf")  # not in this build of torch, or not for this dtype
                 continue
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
