@@ -170,10 +170,8 @@ class PrefixCachingAllocator(FreeListAllocator):
         prompts twice."""
         if self.get_num_free_blocks() != self.num_blocks:
             return False
-        while self.evictable:
-            _, block = self.evictable.popitem(last=False)
-            del self.by_hash[self.contents.pop(block.block_number).block_hash]
-            self.free_blocks.append(block)
+        for block in list(self.evictable.values()):
+            self._evict(block, counted=False)
         return True
 
     # -- copies: copy-on-write and swapping ------------------------------------------------------
@@ -229,9 +227,10 @@ class PrefixCachingAllocator(FreeListAllocator):
         parent_id = self.contents[parent.block_number].content_id if parent is not None else None
         return contents.token_ids == token_ids and contents.parent_id == parent_id
 
-    def _evict(self, block: PhysicalTokenBlock) -> None:
-        """An evictable block loses its name and goes to the free list, to be reused."""
+    def _evict(self, block: PhysicalTokenBlock, counted: bool = True) -> None:
+        """An evictable block loses its name and goes to the free list, to be reused
+        (``counted``: an eviction for room, not a reset)."""
         del self.evictable[block.block_number]
         del self.by_hash[self.contents.pop(block.block_number).block_hash]
-        self.num_evictions += 1
+        self.num_evictions += counted
         self.free_blocks.append(block)

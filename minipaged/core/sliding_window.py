@@ -77,8 +77,8 @@ class SlidingWindowBlockManager(BlockSpaceManager):
                          enable_prefix_caching)
         self.window = window
         self.sink_block = sink_block
-        # seq_id -> (the seq_ids sharing its table, markers at its start) of a prompt admitted
-        # with its last window only and not yet scheduled
+        # the first seq_id of a prompt admitted with its last window only and not yet scheduled
+        # -> (the seq_ids sharing its table, the markers at its start)
         self._prompt_markers: dict[int, tuple[list[int], int]] = {}
         self.dropped = {device: PhysicalTokenBlock(device, DROPPED_NUMBER, block_size)
                         for device in (Device.GPU, Device.CPU)}
@@ -128,7 +128,7 @@ class SlidingWindowBlockManager(BlockSpaceManager):
         seq_ids = [s.seq_id for s in seqs]
         for seq in seqs:
             self._register(seq, seq_group, [self.dropped[Device.GPU]] * num_before + held)
-            self._prompt_markers[seq.seq_id] = (seq_ids, num_before)
+        self._prompt_markers[seqs[0].seq_id] = (seq_ids, num_before)  # (its chunk's sequence)
         self._emit("allocate", request_id=seq_group.request_id, seq_ids=seq_ids,
                    blocks=[b.block_number for b in self.block_tables[seqs[0].seq_id]], cached=[])
         return {seq_id: 0 for seq_id in seq_ids}
@@ -137,8 +137,6 @@ class SlidingWindowBlockManager(BlockSpaceManager):
         """The scheduler takes a prompt admitted with markers: computed whole, they stay;
         cut into chunks, they become blocks (the admission counted them free)."""
         seq_ids, num_before = self._prompt_markers.pop(seq.seq_id, ([], 0))
-        for seq_id in seq_ids:
-            self._prompt_markers.pop(seq_id, None)
         if num_tokens >= seq.get_len() or not num_before:
             return
         for i in range(num_before):

@@ -146,7 +146,7 @@ class FusedColumns(nn.Module):
 
     LLaMA's q, k and v projections (and its MLP's gate and up) each read the same activations.
     Their weights are made consecutive rows of one tensor, each linear's own parameter a view of
-    its rows, so one ``F.linear`` with the whole tensor gives every output at once: one launch
+    its rows, so one matmul with the whole tensor gives every output at once: one launch
     and one larger matmul (a decode step's matmuls are bound by reading the weights, and a larger
     one reads them at a better rate) instead of two or three. Checkpoints, the state dict and
     code that calls ``q_proj`` alone see nothing different: the fused tensor is no parameter
