@@ -26,11 +26,14 @@ $(CORE): pyproject.toml Makefile
 	touch $(CORE)
 
 # Everything else: the lessons' and the tests' extras, and the C++ CPU op compiled now, so that no
-# test waits for it (without a compiler the torch reference runs: a warning, never a failed set-up)
+# test waits for it (without a compiler the torch reference runs: a warning, never a failed set-up).
+# The compiler starts first and runs while the extras install (it needs only the core: ninja is
+# one of the engine's own dependencies); the set-up then waits for both.
 $(STAMP): $(CORE)
-	$(call INSTALL,torch==2.13.0 -e '$(EXTRAS)')
-	$(PY) -c 'from minipaged.kernels import build; build.prebuild()' \
-	  || echo "warning: the C++ CPU op was not prebuilt; it is built on first use instead"
+	$(PY) -c 'from minipaged.kernels import build; build.prebuild()' & build=$$!; \
+	  $(call INSTALL,torch==2.13.0 -e '$(EXTRAS)'); installed=$$?; \
+	  wait $$build || echo "warning: the C++ CPU op was not prebuilt; it is built on first use instead"; \
+	  test $$installed = 0
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -68,8 +71,12 @@ demo-gemma: $(GEMMA)
 
 # The fast tier: no notebooks, nothing marked `slow`, a few examples per Hypothesis property
 # (tests/helpers/budgets.py). It needs no prebuilt CUDA-on-CPU kernels and no system packages.
+# Two pytest workers (pytest-xdist): on two cores the fast tier takes about 60 % of one process's
+# time. TEST_WORKERS=0 runs it in this process (a debugger, -x, a breakpoint).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	MINIPAGED_FAST_TESTS=1 $(PY) -m pytest -q tests -m "not slow" -p no:cacheprovider
+	MINIPAGED_FAST_TESTS=1 $(PY) -m pytest -q tests -m "not slow" -p no:cacheprovider \
+	  $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 
 # Everything, as CI runs it (.ci/run): every test with its full budget, then every lesson.
 test-all: $(STAMP) $(KERNELS_ON_CPU) system-deps

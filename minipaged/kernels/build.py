@@ -16,7 +16,7 @@ files compiled for the CPU (``minipaged.kernels.cuda_on_cpu``). Each is a ``JitB
   (``library_check.py``): a library carrying a private copy of libstdc++, or whose error path
   cannot raise, is not used;
 - announced on stderr when a compile actually runs ("minipaged: building the C++ CPU attention
-  op (first use only, ~30 s)..."), silent when the cached library is loaded;
+  op (first use only, 1-2 min on 2 cores)..."), silent when the cached library is loaded;
 - startable in the background: ``start_background_build(device)`` compiles the op of a device
   in a daemon thread while the model's weights load, and ``load()`` then waits for that build
   instead of starting a second one.
@@ -356,7 +356,7 @@ def compile_cuda_extension(job: JitBuild, arch: str):
         extra_cuda_cflags=["-O2", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 
 
-CPU_OP = JitBuild("the C++ CPU attention op", "~30 s", _make_cpu_op, switch="MINIPAGED_CPU_OP")
+CPU_OP = JitBuild("the C++ CPU attention op", "1-2 min on 2 cores", _make_cpu_op, switch="MINIPAGED_CPU_OP")
 CUDA_OP = JitBuild("the CUDA kernels", "~1 min", _make_cuda_op, switch="MINIPAGED_CUDA_OP")
 
 
