@@ -356,7 +356,8 @@ def compile_cuda_extension(job: JitBuild, arch: str):
         extra_cuda_cflags=["-O2", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 
 
-CPU_OP = JitBuild("the C++ CPU attention op", "1-2 min on 2 cores", _make_cpu_op, switch="MINIPAGED_CPU_OP")
+CPU_OP = JitBuild("the C++ CPU attention op", "1-2 min on 2 cores", _make_cpu_op,
+                  switch="MINIPAGED_CPU_OP")
 CUDA_OP = JitBuild("the CUDA kernels", "~1 min", _make_cuda_op, switch="MINIPAGED_CUDA_OP")
 
 
