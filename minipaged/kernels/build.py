@@ -309,7 +309,8 @@ def _make_cpu_op(job: JitBuild) -> CpuKernels:
     # without it the loops would run on one thread.
     module = compile_extension(
         job, name=f"minipaged_cpu_{capability.lower()}", tag=f"cpu-{capability}",
-        sources=[CSRC / "cpu" / "attention.cpp"], probe=CPU_OP_PROBE,
+        sources=[CSRC / "cpu" / "attention.cpp", CSRC / "cpu" / "attention_8bit.cpp"],
+        probe=CPU_OP_PROBE,
         extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
         extra_ldflags=["-fopenmp"])
     return CpuKernels(module)
