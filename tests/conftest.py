@@ -29,6 +29,18 @@ def _no_cost_checks_by_default(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def cpu_op():
+    """The C++ CPU op (built once per machine, then loaded), or the test skipped where it
+    cannot be built."""
+    from minipaged.kernels import build
+
+    op = build.CPU_OP.load()
+    if op is None:
+        pytest.skip("the C++ CPU op could not be built here (see the warning)")
+    return op
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """(directory, transformers model) of a tiny random LLaMA with 4 heads and 2 kv heads."""
     path = tmp_path_factory.mktemp("tiny_llama")

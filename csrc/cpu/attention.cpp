@@ -770,10 +770,21 @@ void reshape_and_cache_8bit(at::Tensor key, at::Tensor value, at::Tensor key_cac
   });
 }
 
+// y = x W^T for a few rows (linear.cpp, lesson 15)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
+// a LLaMA block's element-wise layers in float32 (layers.cpp)
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                     const at::Tensor& weight, double eps);
+std::vector<at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q,
+                               const at::Tensor& k, const at::Tensor& cos,
+                               const at::Tensor& sin);
+
 }  // namespace minipaged_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "minipaged: paged attention and reshape_and_cache on the CPU (lesson 05)";
+  m.doc() = "minipaged: paged attention, a few-row linear and element-wise layers on the CPU";
   namespace py = pybind11;
   // window (last, 0 by default: the whole context): a sliding window's tokens
   m.def("paged_attention", &minipaged_cpu::paged_attention,
@@ -799,5 +810,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window") = 0);
   m.def("reshape_and_cache_8bit", &minipaged_cpu::reshape_and_cache_8bit,
         "quantize new keys and values into an 8-bit cache, one scale per token and kv head");
+  m.def("linear", &minipaged_cpu::linear, "x W^T in float32, for a few rows of x",
+        py::arg("x"), py::arg("weight"));
+  m.def("silu_and_mul", &minipaged_cpu::silu_and_mul, "silu(gate) * up, float32");
+  m.def("rms_norm", &minipaged_cpu::rms_norm, "weight * x / sqrt(mean(x^2) + eps), float32");
+  m.def("add_rms_norm", &minipaged_cpu::add_rms_norm,
+        "(rms_norm(x + residual), x + residual), float32");
+  m.def("rotary", &minipaged_cpu::rotary, "q and k rotated by their positions (RoPE), float32");
 }
 #endif  // MINIPAGED_KERNELS_ONLY

@@ -114,6 +114,14 @@ class JitBuild:
             raise self._error
         return self._result
 
+    def ready(self):
+        """The op's wrapper where this process has built or loaded it already, else None (off,
+        not built yet, compiling, failed, or nothing to run here). Never starts or waits for
+        a build: for callers that use the op only where it is there (``cpu_matmul``)."""
+        if not self.enabled() or not self._done or self._error is not None:
+            return None
+        return self._result
+
     def load_unless_compiling(self):
         """``load()``, except while the background build is compiling: then None at once (the
         torch reference runs meanwhile), with a line when that starts and when the op is ready.
@@ -309,7 +317,8 @@ def _make_cpu_op(job: JitBuild) -> CpuKernels:
     # without it the loops would run on one thread.
     module = compile_extension(
         job, name=f"minipaged_cpu_{capability.lower()}", tag=f"cpu-{capability}",
-        sources=[CSRC / "cpu" / "attention.cpp", CSRC / "cpu" / "attention_8bit.cpp"],
+        sources=[CSRC / "cpu" / n for n in ("attention.cpp", "attention_8bit.cpp", "linear.cpp",
+                                           "layers.cpp")],
         probe=CPU_OP_PROBE,
         extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
         extra_ldflags=["-fopenmp"])

@@ -72,6 +72,61 @@ class CpuKernels:
             _int32(query_start_loc), _int32(context_lens), float(scale), window or 0)
 
 
+    # A LLaMA block's element-wise layers (``csrc/cpu/layers.cpp``), the signatures of their
+    # references in ``minipaged.kernels.reference``: float32 runs in C++, anything else there.
+    def rms_norm(self, x, weight, eps):
+        """``weight * rms_norm(x)`` over the last dimension, as ``reference.rms_norm``."""
+        if not _float32(x, weight):
+            from minipaged.kernels import reference
+            return reference.rms_norm(x, weight, eps)
+        return self.module.rms_norm(x.reshape(-1, x.shape[-1]), weight.contiguous(),
+                                    float(eps)).view(x.shape)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        """``(rms_norm(x + residual), x + residual)`` in one pass, as ``reference.add_rms_norm``."""
+        if not (_float32(x, residual, weight) and x.shape == residual.shape):
+            from minipaged.kernels import reference
+            return reference.add_rms_norm(x, residual, weight, eps)
+        out, total = self.module.add_rms_norm(x.reshape(-1, x.shape[-1]),
+                                              residual.reshape(-1, x.shape[-1]),
+                                              weight.contiguous(), float(eps))
+        return out.view(x.shape), total.view(x.shape)
+
+    def rotary(self, positions, q, k, cos, sin):
+        """q (T, H, D) and k (T, KVH, D) rotated by their positions, as ``reference.rotary``."""
+        import torch
+
+        if not _float32(q, k, cos, sin):
+            from minipaged.kernels import reference
+            return reference.rotary(positions, q, k, cos, sin)
+        q_out, k_out = self.module.rotary(positions.to(torch.long).contiguous(),
+                                          _last_dim_contiguous(q), _last_dim_contiguous(k),
+                                          cos.contiguous(), sin.contiguous())
+        return q_out, k_out
+
+    def silu_and_mul(self, gate, up):
+        """``silu(gate) * up``, as ``reference.silu_and_mul``."""
+        if not (_float32(gate, up) and gate.shape == up.shape):
+            from minipaged.kernels import reference
+            return reference.silu_and_mul(gate, up)
+        shape = gate.shape
+        return self.module.silu_and_mul(_last_dim_contiguous(gate.reshape(-1, shape[-1])),
+                                        _last_dim_contiguous(up.reshape(-1, shape[-1]))
+                                        ).view(shape)
+
+    def linear(self, x, weight):
+        """``x W^T`` in float32 for a few rows of ``x`` (``csrc/cpu/linear.cpp``, lesson 15):
+        x (rows, in) with contiguous rows, weight (out, in) contiguous."""
+        return self.module.linear(_last_dim_contiguous(x), weight)
+
+
+def _float32(*tensors) -> bool:
+    import torch
+
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() >= 1
+               for t in tensors)
+
+
 def _int32(t):
     import torch
 

@@ -247,11 +247,13 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: dict[int, i
 
 # ----------------------------------------------------------------------------------------------
 # The small operations between a LLaMA layer's matmuls: our CUDA kernels on a GPU (one launch
-# each where torch needed 2 to 12), the torch reference everywhere else
+# each where torch needed 2 to 12), the C++ CPU op for float32 on the CPU (one pass over memory
+# each), the torch reference everywhere else
 # ----------------------------------------------------------------------------------------------
 def _layer_op(tensor: torch.Tensor):
-    """("cuda", kernels) for a CUDA tensor when our kernels are on, else ("reference", None)."""
-    if tensor.is_cuda:
+    """("cuda", kernels) for a CUDA tensor when our kernels are on, ("cpu", kernels) for a
+    float32 CPU tensor when the C++ CPU op is (csrc/cpu/layers.cpp), else ("reference", None)."""
+    if tensor.is_cuda or (tensor.device.type == "cpu" and tensor.dtype == torch.float32):
         name, op = _pick(tensor)
         if op is not None and hasattr(op, "rms_norm"):
             return name, op

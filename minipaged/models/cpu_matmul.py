@@ -6,22 +6,29 @@ the library and the shape:
 
 - ``xw``: ``F.linear`` (BLAS, MKL on x86), torch's default;
 - ``wx``: ``(W x^T)^T``, the operands the other way round, so BLAS picks another kernel;
-- ``onednn``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``), where torch has it.
+- ``onednn``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``), where torch has it;
+- ``cpp``: minipaged's own loop for a few rows (``csrc/cpu/linear.cpp``, part of the C++ CPU
+  op), float32, where the op is loaded and the step has at most ``CPP_MAX_ROWS`` rows.
 
 On the 2-core AMD EPYC (AVX2) of 2026-11-29, SmolLM2's MLP matmul (3,072 x 576) took 6.3 ms
 (xw), 4.5 ms (wx) and 4.1 ms (onednn) for a decode step of 64 rows; for 4,096 rows (a prompt)
-225, 291 and 218 ms. So nothing is assumed: the first time a shape is seen (the weight's, the
-rows rounded up to a power of two, the dtype and torch's thread count) each routine runs on the
-real input, in turn, and the fastest is kept for that shape for the rest of the process
-(``choices``). Every step of more than ``MAX_ROWS`` rows is one shape, measured on its first
-``MAX_ROWS`` rows. One row (a decode step of one sequence) always takes ``F.linear``: the three
-took the same time within a few hundredths of a millisecond there, and a measurement that
-small, on weights still in the cache from its own runs, picked one with which a 32-token
-request of SmolLM2 on two threads took 4.85 s, against 3.51 s with ``F.linear``
-(benchmarks/threads.py, 2026-11-29). The routines agree up to float rounding (the same
-products, summed in each kernel's order: about 1e-6 of the result's size). On a GPU nothing is
-measured; the setting ``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``) fixes the routine on
-the CPU too.
+225, 291 and 218 ms. The libraries are made for big matrices: for a few rows they spend their
+time rearranging the weights, and ``cpp`` ran 8 rows of the 576 x 1536 down projection in
+0.36 ms against 0.54 ms for the best of the three (benchmarks/linear.py). So nothing is assumed:
+the first time a shape is seen (the weight's, the rows rounded up to a power of two, the dtype,
+torch's thread count and whether the C++ op is loaded) each routine runs on the real input, in
+turn, and the fastest is kept for that shape for the rest of the process (``choices``). Every
+step of more than ``MAX_ROWS`` rows is one shape, measured on its first ``MAX_ROWS`` rows.
+
+One row (a decode step of one sequence) is not measured: the routines' times differ by a few
+hundredths of a millisecond there, and a measurement that small, on weights still in the cache
+from its own runs, once picked one with which a 32-token request took 4.85 s against 3.51 s
+(benchmarks/threads.py). It takes ``cpp`` where the op is loaded (one pass over the weights:
+a 64-token request of SmolLM2 took 3.07 s against 4.73 s with ``F.linear``, 2026-11-29), else
+``F.linear``. The routines agree up to float rounding (the same products, summed in each
+kernel's order: about 1e-6 of the result's size). On a GPU nothing is
+measured; the setting ``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``, ``cpp``) fixes the
+routine on the CPU too (``cpp`` where the C++ op is loaded; ``F.linear`` until then).
 """
 from __future__ import annotations
 
@@ -31,7 +38,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from minipaged.kernels import build
+
 MAX_ROWS = 1024  # larger steps share one choice, measured on this many rows
+CPP_MAX_ROWS = 256  # ``cpp`` keeps the rows in the cache: a candidate up to this many
 TRIES = 2  # runs of each routine per measurement; the fastest run of each counts
 
 
@@ -47,9 +57,23 @@ def _onednn(x, weight):
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-ROUTINES = {"xw": _xw, "wx": _wx, "onednn": _onednn}
+def _cpp_runs(x, weight) -> bool:
+    """Whether ``cpp`` can run on these: the C++ op loaded (never waited for), float32."""
+    return (build.CPU_OP.ready() is not None and x.dtype == weight.dtype == torch.float32
+            and weight.is_contiguous())
 
-# (rows rounded up to a power of two, out, in, dtype, threads) -> the routine's name
+
+def _cpp(x, weight):
+    if not _cpp_runs(x, weight):
+        raise NotImplementedError("the C++ CPU op is not loaded, or not float32")
+    return build.CPU_OP.ready().linear(x, weight)
+
+
+ROUTINES = {"xw": _xw, "wx": _wx, "onednn": _onednn, "cpp": _cpp}
+
+# (rows rounded up to a power of two, out, in, dtype, threads, whether the C++ op is loaded)
+# -> the routine's name. (A first step may run while the op compiles: its shapes are measured
+# again once it is loaded.)
 choices: dict[tuple, str] = {}
 
 
@@ -68,6 +92,8 @@ def _forced() -> str | None:
 def _fastest(x: torch.Tensor, weight: torch.Tensor) -> str:
     x = x[:MAX_ROWS]
     best = {}
+    if x.shape[0] > CPP_MAX_ROWS:
+        best["cpp"] = float("inf")  # (made for a few rows)
     for _ in range(TRIES):
         for name, routine in ROUTINES.items():  # in turn: a load that comes and goes hits all
             if best.get(name) == float("inf"):
@@ -92,14 +118,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         bias: None or (out,).
     """
     name = _forced()
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] <= 1 or torch.is_grad_enabled():
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)  # (autograd: the routines need not all support it)
+    if name is None and x.shape[0] == 1:
+        name = "cpp"  # (not measured: see above)
     if name is None:
-        key = (_bucket(x.shape[0]), *weight.shape, weight.dtype, torch.get_num_threads())
+        key = (_bucket(x.shape[0]), *weight.shape, weight.dtype, torch.get_num_threads(),
+               build.CPU_OP.ready() is not None)
         name = choices.get(key)
         if name is None:
             name = choices[key] = _fastest(x, weight)
-    if name == "xw":
+    if name == "xw" or (name == "cpp" and not _cpp_runs(x, weight)):
         return F.linear(x, weight, bias)
     out = ROUTINES[name](x, weight)
     return out if bias is None else out + bias
