@@ -1,7 +1,9 @@
-"""The Python side of the fast C++ CPU paged attention, ``csrc/cpu/attention.cpp`` (lesson 07).
+"""The Python side of the C++ CPU op: paged attention, ``csrc/cpu/attention.cpp`` (lesson 07);
+the few-row linear of ``models/cpu_matmul.py`` (``linear.cpp``) and RMSNorm, rotary and
+SiLU-and-multiply in float32 (``layers.cpp``, lesson 15).
 
-``minipaged.kernels.build.CPU_OP.load()`` compiles the C++ file (once, cached on disk) and
-returns a ``CpuKernels``: three operations with the same signatures as their torch references
+``minipaged.kernels.build.CPU_OP.load()`` compiles the C++ files (once, cached on disk) and
+returns a ``CpuKernels``. Its attention operations have the signatures of their torch references
 in ``minipaged.kernels.reference``::
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -70,7 +72,6 @@ class CpuKernels:
         return self.module.paged_prefill_attention(
             _last_dim_contiguous(query), key_cache, value_cache, _int32(block_tables),
             _int32(query_start_loc), _int32(context_lens), float(scale), window or 0)
-
 
     # A LLaMA block's element-wise layers (``csrc/cpu/layers.cpp``), the signatures of their
     # references in ``minipaged.kernels.reference``: float32 runs in C++, anything else there.

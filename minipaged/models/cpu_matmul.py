@@ -26,9 +26,9 @@ from its own runs, once picked one with which a 32-token request took 4.85 s aga
 (benchmarks/threads.py). It takes ``cpp`` where the op is loaded (one pass over the weights:
 a 64-token request of SmolLM2 took 3.07 s against 4.73 s with ``F.linear``, 2026-11-29), else
 ``F.linear``. The routines agree up to float rounding (the same products, summed in each
-kernel's order: about 1e-6 of the result's size). On a GPU nothing is
-measured; the setting ``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``, ``cpp``) fixes the
-routine on the CPU too (``cpp`` where the C++ op is loaded; ``F.linear`` until then).
+kernel's order: about 1e-6 of the result's size). On a GPU nothing is measured; the setting
+``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``, ``cpp``) fixes the routine on the CPU too
+(``cpp`` where the C++ op is loaded and the tensors are float32; ``F.linear`` otherwise).
 """
 from __future__ import annotations
 
