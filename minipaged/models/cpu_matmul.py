@@ -57,16 +57,18 @@ def _onednn(x, weight):
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def _cpp_runs(x, weight) -> bool:
-    """Whether ``cpp`` can run on these: the C++ op loaded (never waited for), float32."""
-    return (build.CPU_OP.ready() is not None and x.dtype == weight.dtype == torch.float32
-            and weight.is_contiguous())
+def _cpp_op(x, weight):
+    """The C++ op where ``cpp`` can run on these (loaded, never waited for; float32), else None."""
+    op = build.CPU_OP.ready()
+    runs = x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+    return op if runs else None
 
 
 def _cpp(x, weight):
-    if not _cpp_runs(x, weight):
+    op = _cpp_op(x, weight)
+    if op is None:
         raise NotImplementedError("the C++ CPU op is not loaded, or not float32")
-    return build.CPU_OP.ready().linear(x, weight)
+    return op.linear(x, weight)
 
 
 ROUTINES = {"xw": _xw, "wx": _wx, "onednn": _onednn, "cpp": _cpp}
@@ -128,7 +130,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         name = choices.get(key)
         if name is None:
             name = choices[key] = _fastest(x, weight)
-    if name == "xw" or (name == "cpp" and not _cpp_runs(x, weight)):
+    if name == "cpp":  # (once the op is looked up here, not again in _cpp)
+        op = _cpp_op(x, weight)
+        out = F.linear(x, weight) if op is None else op.linear(x, weight)
+        return out if bias is None else out + bias
+    if name == "xw":
         return F.linear(x, weight, bias)
     out = ROUTINES[name](x, weight)
     return out if bias is None else out + bias
