@@ -35,7 +35,7 @@ class CpuKernels:
     supports_window = True  # the attention entry points' ``window`` (0: none)
 
     def __init__(self, module):
-        self.module = module  # the compiled extension
+        self.module = _Profiled(module)  # the compiled extension, named in torch's profiler
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping,
                           kv_scales=None) -> None:
@@ -119,6 +119,32 @@ class CpuKernels:
         """``x W^T`` in float32 for a few rows of ``x`` (``csrc/cpu/linear.cpp``, lesson 15):
         x (rows, in) with contiguous rows, weight (out, in) contiguous."""
         return self.module.linear(_last_dim_contiguous(x), weight)
+
+
+class _Profiled:
+    """The compiled module, each function named in ``torch.profiler``'s tables while a profiler
+    runs (as ``minipaged_cpu::linear`` and so on): a pybind11 function is not a torch operator,
+    so without this its time would be no row of the table (``scripts/profile_decode.py``'s)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        function = getattr(self._module, name)
+        if not callable(function):
+            return function
+        import torch
+
+        label = f"minipaged_cpu::{name}"
+
+        def run(*args):
+            if not torch.autograd._profiler_enabled():  # (about 0.1 us: the hot path's case)
+                return function(*args)
+            with torch.profiler.record_function(label):
+                return function(*args)
+
+        setattr(self, name, run)  # (looked up once: the next call finds it on the instance)
+        return run
 
 
 def _float32(*tensors) -> bool:

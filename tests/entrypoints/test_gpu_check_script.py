@@ -88,7 +88,11 @@ def test_the_decode_profile_runs_small_on_the_cpu():
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"decode step of 2 sequences at ~\d+ tokens \(eager\): [\d.]+ ms",
                      done.stdout)
-    assert "x the weight floor" in done.stdout and "aten::mm" in done.stdout
+    assert "x the weight floor" in done.stdout
+    # the matmuls are a row of the table by whichever routine ran them: torch's, or the C++ op's
+    # few-row one (named there while the profiler runs)
+    assert re.search(r"aten::mm|aten::addmm|mkldnn|minipaged_cpu::linear", done.stdout), \
+        done.stdout[-3000:]
     assert re.search(r"by section .*schedule [\d.]+, prepare [\d.]+, model [\d.]+", done.stdout)
     assert re.search(r"q/k/v [\d.]+ vs [\d.]+; gate/up [\d.]+ vs [\d.]+", done.stdout)
     # multi-step decode (--multi-steps 8 by default): every timed step() ran 8 decode steps

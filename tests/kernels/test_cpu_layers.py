@@ -105,6 +105,19 @@ def test_bad_input_is_named(cpu_op):
     assert torch.equal(cpu_op.silu_and_mul(x, x), reference.silu_and_mul(x, x))
 
 
+def test_the_profiler_names_the_c_plus_plus_calls(cpu_op):
+    """A pybind11 function is no torch operator: its time is a named row of the profiler's table
+    all the same (scripts/profile_decode.py prints that table); without a profiler, the same."""
+    x, weight = torch.randn(4, 64), torch.randn(32, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = cpu_op.linear(x, weight)
+        cpu_op.rms_norm(x, torch.ones(64), 1e-6)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("minipaged_cpu::linear") == 1 and counts.get("minipaged_cpu::rms_norm") == 1
+    assert rel_error(y, x @ weight.t()) < 1e-5
+    assert torch.equal(cpu_op.linear(x, weight), y)  # (the same function without a profiler)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: a norm over each head too
 def test_a_float32_engine_runs_them_and_gives_transformers_tokens(cpu_op, tmp_path, kind):
     from tiny_models import greedy_reference, pick_prompts, save_tiny_model
