@@ -220,7 +220,7 @@ def _run(llm: LLM, prompts, params, share: bool):
     assert type(engine.block_manager) is manager_class
     llm.llm_engine.stats.peak_gpu_blocks_used = 0
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    return ([[(o.token_ids, round(o.cumulative_logprob, 4)) for o in r.outputs] for r in outs],
+    return ([[(o.token_ids, o.cumulative_logprob) for o in r.outputs] for r in outs],
             llm.llm_engine.stats.peak_gpu_blocks_used)
 
 
@@ -235,7 +235,12 @@ def test_without_sharing_the_tokens_are_the_same_and_the_blocks_more(tiny_llama,
     shared_out, shared_peak = _run(llm, prompts, params, share=True)
     private_out, private_peak = _run(llm, prompts, params, share=False)
     # The copies are real data copies: were one wrong, the private run would sample differently.
-    assert private_out == shared_out
+    # (The same tokens; the log-probabilities to float rounding: without sharing the prompt
+    # steps hold more rows, which the CPU's matmul may add up in another order.)
+    assert [[ids for ids, _ in r] for r in private_out] == [[ids for ids, _ in r]
+                                                             for r in shared_out]
+    assert [lp for r in private_out for _, lp in r] == pytest.approx(
+        [lp for r in shared_out for _, lp in r], abs=1e-3)
     assert private_peak > shared_peak
     bm = llm.llm_engine.block_manager
     assert bm.get_num_free_gpu_blocks() == 128
