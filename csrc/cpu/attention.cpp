@@ -339,9 +339,9 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   }()
 
 // The 8-bit caches' instances of the kernel (lesson 18: int8 and fp8 codes, for each query type
-// and block size) are compiled in attention_8bit.cpp beside this file, at the same time as this
-// one: a first build on two cores then takes about two thirds of the time. Here they are only
-// declared (`extern template`), so this file does not compile them a second time.
+// and block size) are compiled in attention_int8.cpp and attention_fp8.cpp beside this file, at
+// the same time as this one: a first build on two cores then takes about two thirds of the time.
+// Here they are only declared (`extern template`), so this file does not compile them again.
 #define MINIPAGED_KERNEL_INSTANCE(PREFIX, T, C, B)                                          \
   PREFIX template void paged_prefill_attention_impl<T, B, C>(                               \
       at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,                 \
@@ -351,18 +351,20 @@ void paged_prefill_attention_impl(at::Tensor& out, const at::Tensor& query,
   MINIPAGED_KERNEL_INSTANCE(PREFIX, T, C, 4) MINIPAGED_KERNEL_INSTANCE(PREFIX, T, C, 8)     \
   MINIPAGED_KERNEL_INSTANCE(PREFIX, T, C, 16) MINIPAGED_KERNEL_INSTANCE(PREFIX, T, C, 32)   \
   MINIPAGED_KERNEL_INSTANCE(PREFIX, T, C, 64) MINIPAGED_KERNEL_INSTANCE(PREFIX, T, C, 128)
-#define MINIPAGED_8BIT_KERNEL_INSTANCES(PREFIX)                                             \
+#define MINIPAGED_INT8_KERNEL_INSTANCES(PREFIX)                                             \
   MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, float, int8_t)                                       \
-  MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, float, c10::Float8_e4m3fn)                           \
   MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, c10::BFloat16, int8_t)                               \
+  MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, c10::Half, int8_t)
+#define MINIPAGED_FP8_KERNEL_INSTANCES(PREFIX)                                              \
+  MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, float, c10::Float8_e4m3fn)                           \
   MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, c10::BFloat16, c10::Float8_e4m3fn)                   \
-  MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, c10::Half, int8_t)                                   \
   MINIPAGED_KERNEL_BLOCK_SIZES(PREFIX, c10::Half, c10::Float8_e4m3fn)
 
 #ifdef MINIPAGED_KERNELS_ONLY
 }  // namespace minipaged_cpu
 #else
-MINIPAGED_8BIT_KERNEL_INSTANCES(extern)
+MINIPAGED_INT8_KERNEL_INSTANCES(extern)
+MINIPAGED_FP8_KERNEL_INSTANCES(extern)
 
 // float32, bfloat16 and float16: the cache dtypes the engine uses.
 #define MINIPAGED_DISPATCH_DTYPE(dtype, name, ...)                          \

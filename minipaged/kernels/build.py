@@ -317,8 +317,8 @@ def _make_cpu_op(job: JitBuild) -> CpuKernels:
     # without it the loops would run on one thread.
     module = compile_extension(
         job, name=f"minipaged_cpu_{capability.lower()}", tag=f"cpu-{capability}",
-        sources=[CSRC / "cpu" / n for n in ("attention.cpp", "attention_8bit.cpp", "linear.cpp",
-                                           "layers.cpp")],
+        sources=[CSRC / "cpu" / n for n in ("attention.cpp", "attention_int8.cpp",
+                                           "attention_fp8.cpp", "linear.cpp", "layers.cpp")],
         probe=CPU_OP_PROBE,
         extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
         extra_ldflags=["-fopenmp"])
