@@ -15,7 +15,7 @@ On the 2-core AMD EPYC (AVX2) of 2026-11-29, SmolLM2's MLP matmul (3,072 x 576) 
 225, 291 and 218 ms. The libraries are made for big matrices: for a few rows they spend their
 time rearranging the weights, and ``cpp`` ran 8 rows of the 576 x 1536 down projection in
 0.36 ms against 0.54 ms for the best of the three (benchmarks/linear.py). So nothing is assumed:
-the first time a shape is seen (the weight's, the rows rounded up to a power of two, the dtype,
+the first time a shape is seen (the weight's, the rows rounded up (``_bucket``), the dtype,
 torch's thread count and whether the C++ op is loaded) each routine runs on the real input, in
 turn, and the fastest is kept for that shape for the rest of the process (``choices``). Every
 step of more than ``MAX_ROWS`` rows is one shape, measured on its first ``MAX_ROWS`` rows.
@@ -73,14 +73,20 @@ def _cpp(x, weight):
 
 ROUTINES = {"xw": _xw, "wx": _wx, "onednn": _onednn, "cpp": _cpp}
 
-# (rows rounded up to a power of two, out, in, dtype, threads, whether the C++ op is loaded)
+# (rows rounded up by ``_bucket``, out, in, dtype, threads, whether the C++ op is loaded)
 # -> the routine's name. (A first step may run while the op compiles: its shapes are measured
 # again once it is loaded.)
 choices: dict[tuple, str] = {}
 
 
 def _bucket(rows: int) -> int:
-    return 1 << (min(rows, MAX_ROWS + 1) - 1).bit_length()  # (every large step: 2 x MAX_ROWS)
+    """``rows`` rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ... (every step of more than
+    ``MAX_ROWS`` rows: one bucket). Halfway steps, because a routine that wins at 64 rows can
+    lose at 33: on 2026-11-29 decode steps of 32-39 sequences took 370 ms with powers of two,
+    against 249 ms for 24-31."""
+    rows = min(rows, MAX_ROWS + 1)
+    power = 1 << (rows - 1).bit_length()
+    return power * 3 // 4 if rows <= power * 3 // 4 else power
 
 
 def _forced() -> str | None:
