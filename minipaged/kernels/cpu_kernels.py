@@ -130,6 +130,8 @@ class _Profiled:
         self._module = module
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "_module":  # (copy and pickle ask before __init__)
+            raise AttributeError(name)
         function = getattr(self._module, name)
         if not callable(function):
             return function
