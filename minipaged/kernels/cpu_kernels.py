@@ -130,10 +130,10 @@ class _Profiled:
         self._module = module
 
     def __getattr__(self, name):
-        if name.startswith("__") or name == "_module":  # (copy and pickle ask before __init__)
+        if name == "_module":  # (copy and pickle look attributes up before __init__ ran)
             raise AttributeError(name)
         function = getattr(self._module, name)
-        if not callable(function):
+        if not callable(function) or name.startswith("__"):  # (__file__, __name__, ...)
             return function
         import torch
 

@@ -116,6 +116,8 @@ def test_the_profiler_names_the_c_plus_plus_calls(cpu_op):
     assert counts.get("minipaged_cpu::linear") == 1 and counts.get("minipaged_cpu::rms_norm") == 1
     assert rel_error(y, x @ weight.t()) < 1e-5
     assert torch.equal(cpu_op.linear(x, weight), y)  # (the same function without a profiler)
+    # the module's own attributes as they are (scripts/check_compiled_ops.py prints __file__)
+    assert cpu_op.module.__file__.endswith(".so") and cpu_op.module.__name__.startswith("minipaged")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: a norm over each head too
