@@ -139,11 +139,11 @@ class _Profiled:
 
         label = f"minipaged_cpu::{name}"
 
-        def run(*args):
+        def run(*args, **kwargs):
             if not torch.autograd._profiler_enabled():  # (about 0.1 us: the hot path's case)
-                return function(*args)
+                return function(*args, **kwargs)
             with torch.profiler.record_function(label):
-                return function(*args)
+                return function(*args, **kwargs)
 
         setattr(self, name, run)  # (looked up once: the next call finds it on the instance)
         return run
