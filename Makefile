@@ -7,11 +7,6 @@ PY     := $(VENV)/bin/python
 CORE   := $(VENV)/.installed-core
 STAMP  := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# Python caches each module it compiles (a .pyc beside it) unless PYTHONDONTWRITEBYTECODE is set,
-# as some container images do. uv installs no .pyc files, so with that setting every process
-# (each test worker, each subprocess a test starts) compiled torch and transformers again: about
-# 5 s a process on two cores, 50 s of `make test`. Whatever make starts writes its cache.
-unexport PYTHONDONTWRITEBYTECODE
 # uv installs in a fraction of pip's time; it reads no pip configuration, so the folder of local
 # wheels pip is told about (the CPU build of torch) is handed to it; pip runs where uv cannot.
 FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
