@@ -57,16 +57,14 @@ def _onednn(x, weight):
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def _cpp_op(x, weight):
-    """The C++ op where ``cpp`` can run on these (loaded, never waited for; float32), else None."""
-    op = build.CPU_OP.ready()
-    runs = x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
-    return op if runs else None
+def _cpp_takes(x, weight) -> bool:
+    """Whether ``cpp`` takes these tensors: float32, the weight contiguous."""
+    return x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
 
 
 def _cpp(x, weight):
-    op = _cpp_op(x, weight)
-    if op is None:
+    op = build.CPU_OP.ready()  # (loaded, never waited for)
+    if op is None or not _cpp_takes(x, weight):
         raise NotImplementedError("the C++ CPU op is not loaded, or not float32")
     return op.linear(x, weight)
 
@@ -128,17 +126,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     name = _forced()
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)  # (autograd: the routines need not all support it)
+    op = build.CPU_OP.ready()  # (looked up once a call: the choice's key and ``cpp`` use it)
     if name is None and x.shape[0] == 1:
         name = "cpp"  # (not measured: see above)
     if name is None:
         key = (_bucket(x.shape[0]), *weight.shape, weight.dtype, torch.get_num_threads(),
-               build.CPU_OP.ready() is not None)
+               op is not None)
         name = choices.get(key)
         if name is None:
             name = choices[key] = _fastest(x, weight)
-    if name == "cpp":  # (once the op is looked up here, not again in _cpp)
-        op = _cpp_op(x, weight)
-        out = F.linear(x, weight) if op is None else op.linear(x, weight)
+    if name == "cpp":
+        runs = op is not None and _cpp_takes(x, weight)
+        out = op.linear(x, weight) if runs else F.linear(x, weight)
         return out if bias is None else out + bias
     if name == "xw":
         return F.linear(x, weight, bias)
