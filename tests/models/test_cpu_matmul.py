@@ -127,6 +127,18 @@ def test_a_row_s_result_does_not_depend_on_the_batch_or_the_threads(cpu_op):
     assert torch.equal(alone, together)
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(2, 11), inp=st.integers(1, 40), out=st.integers(1, 9),
+       seed=st.integers(0, 2**16))
+def test_a_row_s_result_is_the_same_in_every_tile_shape(cpu_op, rows, inp, out, seed):
+    # Every k % 8 tail and every tile shape (3 or 1 weight rows, 4 or 1 input rows): the compiler
+    # is not left to fuse a multiply-add in one shape and not in another (an AVX-512 Xeon did).
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen)
+    alone = torch.cat([cpu_op.linear(x[i:i + 1], w) for i in range(rows)])
+    assert torch.equal(alone, cpu_op.linear(x, w))
+
+
 def test_the_cpp_loop_names_bad_input(cpu_op):
     x, w = torch.randn(4, 6), torch.randn(5, 6)
     with pytest.raises(RuntimeError, match="float32 only, got x BFloat16"):
