@@ -42,9 +42,10 @@ $(STAMP): $(CORE)
 # writes any: each test worker, and each program a test starts, would compile torch and
 # transformers from source again (2 s a process on an AVX-512 Xeon, 5 s on an AVX2 EPYC). The
 # tests themselves run as the environment says (no process writes while others read).
-BYTECODE = PYTHONDONTWRITEBYTECODE= MINIPAGED_FAST_TESTS=1 $(PY) -m pytest --collect-only -q \
-	  -p no:cacheprovider tests >/dev/null 2>&1; PYTHONDONTWRITEBYTECODE= $(PY) -c 'import torch._dynamo, \
-	  transformers.generation, transformers.integrations, ipywidgets' >/dev/null 2>&1; true
+BYTECODE = (unset PYTHONDONTWRITEBYTECODE; \
+	  MINIPAGED_FAST_TESTS=1 $(PY) -m pytest --collect-only -q -p no:cacheprovider tests; \
+	  $(PY) -c 'import torch._dynamo, transformers.generation, transformers.integrations, ipywidgets' \
+	  ) >/dev/null 2>&1; true
 
 setup: $(STAMP)
 
