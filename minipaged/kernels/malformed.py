@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Callable
+
+from minipaged.child_process import python_argv
 
 NUM_BLOCKS, BLOCK_SIZE, HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS = 8, 16, 64, 4, 2
 
@@ -148,8 +149,8 @@ def run_table(backend: str, timeout: float = 900) -> list[dict] | None:
     rows: list[dict] = []
     while len(rows) < len(CASES):
         child = subprocess.run(
-            [sys.executable, "-c", "import sys; from minipaged.kernels.malformed import _child; "
-             "_child(sys.argv[1], int(sys.argv[2]))", backend, str(len(rows))],
+            python_argv("from minipaged.kernels.malformed import _child; "
+                        "_child(sys.argv[1], int(sys.argv[2]))", backend, len(rows)),
             capture_output=True, text=True, timeout=timeout)
         for line in child.stdout.splitlines():
             if not line.startswith("{"):

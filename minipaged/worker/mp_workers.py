@@ -33,7 +33,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -42,12 +41,18 @@ import weakref
 
 import torch
 
+from minipaged.child_process import python_argv
 from minipaged.worker.tensor_parallel import (DEFAULT_TIMEOUT_S, STARTUP_FACTOR, RankWorker,
                                               TensorParallelDriver, WorkerSpec,
                                               check_tensor_parallel)
 
 
 # -- the worker process ----------------------------------------------------------------------------
+# What a worker process runs: a fresh interpreter with the driver's own sys.path
+# (``child_process.py``), so it imports the same minipaged, transformers, ... as the driver.
+WORKER_MAIN = "from minipaged.worker.mp_workers import worker_main; worker_main(int(sys.argv[1]))"
+
+
 def worker_main(fd: int) -> None:
     """Entry point of a worker process: ``fd`` is its end of a socket pair to the driver.
 
@@ -144,15 +149,10 @@ class TensorParallelWorkers(TensorParallelDriver):
         self._conns, self._outboxes = [], []
         self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self._conns,
                                            self._outboxes, rendezvous_dir, graceful=True)
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         for rank in range(world_size):
             ours, theirs = socket.socketpair()
-            process = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from minipaged.worker.mp_workers import "
-                 "worker_main; worker_main(int(sys.argv[1]))", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(python_argv(WORKER_MAIN, theirs.fileno()),
+                                       pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
             theirs.close()
             conn = multiprocessing.connection.Connection(ours.detach())
             outbox: queue.Queue = queue.Queue()

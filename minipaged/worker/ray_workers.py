@@ -37,6 +37,7 @@ import weakref
 
 import torch
 
+from minipaged.child_process import path_variable
 from minipaged.config import RAY_MISSING
 from minipaged.worker.tensor_parallel import (DEFAULT_TIMEOUT_S, STARTUP_FACTOR, RankWorker,
                                               TensorParallelDriver, WorkerSpec,
@@ -92,6 +93,13 @@ class RankActor:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+def actor_runtime_env() -> dict:
+    """The actors' Ray runtime environment: the driver's ``sys.path`` first on theirs, so that
+    they import the minipaged (and transformers, ...) the driver imports, however it is
+    installed (``child_process.py``; the paths must exist on every node, as the model must)."""
+    return {"env_vars": {"PYTHONPATH": path_variable()}}
 
 
 # -- the connection to the cluster -----------------------------------------------------------------
@@ -189,6 +197,7 @@ class RayTensorParallelWorkers(TensorParallelDriver):
         for rank in range(world_size):
             self.actors.append(actor_class.options(
                 num_cpus=0 if cuda else CPUS_PER_RANK, num_gpus=1 if cuda else 0,
+                runtime_env=actor_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=rank)).remote())
         startup = self.timeout * STARTUP_FACTOR

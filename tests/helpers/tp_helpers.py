@@ -1,5 +1,6 @@
 """Shared by the tensor-parallel tests (``test_tensor_parallel.py``, ``test_ray_executor.py``):
 a workload that forces preemption and copy-on-write, and the comparison with one rank."""
+import pathlib
 import time
 
 import pytest
@@ -48,3 +49,71 @@ def assert_same_outputs(reference, ours):
                 assert lp_a.keys() == lp_b.keys()
                 for token in lp_a:
                     assert lp_a[token] == pytest.approx(lp_b[token], abs=1e-4)
+
+
+def one_rank_and_n_ranks(path: str, model, world_size: int = 2, **engine):
+    """(one rank's outputs, ``world_size`` ranks' outputs, the parallel engine's stats) on the
+    workload; the parallel engine is shut down afterwards."""
+    from minipaged import LLM
+
+    prompts, params = workload(model)
+    engine = {**ENGINE, **engine}
+    reference = LLM(path, **engine).generate(prompt_token_ids=prompts, sampling_params=params,
+                                             use_tqdm=False)
+    parallel = LLM(path, tensor_parallel_size=world_size, **engine)
+    try:
+        outputs = parallel.generate(prompt_token_ids=prompts, sampling_params=params,
+                                    use_tqdm=False)
+    finally:
+        parallel.llm_engine.shutdown()
+    return reference, outputs, parallel.llm_engine.stats
+
+# -- what a worker imports -------------------------------------------------------------------------
+def package_names() -> list[str]:
+    """The names of minipaged's subpackages (``kernels``, ``models``, ``core``, ...), and of its
+    top-level modules: each would also be a top-level module in a process that had the
+    ``minipaged/`` folder itself on its path."""
+    import minipaged
+
+    folder = pathlib.Path(minipaged.__file__).parent
+    subpackages = [p.parent.name for p in folder.glob("*/__init__.py")]
+    modules = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")]
+    return sorted(subpackages + modules)
+
+
+def fake_top_level_modules(folder: pathlib.Path) -> pathlib.Path:
+    """A top-level package named like each of minipaged's, in ``folder``; each raises on import
+    (a worker that imports one has the wrong path)."""
+    for name in package_names():
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "__init__.py").write_text(
+            f"raise ImportError('the fake top-level {name!r} of the test was imported')\n")
+    return folder
+
+
+def where_names_resolve() -> dict:
+    """Run in a worker: where each of minipaged's names would be imported from as a top-level
+    module (None: nowhere), and the process's sys.path."""
+    import importlib.util
+    import sys
+
+    found = {}
+    for name in package_names():
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        found[name] = None if spec is None else (
+            spec.origin or next(iter(spec.submodule_search_locations or []), None))
+    return {"names": found, "sys_path": list(sys.path)}
+
+
+def inside_the_package(resolved: dict) -> list[str]:
+    """The names of ``where_names_resolve``'s answer that resolve inside minipaged's folder, and
+    the path entries inside it."""
+    import minipaged
+
+    folder = str(pathlib.Path(minipaged.__file__).parent.resolve())
+    inside = lambda p: p is not None and str(pathlib.Path(p).resolve()).startswith(folder)  # noqa: E731
+    return ([n for n, where in resolved["names"].items() if inside(where)]
+            + [p for p in resolved["sys_path"] if p and inside(p)])

@@ -7,6 +7,7 @@ builds, and pruning that never touches a folder in use. ``test_kill_mid_build.py
 with a real compile killed midway.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from minipaged.kernels import build, build_cache
+from minipaged.kernels.build_progress import finish_before_exit
 
 pytestmark = pytest.mark.lesson05
 
@@ -229,6 +231,56 @@ def test_while_a_background_build_compiles_the_reference_runs_then_the_op(tmp_pa
     assert "still compiling" not in capsys.readouterr().err
 
 
+def test_exit_says_what_it_waits_for_and_how_far_the_compile_is(tmp_path, fake_compiler,
+                                                                capsys):
+    """A process that ends while its background build compiles (``make demo`` after its
+    answers) waits with a line that names the op, the files compiled so far and how long a first
+    build takes, and another line while it goes on; never silently."""
+    sources = [tmp_path / f"op{i}.cpp" for i in range(3)]
+    for source in sources:
+        source.write_text(f"// {source.name}\n")
+    release = threading.Event()
+    from torch.utils import cpp_extension
+
+    fake = cpp_extension.load
+
+    def slow_load(build_directory, **kwargs):
+        (Path(build_directory) / "op0.o").write_text("")  # one object compiled so far
+        release.wait(30)
+        return fake(build_directory=build_directory, **kwargs)
+
+    job = build.JitBuild("the test op", "1-2 min",
+                         lambda job: build.compile_extension(job, "test_op", "cpu-TEST", sources))
+    cpp_extension.load = slow_load
+    try:
+        job.start_in_background()
+        job._decided.wait(30)
+        threading.Timer(0.5, release.set).start()
+        finish_before_exit(job, every=0.2)
+    finally:
+        cpp_extension.load = fake
+        release.set()
+    assert not job._thread.is_alive()
+    err = capsys.readouterr().err
+    assert re.search(r"waiting for the test op to finish compiling \([01] of 3 files compiled, "
+                     r"\d+ s so far; a first build takes 1-2 min\), so that the next run starts "
+                     r"with it; Ctrl-C skips it", err), err
+    assert "still compiling the test op: 1 of 3 files compiled" in err
+    assert job.load() is not None
+
+
+def test_exit_after_a_finished_build_says_nothing(tmp_path, fake_compiler, capsys):
+    source = tmp_path / "op.cpp"
+    source.write_text("// op\n")
+    job = build.JitBuild("the test op", "~1 s",
+                         lambda job: build.compile_extension(job, "test_op", "cpu-TEST", [source]))
+    job.start_in_background()
+    job._thread.join(30)
+    capsys.readouterr()
+    finish_before_exit(job, every=0.1)
+    assert "waiting" not in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value: Linux")
 def test_a_background_build_runs_at_a_lower_priority_than_the_engine():
     """The compiler a background build starts inherits its thread's nice value: the engine's
@@ -247,3 +299,25 @@ def test_a_background_build_runs_at_a_lower_priority_than_the_engine():
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     assert seen["build"] == min(mine + 10, 19) and seen["compiler"] == seen["build"]
     assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # this thread keeps its own
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="children read from /proc")
+def test_a_process_that_stops_waiting_stops_its_compilers():
+    """Ctrl-C at the exit's wait: the compiler processes the build started go too (ninja's
+    children, and theirs), so no orphan keeps compiling what the next run compiles again."""
+    code = textwrap.dedent("""
+        import subprocess, sys, time
+        from minipaged.kernels.build_progress import _descendants, stop_compilers
+        outer = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+        time.sleep(0.5)
+        found = _descendants(outer.pid)
+        print(len(found), flush=True)
+        stop_compilers()
+        outer.wait(10)
+        print(outer.returncode, flush=True)
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+    found, returncode = child.stdout.split()
+    assert int(found) == 1  # sh's sleep
+    assert int(returncode) == -signal.SIGTERM

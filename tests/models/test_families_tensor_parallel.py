@@ -7,7 +7,7 @@ import pytest
 
 from minipaged import LLM
 from tiny_models import save_tiny_model
-from tp_helpers import ENGINE, assert_same_outputs, workload
+from tp_helpers import ENGINE, assert_same_outputs, one_rank_and_n_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -15,18 +15,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen2_window", "gemma3"])
 def test_two_ranks_give_one_rank_s_outputs(tmp_path, kind):
     model = save_tiny_model(kind, tmp_path, seed=6)
-    prompts, params = workload(model)  # prompts of 6 to 13 tokens + 10 new: past the window
-    single = LLM(str(tmp_path), **ENGINE)
-    reference = single.generate(prompt_token_ids=prompts, sampling_params=params,
-                                use_tqdm=False)
-    parallel = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
-    try:
-        outputs = parallel.generate(prompt_token_ids=prompts, sampling_params=params,
-                                    use_tqdm=False)
-    finally:
-        parallel.llm_engine.shutdown()
+    # prompts of 6 to 13 tokens + 10 new: past the window
+    reference, outputs, stats = one_rank_and_n_ranks(str(tmp_path), model, 2)
     assert_same_outputs(reference, outputs)
-    stats = single.llm_engine.stats
     assert stats.num_preemptions_swap > 0 and stats.num_blocks_swapped_in > 0
 
 

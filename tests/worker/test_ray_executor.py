@@ -19,10 +19,13 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.lab.ray_cluster import LOOPBACK
+from minipaged.worker.ray_workers import actor_runtime_env
 from minipaged.worker.tensor_parallel import WorkerError, shard_weight_bytes
 from repo_paths import ROOT
 from tiny_models import save_tiny_model
-from tp_helpers import ENGINE, assert_same_outputs, gone, workload
+from tp_helpers import (ENGINE, assert_same_outputs, fake_top_level_modules, gone,
+                        inside_the_package, one_rank_and_n_ranks, where_names_resolve,
+                        workload)
 
 pytestmark = [pytest.mark.lesson14, pytest.mark.slow]
 RAY = dict(distributed_executor_backend="ray")
@@ -170,6 +173,25 @@ def test_ranks_on_separate_nodes_match_one_rank(cluster, gpt2_6_heads, llama_12_
     config = parallel.llm_engine.hf_config
     assert [m["weights"] for m in memory] == [shard_weight_bytes(config, world_size, r)
                                               for r in range(world_size)]
+    assert _no_leftovers(ray), _leftovers(ray)
+
+
+def test_actors_import_what_the_driver_imports(cluster, tiny_llama, tmp_path, monkeypatch):
+    """A top-level package named like each of minipaged's on the driver's path changes nothing:
+    the actors load and match one rank, and no name resolves inside the package's folder there
+    (``test_worker_imports.py`` checks the same for worker processes)."""
+    import ray
+
+    path, model = tiny_llama
+    monkeypatch.setattr(sys, "path", sys.path + [str(fake_top_level_modules(tmp_path))])
+    reference, outputs, _ = one_rank_and_n_ranks(path, model, 2, **RAY)
+    assert_same_outputs(reference, outputs)
+    probe = ray.remote(num_cpus=0)(where_names_resolve).options(
+        runtime_env=actor_runtime_env())  # a task started as the actors are
+    seen = ray.get(probe.remote(), timeout=120)
+    assert inside_the_package(seen) == []
+    assert set(p or os.getcwd() for p in sys.path) <= set(seen["sys_path"])
+    assert seen["names"] == where_names_resolve()["names"]  # each name found where we find it
     assert _no_leftovers(ray), _leftovers(ray)
 
 
