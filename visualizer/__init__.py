@@ -21,6 +21,10 @@ Recording and widgets:
     LiveBlockTableView(engine)        redraws after every engine step
     show_fork_tree(recorder, "0")     the fork tree of a request (graphviz, or text)
 
+Every block picture uses one legend (``visualizer/legend.py``: free, shared, new, copied, freed,
+preempted, cached, evictable, newest token; ``step_marks`` finds a step's changes) and draws it
+under itself.
+
 The visualizer only reads snapshots; the engine never imports it (or ipywidgets).
 """
 from visualizer.block_tables import render_block_tables

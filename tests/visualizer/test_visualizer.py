@@ -412,14 +412,14 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
 # live mode
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.lesson08
-def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny_llama):
+def test_live_view_redraws_once_per_engine_step_then_stays_on_the_busiest(tiny_llama):
     pytest.importorskip("ipywidgets")
-    from visualizer.widgets import LiveBlockTableView
+    from visualizer.widgets import LiveBlockTableView, held_blocks
 
     path, _ = tiny_llama
     llm = LLM(path, block_size=4, num_gpu_blocks=12, num_cpu_blocks=12, max_model_len=48)
     engine = llm.llm_engine
-    view = LiveBlockTableView(engine, show_scheduler=True)
+    view = LiveBlockTableView(engine, show_scheduler=True, seconds_per_step=0)
     assert view.num_redraws == 0
 
     # Step by hand: after each step the drawing is the block manager's current state.
@@ -437,8 +437,17 @@ def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny
         assert root.get("data-num-free-gpu-blocks") == \
             str(engine.block_manager.get_num_free_gpu_blocks())
         assert len(by_class(root, "sequence")) == len(engine.block_manager.block_tables)
-        assert view.last_svg in view.view.value  # the widget shows it
+        if engine.has_unfinished_requests():
+            assert view.last_svg in view.view.value  # the widget shows it
     assert steps == engine.stats.num_steps == 9
+    # The run is over: the view shows the step that held the most blocks, not the empty pool.
+    most = max(held_blocks(f) for f in view.frames)
+    assert most > 0 and held_blocks(view.frames[view.step_slider.value]) == most
+    assert view.shown_step == view.frames[view.step_slider.value].step
+    assert f"engine step {view.shown_step}:" in view.caption.value
+    assert "the most blocks" in view.caption.value and view.last_svg not in view.view.value
+    view.step_slider.value = len(view.frames) - 1  # the replay draws any kept step
+    assert view.shown_step == engine.stats.num_steps and view.last_svg in view.view.value
 
     # And through generate(): still one redraw per step; the last drawing is the final state.
     before = view.num_redraws
@@ -482,7 +491,8 @@ def test_fork_tree_names_every_node_once(tiny_llama):
 def test_engine_views_draw_a_compact_pool_and_mark_blocks_entered_this_step():
     pytest.importorskip("ipywidgets")
     from minipaged.lab.dry_run import DryRun
-    from visualizer.widgets import COMPACT_POOL, _new_blocks
+    from visualizer.legend import step_marks
+    from visualizer.widgets import COMPACT_POOL
 
     run = DryRun(block_size=4, num_gpu_blocks=1456)
     seq = run.add_request([1, 2, 3]).seqs[0]
@@ -492,7 +502,7 @@ def test_engine_views_draw_a_compact_pool_and_mark_blocks_entered_this_step():
         run.step()
         snaps.append(run.block_manager.snapshot())
     # step 1 admitted the prompt; step 3 stored the 5th token: a new block
-    assert _new_blocks(before, snaps[-1]) == [run.block_manager.get_block_table(seq)[-1]]
+    assert step_marks(before, snaps[-1])["new"] == [run.block_manager.get_block_table(seq)[-1]]
     root = parse(render_block_tables(snaps[-1], max_pool_blocks=COMPACT_POOL))
     assert len(drawn_pool(root)) == COMPACT_POOL  # not 1456 cells
     assert by_class(root, "pool-elided")[0].get("data-count") == str(1456 - COMPACT_POOL)
