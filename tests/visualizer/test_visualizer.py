@@ -460,6 +460,11 @@ def test_live_view_redraws_once_per_engine_step_then_stays_on_the_busiest(tiny_l
     assert not by_class(root, "sequence")
 
     view.detach()
+    # By default a person can follow it: lesson 08's view pauses after each step.
+    from visualizer.widgets import SECONDS_PER_STEP
+    default = LiveBlockTableView(engine)
+    assert default.speed.value == SECONDS_PER_STEP >= 0.3
+    default.detach()
     llm.generate(prompt_token_ids=[[1, 2]],
                  sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert view.num_redraws - before == engine.stats.num_steps - steps - 2
