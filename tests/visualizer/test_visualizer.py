@@ -395,17 +395,19 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
     dot = fork_tree_dot(nodes)
     assert "cluster_legend" in dot and "seq 4b: seq 4's second life" in dot
     assert all(f"legend_{kind} " in dot for kind in ("root", "live", "final", "dropped"))
+    assert 'size="8,40"' in dot  # graphviz scales a wider tree down to 8 inches
     if render_fork_tree(nodes) is not None:  # graphviz's dot is installed
         assert ET.fromstring(render_fork_tree(nodes)).tag == NS + "svg"
 
-    # Without dot: one line saying so, then the tree as text, no exception.
+    # The notebook's view needs no graphviz: our own SVG, shown with IPython's display.
+    shown = []
     monkeypatch.setattr("visualizer.fork_tree.shutil.which", lambda name: None)
+    monkeypatch.setattr("IPython.display.display", shown.append)
     show_fork_tree(recorder, "0")
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "graphviz's `dot` program is not installed: showing the fork tree as text"
-    tree_lines = len(text.splitlines())
-    assert "\n".join(out[1:1 + tree_lines]) == text
-    assert "seq 4b: seq 4's second life" in "\n".join(out[1 + tree_lines:])  # then the legend
+    svg, = shown
+    root = parse(svg.data)
+    assert len(by_class(root, "fork-node")) == len(nodes)
+    assert capsys.readouterr().out == ""
 
 
 # ----------------------------------------------------------------------------------------------
