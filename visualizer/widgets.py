@@ -4,6 +4,7 @@
   shows the block tables right after that event and its caption.
 - ``StepPlayer(snapshots)``: the same over engine steps (``StepSnapshot`` objects an observer
   collected), showing the scheduler's queues next to the block tables.
+- ``step_together(a, b)``: two ``StepPlayer``s that move as one (lesson 19).
 - ``LiveBlockTableView(engine)``: an engine observer that redraws the block tables (and,
   optionally, the scheduler's queues beside them) after every ``engine.step()``, so the picture
   moves while ``llm.generate`` runs, pausing ``SECONDS_PER_STEP`` after each; when the run is
@@ -143,6 +144,19 @@ class StepPlayer(_Player):
             render_scheduler(snap.scheduler, step=vars(snap)),
             render_block_tables(snap.block_manager, marks=snapshot_marks(previous, snap),
                                 **self.render_kwargs)]
+
+
+def step_together(*players: StepPlayer) -> W.VBox:
+    """The players one above the other, stepping together: moving one's slider (or playing it)
+    moves the others to the same engine step, where they have it (lesson 19: the reference
+    and the suspect side by side). Returns the box that shows them."""
+    if len(players) < 2:
+        raise ValueError(f"step_together needs two players or more, got {len(players)}")
+    first = players[0]
+    for other in players[1:]:
+        W.link((first.slider, "value"), (other.slider, "value"))
+        other.play.layout.display = "none"  # one Play button drives them all
+    return W.VBox(list(players))
 
 
 class LiveBlockTableView(W.VBox):

@@ -162,3 +162,21 @@ def test_marks_of_unknown_kinds_are_refused():
                              "free_gpu_blocks": [], "free_cpu_blocks": [], "sequences": []},
                             marks={"moved": [1]})
     assert step_marks(None, {"sequences": [], "gpu_blocks": []}) == {k: [] for k in STEP_KINDS}
+
+
+def test_two_players_step_together(run):
+    """Lesson 19: the reference's player and the suspect's move as one."""
+    pytest.importorskip("ipywidgets")
+    from visualizer.widgets import StepPlayer, step_together
+
+    a, b = StepPlayer(run["swap"][1]), StepPlayer(run["recompute"][1][:4])
+    box = step_together(a, b)
+    assert list(box.children) == [a, b] and b.play.layout.display == "none"
+    a.slider.value = 3
+    assert b.slider.value == 3 and "engine step 3:" in b.caption.value
+    a.slider.value = a.slider.max  # past the shorter run: it stays on its last step
+    assert b.slider.value == b.slider.max == 4
+    b.slider.value = 2
+    assert a.slider.value == 2 and "engine step 2:" in a.caption.value
+    with pytest.raises(ValueError, match="two players"):
+        step_together(a)
