@@ -22,11 +22,14 @@ def _evict_keeping_name(self, block, counted: bool = True) -> None:
     self.free_blocks.append(block)
 
 
-def _swap_in_without_next_blocks(self, seq_group) -> bool:
-    from minipaged.sequence import SequenceStatus
+_package_append_slot = block_manager.BlockSpaceManager.append_slot
 
-    num_required = len(self._physical_blocks(seq_group, SequenceStatus.SWAPPED))
-    return self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks
+
+def _new_block_one_token_late(self, seq):
+    table = self.block_tables[seq.seq_id]
+    if len(table) < len(seq.logical_token_blocks) and seq.get_len() % self.block_size == 1:
+        return None  # (the boundary check counts a token the sequence has not got yet)
+    return _package_append_slot(self, seq)
 
 
 def _acquire_uncounted_if_evictable(self, block) -> None:
@@ -59,16 +62,15 @@ REPORTED = (
              "maps to it); vLLM PR #4761 (vllm-project/vllm: a block popped from the evictor "
              "stayed in the cached-blocks table)"),
     Reported("BlockSpaceManager",
-             "the room check before a swap-in leaves out the blocks the group's next step "
-             "appends",
-             (lambda engine: mock.patch.object(block_manager.BlockSpaceManager, "can_swap_in",
-                                               _swap_in_without_next_blocks),),
-             "At the step where the suspect crashed, what did the reference do with the swapped "
-             "group instead, and which check decided it?",
-             "How many free blocks were there when the group came back, and how many did its "
-             "sequences need in that same step?",
-             "vLLM PR #8824 (vllm-project/vllm, block manager v2: whether a group can be "
-             "swapped in did not count the tokens it had not yet got blocks for)"),
+             "a sequence's new block is opened one token after the token that needs it",
+             (lambda engine: mock.patch.object(block_manager.BlockSpaceManager, "append_slot",
+                                               _new_block_one_token_late),),
+             "The line that raised is only where it was noticed: which component should have "
+             "given that token a place, and in which step?",
+             "How many tokens did the sequence hold at that step, and how many blocks did its "
+             "table have?",
+             "nano-vllm PR #66 (GeeeekExplorer/nano-vllm: the append checks counted the "
+             "upcoming token as if the sequence already held it)"),
     Reported("PrefixCachingAllocator",
              "a block taken back from the evictable list is not counted as held",
              (lambda engine: mock.patch.object(_PCA, "acquire",

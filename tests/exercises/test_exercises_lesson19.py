@@ -76,7 +76,7 @@ FOUND_BY = {
     9: ("schedule.num_batched_tokens", "a shared block holds the same tokens"),
     # bugs reported against real engines (exercises/lesson19_reported.py)
     10: ("", "a shared block holds the same tokens"),
-    11: ("error.crash", None),
+    11: ("error.crash", None),  # the token without a block: prepare_inputs raises
     12: ("", None),  # a crash, or the ref count the invariant names first
 }
 

@@ -180,3 +180,22 @@ def test_two_players_step_together(run):
     assert a.slider.value == 2 and "engine step 2:" in a.caption.value
     with pytest.raises(ValueError, match="two players"):
         step_together(a)
+
+
+def test_no_lesson_gives_a_mark_a_colour_or_word_of_its_own():
+    """Every lesson's block pictures speak the legend's language: no lesson passes a colour of
+    its own, and every highlight word is a kind of the legend."""
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    from visualizer.legend import MARK_WORDS
+
+    lessons = sorted((Path(__file__).parents[2] / "lessons").glob("*.ipynb"))
+    assert lessons
+    for path in lessons:
+        code = "\n".join(c.source for c in nbformat.read(path, 4).cells if c.cell_type == "code")
+        assert "highlight_colour" not in code, path.name
+        for word in re.findall(r"highlight_mark=\"(\w+)\"", code):
+            assert word in MARK_WORDS, (path.name, word)
