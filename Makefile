@@ -57,6 +57,7 @@ BYTECODE = (unset PYTHONDONTWRITEBYTECODE; \
 	  ) >/dev/null 2>&1; true
 
 setup: $(STAMP)
+	@command -v dot >/dev/null || echo "note: graphviz's dot is missing (lesson 03 draws its fork trees without it); for fork_tree_dot's drawing: sudo apt-get install graphviz, or 'make system-deps' as root"
 
 # The CUDA kernels compiled for the CPU, each variant (plain, traced, vLLM's shared load), so that
 # lessons 05 and 06 do not wait minutes for the compiler on their first run (`make lab`, `make
@@ -73,7 +74,7 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz chromium >/dev/null) \
 	      || echo "warning: could not install graphviz/chromium; those tests will be skipped"; \
-	  else echo "warning: not root; install graphviz and chromium for the graph and browser tests"; fi; \
+	  else echo "warning: not root; for the graph and browser tests run: sudo apt-get install graphviz chromium"; fi; \
 	fi
 
 demo: $(CORE)

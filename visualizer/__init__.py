@@ -19,7 +19,11 @@ Recording and widgets:
     EventPlayer(recorder)             Play button + step slider over a recording
     StepPlayer(step_snapshots)        the same over engine steps, with the scheduler's queues
     LiveBlockTableView(engine)        redraws after every engine step
-    show_fork_tree(recorder, "0")     the fork tree of a request (graphviz, or text)
+    show_fork_tree(recorder, "0")     the fork tree of a request (our SVG, no graphviz needed)
+
+Every block picture uses one legend (``visualizer/legend.py``: free, shared, new, copied, freed,
+preempted, cached, evictable, newest token; ``step_marks`` finds a step's changes) and draws it
+under itself.
 
 The visualizer only reads snapshots; the engine never imports it (or ipywidgets).
 """
@@ -27,7 +31,8 @@ from visualizer.block_tables import render_block_tables
 from visualizer.butterfly import butterfly_steps, render_butterfly
 from visualizer.events import EventRecorder, RecordedStep, describe
 from visualizer.fork_tree import (fork_tree_dot, fork_tree_nodes, fork_tree_text,
-                                  render_fork_tree, show_fork_tree)
+                                  render_fork_tree)
+from visualizer.fork_tree_svg import render_fork_tree_svg, show_fork_tree
 from visualizer.charts import render_line_chart
 from visualizer.kernel_trace import (render_key_loads, render_key_readers, render_logits,
                                      render_phase4_sums, render_warp_visits)
@@ -43,7 +48,8 @@ __all__ = [
     "EventRecorder",
     "RecordedStep", "describe",
     "fork_tree_nodes", "show_source", "show_file_part",
-    "fork_tree_dot", "fork_tree_text", "render_fork_tree", "show_fork_tree",
+    "fork_tree_dot", "fork_tree_text", "render_fork_tree", "render_fork_tree_svg",
+    "show_fork_tree",
     "EventPlayer", "StepPlayer", "LiveBlockTableView",
 ]
 

@@ -14,15 +14,19 @@ Elements carry ``class`` and ``data-*`` attributes so tests can read the drawing
 
 With prefix caching (lesson 11) a block the cache can hand out by hash is ``cached-block``
 (``data-hash``), outlined in green and marked "cached"; one that nobody holds any more is also
-``evictable-block``, marked "evictable": it counts as free but keeps its KV until evicted. A
-``legend`` (``legend-entry`` with ``data-kind``) under the drawing then shows the looks of cached,
-evictable, free and shared blocks, drawn from the same ``LOOKS`` as the blocks.
+``evictable-block``, marked "evictable": it counts as free but keeps its KV until evicted.
+
+A step's changes (``marks``: new, copied, freed, preempted, found by ``legend.step_marks``) are
+outlined as ``step-mark`` (``data-mark``) and the block's group gets ``data-mark``. Every look
+comes from ``visualizer/legend.py``, and its ``legend`` (``legend-entry`` with ``data-kind`` and
+``data-present``) is drawn under every picture.
 
 The drawing stays within ``MAX_WIDTH`` (800 px, narrower than a JupyterLab output area): the pool
 wraps into rows of ``BLOCKS_PER_ROW`` blocks, and the free list shows what fits, then "+N more".
 """
 from __future__ import annotations
 
+from visualizer.legend import LOOKS, STEP_KINDS, draw_legend, legend_height, step_kind
 from visualizer.svg import (FREE_FILL, HIGHLIGHT, INK, MUTED, caption, colour, el, shorten,
                             svg_root, text, to_string)
 
@@ -34,7 +38,6 @@ MAX_WIDTH = 800
 POOL_W = MAX_WIDTH - X_POOL - 10
 BLOCKS_PER_ROW = POOL_W // (BLOCK_W + BLOCK_GAP)
 FREE_ENTRY_W, FREE_MORE_W = 30, 62  # one free-list entry; the "+1440 more" after the last
-CACHED = "#2a9d4a"  # prefix-cached blocks (lesson 11): the green of the legend and the prose
 LABEL_CHARS = int((X_POOL - X_LOGICAL - 10) / (0.6 * 11))  # a sequence's label, left of the pool
 
 
@@ -55,15 +58,16 @@ def _rows_height(count: int) -> float:
     return rows * (BLOCK_H + BLOCK_GAP)
 
 
-def _blocks_to_draw(pool: list[dict], limit: int,
-                    free_order: list[int]) -> tuple[list[dict], int]:
-    """All held blocks, then the free ones that will be handed out next, up to ``limit``;
-    returns (blocks, elided)."""
+def _blocks_to_draw(pool: list[dict], limit: int, free_order: list[int],
+                    keep=frozenset()) -> tuple[list[dict], int]:
+    """All held blocks and those in ``keep``, then the free ones that will be handed out next,
+    up to ``limit``; returns (blocks, elided)."""
     if len(pool) <= limit:
         return pool, 0
     # Held blocks, and the evictable ones (free, but still findable by hash): the text about a
-    # prefix cache talks about them, and they stand last in the free list.
-    held = [b for b in pool if b["ref_count"] > 0 or b.get("cached")]
+    # prefix cache talks about them, and they stand last in the free list. Marked blocks (freed
+    # this step) are drawn wherever they stand.
+    held = [b for b in pool if b["ref_count"] > 0 or b.get("cached") or b["block_number"] in keep]
     by_number = {b["block_number"]: b for b in pool}
     held_numbers = {b["block_number"] for b in held}
     free = [by_number[n] for n in free_order if n not in held_numbers][:max(0, limit - len(held))]
@@ -74,18 +78,21 @@ def _blocks_to_draw(pool: list[dict], limit: int,
 def render_block_tables(snapshot: dict, title: str | None = None,
                         highlight_blocks=(), highlight_seq: int | None = None,
                         max_pool_blocks: int = 128, max_free_list: int = 16,
-                        highlight_colour: str = HIGHLIGHT, highlight_mark: str | None = None
-                        ) -> str:
+                        highlight_colour: str = HIGHLIGHT, highlight_mark: str | None = None,
+                        marks: dict | None = None) -> str:
     """SVG of the block tables in ``snapshot`` (the dict of ``BlockSpaceManager.snapshot()``).
 
     Args:
         title: a line above the drawing (e.g. the step's caption).
-        highlight_blocks: GPU block numbers touched by the current event, outlined in
-            ``highlight_colour`` (red unless given: a picture that also marks the newest
-            tokens in red can give the event a colour of its own).
+        highlight_blocks: GPU block numbers the current event changed, drawn with the
+            legend's look of ``highlight_mark`` ("new" unless given).
         highlight_seq: the sequence the current event is about; its label is bold.
-        highlight_mark: a word written in each highlighted block (e.g. "copy"), in
-            ``highlight_colour``.
+        highlight_mark: which change ``highlight_blocks`` had: "new", "copied" (or "copy"),
+            "freed", "preempted"; another word is a ValueError.
+        highlight_colour: kept for older callers and not used: every mark's colour is the
+            legend's (``visualizer/legend.py``), the same in every lesson.
+        marks: the step's changes by kind, ``{"copied": [blocks], ...}`` (``legend.step_marks``),
+            besides ``highlight_blocks``.
         max_pool_blocks: a larger pool is drawn as its held blocks plus the free ones that
             will be handed out next.
         max_free_list: free-list entries drawn before "+N more" (at most what fits the width).
@@ -93,7 +100,7 @@ def render_block_tables(snapshot: dict, title: str | None = None,
     block_size = snapshot["block_size"]
     seqs = sorted(snapshot["sequences"], key=lambda s: s["seq_id"])
     cw = _slot_width(block_size)
-    highlight_blocks = set(highlight_blocks)
+    mark_of = _marks_by_block(highlight_blocks, highlight_mark, marks)
 
     # What each physical block holds: filled slots (the fullest owner) and the newest tokens.
     filled: dict[tuple[str, int], int] = {}
@@ -113,7 +120,7 @@ def render_block_tables(snapshot: dict, title: str | None = None,
     top = 44 if title else 26
     left_h = sum(ROW_H * (1 + len(s["logical_blocks"])) + 8 for s in seqs) or ROW_H
     gpu_draw, gpu_elided = _blocks_to_draw(snapshot["gpu_blocks"], max_pool_blocks,
-                                           snapshot["free_gpu_blocks"])
+                                           snapshot["free_gpu_blocks"], set(mark_of))
     # The swap space matters only where it holds something: its held blocks and one row more.
     cpu_held = sum(b["ref_count"] > 0 for b in snapshot["cpu_blocks"])
     cpu_draw, cpu_elided = _blocks_to_draw(snapshot["cpu_blocks"],
@@ -132,11 +139,8 @@ def render_block_tables(snapshot: dict, title: str | None = None,
     if title:  # a long caption widens the drawing rather than leaving it
         width = max(width, 20 + 0.6 * 13 * len(title))
     height = max(top + left_h + 10, right_h + 10)
-    with_legend = snapshot.get("prefix_caching", False) or any(
-        b.get("cached") for b in snapshot["gpu_blocks"] + snapshot["cpu_blocks"])
     legend_y = height
-    if with_legend:
-        height += LEGEND_H
+    height += legend_height(width - 2 * X_LOGICAL)
 
     free_gpu = snapshot["free_gpu_blocks"]
     root = svg_root(width, height, "block-tables",
@@ -205,8 +209,7 @@ def render_block_tables(snapshot: dict, title: str | None = None,
         y += 8
 
     # ---- the pools ---------------------------------------------------------------------------
-    _draw_pool(root, gpu_draw, gpu_pos, "gpu", block_size, filled, newest, highlight_blocks,
-               highlight_colour, highlight_mark)
+    _draw_pool(root, gpu_draw, gpu_pos, "gpu", block_size, filled, newest, mark_of)
     if gpu_elided:
         text(root, X_POOL, gpu_y + _rows_height(len(gpu_draw)) + 8,
              f"(+{gpu_elided} more free blocks not drawn)", size=10, fill=MUTED,
@@ -215,38 +218,44 @@ def render_block_tables(snapshot: dict, title: str | None = None,
     if cpu_draw:
         text(root, X_POOL, cpu_y + 12, f"CPU pool (swap space): {len(snapshot['cpu_blocks'])} "
              f"blocks, {len(snapshot['free_cpu_blocks'])} free", weight="bold")
-        _draw_pool(root, cpu_draw, cpu_pos, "cpu", block_size, filled, newest, set())
+        _draw_pool(root, cpu_draw, cpu_pos, "cpu", block_size, filled, newest, {})
         if cpu_elided:
             text(root, X_POOL, cpu_y + 16 + _rows_height(len(cpu_draw)) + 8,
                  f"(+{cpu_elided} more free blocks not drawn)", size=10, fill=MUTED,
                  class_="pool-elided", data_device="cpu", data_count=cpu_elided)
-    if with_legend:
-        _draw_legend(root, X_LOGICAL, legend_y)
+    draw_legend(root, X_LOGICAL, legend_y, width - 2 * X_LOGICAL,
+                _kinds_drawn(gpu_draw + cpu_draw, mark_of, newest))
     return to_string(root)
 
 
-# What the pool's blocks look like, for the legend and for the blocks themselves:
-# kind -> (label, fill, stroke, dash pattern or None). A cached block is filled with its owners'
-# colours (the swatch with a light owner colour); an evictable one is grey like a free block,
-# with a dotted green outline, so the two never look alike.
-LOOKS = {
-    "cached": ("cached: findable by hash", "#cad7e5", CACHED, None),
-    "evictable": ("evictable: free, keeps its KV", FREE_FILL, CACHED, "2 2"),
-    "free": ("free", FREE_FILL, "#bbbbbb", None),
-    "shared": ("shared: ref count > 1", "white", INK, "4 2"),
-}
-LEGEND_H = 24
+def _marks_by_block(highlight_blocks, highlight_mark, marks) -> dict[int, str]:
+    """GPU block -> the one step kind it is drawn with (``STEP_KINDS``' precedence)."""
+    wanted: dict[str, set[int]] = {kind: set() for kind in STEP_KINDS}
+    for kind, blocks in (marks or {}).items():
+        if kind not in wanted:
+            raise ValueError(f"marks has kind {kind!r}; the legend's step kinds are "
+                             f"{list(STEP_KINDS)}")
+        wanted[kind] |= set(blocks)
+    wanted[step_kind(highlight_mark)] |= set(highlight_blocks)
+    mark_of: dict[int, str] = {}
+    for kind in reversed(STEP_KINDS):  # the first kind wins
+        mark_of.update(dict.fromkeys(wanted[kind], kind))
+    return mark_of
 
 
-def _draw_legend(root, x, y):
-    """One line under the drawing (when prefix caching is on): swatches drawn as the blocks are."""
-    group = el(root, "g", class_="legend")
-    for kind, (label, fill, stroke, dashed) in LOOKS.items():
-        entry = el(group, "g", class_="legend-entry", data_kind=kind)
-        el(entry, "rect", x=x, y=y + 4, width=16, height=11, fill=fill, stroke=stroke,
-           stroke_width=1.5, stroke_dasharray=dashed, class_="legend-swatch")
-        text(entry, x + 21, y + 13, label, size=9)
-        x += 21 + 0.6 * 9 * len(label) + 14
+def _kinds_drawn(blocks: list[dict], mark_of: dict[int, str], newest) -> set[str]:
+    """The legend's kinds that the drawing shows."""
+    drawn = {b["block_number"] for b in blocks}
+    kinds = {kind for number, kind in mark_of.items() if number in drawn}
+    for b in blocks:
+        ref = b["ref_count"]
+        kinds.add("free" if ref == 0 and not b.get("cached") else
+                  "shared" if ref > 1 else "held")
+        if b.get("cached"):
+            kinds.add("evictable" if ref == 0 else "cached")
+    if newest:
+        kinds.add("newest")
+    return kinds
 
 
 # Where a logical block's physical block will come from, when it has none yet.
@@ -268,8 +277,7 @@ def _seq_label(s: dict) -> str:
     return head + shorten(s["request_id"], max(LABEL_CHARS - len(head) - len(rest), 5)) + rest
 
 
-def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_blocks,
-               highlight_colour=HIGHLIGHT, highlight_mark=None):
+def _draw_pool(root, blocks, pos, device, block_size, filled, newest, mark_of):
     pool = el(root, "g", class_=f"pool {device}-pool", data_device=device)
     for b in blocks:
         number, ref, owners = b["block_number"], b["ref_count"], b["owners"]
@@ -281,53 +289,59 @@ def _draw_pool(root, blocks, pos, device, block_size, filled, newest, highlight_
         cached = b.get("cached", False)
         if cached:
             classes += ["cached-block"] + (["evictable-block"] if ref == 0 else [])
+        mark = mark_of.get(number)
         n_filled = filled.get((device, number), 0) if ref else 0
         g = el(pool, "g", class_=" ".join(classes), data_block=number, data_device=device,
                data_ref=ref, data_shared=shared, data_owners=",".join(map(str, owners)),
-               data_filled=n_filled)
+               data_filled=n_filled, data_mark=mark)
         if ref == 0:
-            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill=LOOKS["free"][1],
-               stroke=LOOKS["free"][2], stroke_width=1, class_="block-body")
+            el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill=LOOKS["free"].fill,
+               stroke=LOOKS["free"].stroke, stroke_width=1, class_="block-body")
         else:
             # One band per owner: a shared block shows every sequence that reads it.
             band = BLOCK_W / max(len(owners), 1)
             for k, owner in enumerate(owners or [None]):
                 el(g, "rect", x=x + k * band, y=y, width=band, height=BLOCK_H,
                    fill=colour(owner) if owner is not None else "#cccccc", opacity=0.3)
+            look = LOOKS["shared"]
             el(g, "rect", x=x, y=y, width=BLOCK_W, height=BLOCK_H, fill="none",
-               stroke=LOOKS["shared"][2] if shared else INK, stroke_width=2 if shared else 1,
-               stroke_dasharray=LOOKS["shared"][3] if shared else None, class_="block-outline")
+               stroke=look.stroke if shared else INK, stroke_width=look.width if shared else 1,
+               stroke_dasharray=look.dash if shared else None, class_="block-outline")
         text(g, x + 3, y + 11, f"#{number}", size=10, weight="bold",
              fill=INK if ref else MUTED, class_="block-number")
         text(g, x + BLOCK_W - 3, y + 11, f"ref {ref}", size=9, anchor="end",
-             fill=HIGHLIGHT if shared else (INK if ref else MUTED), class_="ref-count")
+             fill=INK if ref else MUTED, weight="bold" if shared else None, class_="ref-count")
         if shared:
-            text(g, x + 3, y + 23, "shared", size=8, fill=HIGHLIGHT, class_="shared-mark")
+            text(g, x + 3, y + 23, LOOKS["shared"].word, size=8, fill=LOOKS["shared"].stroke,
+                 class_="shared-mark")
         if cached:  # lesson 11: findable by hash; when ref 0 it is evictable (counts as free)
             g.set("data-hash", str(b["block_hash"]))
-            kind = "evictable" if ref == 0 else "cached"
+            look = LOOKS["evictable" if ref == 0 else "cached"]
             el(g, "rect", x=x - 1, y=y - 1, width=BLOCK_W + 2, height=BLOCK_H + 2, fill="none",
-               stroke=LOOKS[kind][2], stroke_width=1.5, stroke_dasharray=LOOKS[kind][3],
+               stroke=look.stroke, stroke_width=look.width, stroke_dasharray=look.dash,
                class_="cached-outline")
-            text(g, x + BLOCK_W - 3, y + 23, kind, size=8, anchor="end", fill=LOOKS[kind][2],
+            text(g, x + BLOCK_W - 3, y + 23, look.word, size=8, anchor="end", fill=look.stroke,
                  class_="cached-mark")
         # The slot strip: filled slots dark, the newest token of a sequence outlined in red.
         sw = (BLOCK_W - 6) / block_size
         fill_colour = colour(owners[0]) if len(owners) == 1 else INK
+        newest_look = LOOKS["newest"]
         for slot in range(block_size):
             is_newest = slot in newest.get((device, number), ()) if ref else False
             el(g, "rect", x=x + 3 + slot * sw, y=y + BLOCK_H - 11, width=sw, height=8,
                fill=fill_colour if slot < n_filled else "white",
-               stroke=HIGHLIGHT if is_newest else "#cccccc",
-               stroke_width=1.5 if is_newest else 0.3,
+               stroke=newest_look.stroke if is_newest else "#cccccc",
+               stroke_width=newest_look.width if is_newest else 0.3,
                class_="slot newest-token" if is_newest else "slot")
-        if device == "gpu" and number in highlight_blocks:
+        if mark is not None:  # this step's change: outside the block, in the legend's look
+            look = LOOKS[mark]
             el(g, "rect", x=x - 2, y=y - 2, width=BLOCK_W + 4, height=BLOCK_H + 4, fill="none",
-               stroke=highlight_colour, stroke_width=2.5, class_="event-block",
-               data_block=number)
-            if highlight_mark and not shared:
-                text(g, x + 3, y + 23, highlight_mark, size=8, fill=highlight_colour,
-                     class_="event-mark")
+               stroke=look.stroke, stroke_width=look.width, stroke_dasharray=look.dash,
+               class_="event-block step-mark", data_mark=mark, data_block=number)
+            right = len(LOOKS["evictable" if ref == 0 else "cached"].word) if cached else 0
+            if not shared and len(look.word) + right <= 12:  # the words fit side by side
+                text(g, x + 3, y + 23, look.word, size=8, fill=look.stroke,
+                     class_="event-mark step-mark-word", data_mark=mark)
 
 
 def _draw_free_list(root, free: list[int], x, y, max_entries):

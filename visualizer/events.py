@@ -42,6 +42,30 @@ class RecordedStep:
         return []
 
     @property
+    def marks(self) -> dict[str, list[int]]:
+        """The event's changes by the legend's kind (``visualizer/legend.py``): blocks a table
+        took ("new"), copy-on-write targets ("copied"), blocks back in the free list ("freed"),
+        blocks a swap-out gave up ("preempted")."""
+        e = self.event
+        op = e["op"]
+        free = {b["block_number"] for b in self.blocks["gpu_blocks"] if b["ref_count"] == 0}
+        if op in ("allocate", "fork", "lookahead"):
+            return {"new": list(e["blocks"])}
+        if op == "append":
+            return {"new": [e["block"]] if e["new_block"] else []}
+        if op == "copy_on_write":
+            return {"copied": [e["dst"]]}
+        if op == "unshare":
+            return {"copied": [dst for _, dst in e["pairs"]]}
+        if op in ("free", "rollback"):
+            return {"freed": [b for b in e["blocks"] if b in free]}
+        if op == "swap_out":
+            return {"preempted": list(e["mapping"])}
+        if op == "swap_in":
+            return {"new": list(e["mapping"].values())}
+        return {}
+
+    @property
     def highlight_seq(self) -> int | None:
         e = self.event
         return e.get("seq_id", e.get("child"))

@@ -6,7 +6,9 @@ under the parent's current node. A sequence id can be reused: in beam search a d
 sequence is freed and forked again from a better beam, so a node is a (sequence, generation),
 named ``seq 4``, ``seq 4b``, ``seq 4c``... so that no two nodes have the same name.
 
-Drawn with graphviz's ``dot`` where it is installed; otherwise as indented text.
+``fork_tree_svg.show_fork_tree`` draws it as SVG (no graphviz needed); ``fork_tree_dot``
+gives graphviz's source and ``render_fork_tree`` its drawing where ``dot`` is installed;
+``fork_tree_text`` is the tree as indented text.
 """
 from __future__ import annotations
 
@@ -92,20 +94,30 @@ def fork_tree_text(nodes: list[ForkNode]) -> str:
     return "\n".join(lines)
 
 
-# What the tree's looks and names mean, drawn beside it and printed under its text version.
+# What the tree's looks and names mean, drawn under it and printed under its text version: only
+# the kinds a tree has (a sampling tree has no dropped beams).
 LEGEND = [
-    ("root", "the prompt: its blocks are shared by every sequence"),
-    ("live", "seq N: a sequence from where it began (allocate, or a fork of another beam)"),
-    ("final", "finished: a sequence's last version (beam search returns the n best of them)"),
-    ("dropped", "dropped: a beam that fell behind; its sequence was freed"),
-    ("name", "seq 4b: seq 4's second life (a freed id, reused by a later fork)"),
+    ("root", "the prompt: blocks shared by all"),
+    ("live", "seq N: a sequence from its start"),
+    ("final", "finished: a sequence's last version"),
+    ("dropped", "dropped: a beam that fell behind"),
+    ("name", "seq 4b: seq 4's second life"),
 ]
 
 
+def legend_kinds(nodes: list[ForkNode]) -> set[str]:
+    """The legend's kinds that ``nodes`` contain."""
+    kinds = {"root" if n.seq_id is None else n.state for n in nodes}
+    if any(not n.label.split(" (")[0][-1].isdigit() for n in nodes[1:]):
+        kinds.add("name")  # a reused sequence id: seq 4b
+    return kinds
+
+
 def fork_tree_dot(nodes: list[ForkNode]) -> str:
-    """Graphviz source of the tree, with a legend (nodes only: the tree's edges are its own)."""
-    out = ["digraph fork_tree {", "  rankdir=LR;", '  node [shape=box, fontname="monospace",'
-           ' fontsize=10];']
+    """Graphviz source of the tree, at most 8 inches wide, with a legend of the kinds of node it
+    contains (nodes only: the tree's edges are its own)."""
+    out = ["digraph fork_tree {", '  rankdir=LR; size="8,40";',
+           '  node [shape=box, fontname="monospace", fontsize=10];']
     styles = {"final": 'style="bold,filled", fillcolor="#d9ead3"',
               "dropped": 'style=dashed, color="#999999", fontcolor="#999999"',
               "live": ""}
@@ -118,10 +130,12 @@ def fork_tree_dot(nodes: list[ForkNode]) -> str:
         for child in node.children:
             out.append(f"  n{node.key} -> n{child};")
     out += ['  subgraph cluster_legend {', '    label="legend"; fontname="monospace";'
-            ' fontsize=10; color="#bbbbbb";']
+            ' fontsize=8; color="#bbbbbb"; node [fontsize=8];']
     looks = dict(styles, root='style=filled, fillcolor="#eeeeee"', name="shape=plaintext")
+    kinds = legend_kinds(nodes)
     for kind, meaning in LEGEND:
-        out.append(f'    legend_{kind} [label="{meaning}", {looks[kind] or "color=black"}];')
+        if kind in kinds:
+            out.append(f'    legend_{kind} [label="{meaning}", {looks[kind] or "color=black"}];')
     out += ["  }", "}"]
     return "\n".join(out)
 
@@ -134,18 +148,3 @@ def render_fork_tree(nodes: list[ForkNode]) -> str | None:
     result = subprocess.run([dot, "-Tsvg"], input=fork_tree_dot(nodes), capture_output=True,
                             text=True, check=True, timeout=60)
     return result.stdout
-
-
-def show_fork_tree(steps, request_id: str) -> None:
-    """Display the tree in a notebook: SVG, or text where ``dot`` is missing."""
-    nodes = fork_tree_nodes(steps, request_id)
-    text = fork_tree_text(nodes)
-    svg = render_fork_tree(nodes)
-    if svg is None:
-        print("graphviz's `dot` program is not installed: showing the fork tree as text")
-        print(text)
-        print("\n" + "\n".join(f"  {meaning}" for _, meaning in LEGEND))
-    else:
-        from IPython.display import SVG, display
-
-        display(SVG(svg))

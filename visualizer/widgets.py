@@ -4,13 +4,16 @@
   shows the block tables right after that event and its caption.
 - ``StepPlayer(snapshots)``: the same over engine steps (``StepSnapshot`` objects an observer
   collected), showing the scheduler's queues next to the block tables.
+- ``step_together(a, b)``: two ``StepPlayer``s that move as one (lesson 19).
 - ``LiveBlockTableView(engine)``: an engine observer that redraws the block tables (and,
   optionally, the scheduler's queues beside them) after every ``engine.step()``, so the picture
-  moves while ``llm.generate`` runs; a slider sets a pause per step. ``num_redraws`` counts the
+  moves while ``llm.generate`` runs, pausing ``SECONDS_PER_STEP`` after each; when the run is
+  over it shows the step that held the most blocks, with a replay. ``num_redraws`` counts the
   redraws; ``last_svg`` is the latest drawing.
 
 The engine views draw the pool compactly (every held block, then a few free ones: a pool of 1456
-blocks is not 1456 idle cells), and outline in red the blocks a sequence entered in this step.
+blocks is not 1456 idle cells), and mark the step's changes (new, copied, freed, preempted
+blocks) as the legend under every picture says (``visualizer/legend.py``).
 
 Only this module imports ipywidgets; the engine never does.
 """
@@ -22,6 +25,7 @@ import time
 import ipywidgets as W
 
 from visualizer.block_tables import render_block_tables
+from visualizer.legend import snapshot_marks
 from visualizer.scheduler_view import render_scheduler
 
 
@@ -37,18 +41,8 @@ def _figure_html(*svgs: str) -> str:
             f'align-items:flex-start;overflow-x:auto">{parts}</div>')
 
 
-def _new_blocks(previous: dict | None, current: dict) -> list[int]:
-    """GPU blocks that a sequence's table holds now but did not hold in ``previous``: where a
-    sequence just crossed into a new block (or got a copy)."""
-    if previous is None:
-        return []
-    held = {(s["seq_id"], b) for s in previous["sequences"] if s["device"] == "gpu"
-            for b in s["block_table"]}
-    return sorted({b for s in current["sequences"] if s["device"] == "gpu"
-                   for b in s["block_table"] if (s["seq_id"], b) not in held})
-
-
 COMPACT_POOL = 24  # pool blocks drawn by the engine views: every held block, then a few free
+SECONDS_PER_STEP = 0.4  # the live view's pause per step: slow enough to follow a table grow
 
 
 class _Player(W.VBox):
@@ -106,7 +100,7 @@ class EventPlayer(_Player):
     def render(self, index: int) -> str:
         """The block-table SVG of step ``index``."""
         step = self.steps[index]
-        return render_block_tables(step.blocks, highlight_blocks=step.highlight_blocks,
+        return render_block_tables(step.blocks, marks=step.marks,
                                    highlight_seq=step.highlight_seq, **self.render_kwargs)
 
     def frame(self, index: int) -> tuple[str, list[str]]:
@@ -145,55 +139,114 @@ class StepPlayer(_Player):
 
     def frame(self, index: int) -> tuple[str, list[str]]:
         snap = self.snapshots[index]
-        previous = self.snapshots[index - 1].block_manager if index else None
+        previous = self.snapshots[index - 1] if index else None
         return describe_engine_step(snap), [
             render_scheduler(snap.scheduler, step=vars(snap)),
-            render_block_tables(snap.block_manager,
-                                highlight_blocks=_new_blocks(previous, snap.block_manager),
+            render_block_tables(snap.block_manager, marks=snapshot_marks(previous, snap),
                                 **self.render_kwargs)]
 
 
+def step_together(*players: StepPlayer) -> W.VBox:
+    """The players one above the other, stepping together: moving one's slider (or playing it)
+    moves the others to the same engine step, where they have it (lesson 19: the reference
+    and the suspect side by side). Returns the box that shows them."""
+    if len(players) < 2:
+        raise ValueError(f"step_together needs two players or more, got {len(players)}")
+    first = players[0]
+    for other in players[1:]:
+        W.link((first.slider, "value"), (other.slider, "value"))
+        other.play.layout.display = "none"  # one Play button drives them all
+    return W.VBox(list(players))
+
+
 class LiveBlockTableView(W.VBox):
-    """Redraw the block tables after every step of ``engine`` (an ``LLMEngine``).
+    """Redraw the block tables after every step of ``engine`` (an ``LLMEngine``), then, when the
+    engine has nothing left to run, stay on the step that held the most blocks, with a Play
+    button and a slider to go over the run again.
 
     Args:
         engine: the engine to observe (``llm.llm_engine``).
         show_scheduler: also draw the scheduler's queues next to the tables.
+        seconds_per_step: the pause after each redraw while the engine runs (0: none), so that a
+            person can follow the steps; the ``s/step`` slider changes it.
+        keep_steps: the most recent steps kept for the replay.
         render_kwargs: passed to ``render_block_tables``.
     """
 
-    def __init__(self, engine, show_scheduler: bool = False, seconds_per_step: float = 0.0,
+    def __init__(self, engine, show_scheduler: bool = False,
+                 seconds_per_step: float = SECONDS_PER_STEP, keep_steps: int = 200,
                  **render_kwargs) -> None:
+        if seconds_per_step < 0 or keep_steps < 1:
+            raise ValueError(f"seconds_per_step must be >= 0 and keep_steps >= 1, got "
+                             f"{seconds_per_step} and {keep_steps}")
         self.engine = engine
         self.show_scheduler = show_scheduler
         render_kwargs.setdefault("max_pool_blocks", COMPACT_POOL)
         self.render_kwargs = render_kwargs
+        self.keep_steps = keep_steps
         self.num_redraws = 0
         self.last_svg: str | None = None
         self.last_snapshot = None  # the engine's StepSnapshot behind last_svg
+        self.frames: list = []  # the kept StepSnapshots, for the replay
+        self.shown_step: int | None = None  # the engine step the view shows
         self.caption = W.HTML(_caption_html("waiting for the first engine step"))
-        # A pause after each redraw, so that a person can follow the steps while generate runs.
         self.speed = W.FloatSlider(value=seconds_per_step, min=0.0, max=2.0, step=0.1,
                                    description="s/step", continuous_update=False)
+        # The replay: a Play button and a slider over the kept steps, live once the run is over.
+        self.play = W.Play(value=0, min=0, max=0, step=1, interval=int(1000 * SECONDS_PER_STEP),
+                           description="replay")
+        self.step_slider = W.IntSlider(value=0, min=0, max=0, description="step",
+                                       disabled=True)
+        W.jslink((self.play, "value"), (self.step_slider, "value"))
+        self.step_slider.observe(lambda change: self._show_frame(change["new"]), names="value")
         self.view = W.HTML(_figure_html(render_block_tables(engine.block_manager.snapshot(),
                                                             **self.render_kwargs)))
-        super().__init__([W.HBox([self.speed, self.caption]), self.view])
+        super().__init__([W.HBox([self.speed, self.play, self.step_slider]), self.caption,
+                          self.view])
         engine.add_observer(self._on_step)
 
-    def _on_step(self, snap) -> None:
-        previous = self.last_snapshot.block_manager if self.last_snapshot else None
-        self.last_svg = render_block_tables(
-            snap.block_manager, highlight_blocks=_new_blocks(previous, snap.block_manager),
-            **self.render_kwargs)
-        svgs = [self.last_svg]
+    def _svgs(self, snap, previous) -> list[str]:
+        svgs = [render_block_tables(snap.block_manager, marks=snapshot_marks(previous, snap),
+                                    **self.render_kwargs)]
         if self.show_scheduler:
             svgs.insert(0, render_scheduler(snap.scheduler, step=vars(snap)))
+        return svgs
+
+    def _on_step(self, snap) -> None:
+        svgs = self._svgs(snap, self.last_snapshot)
+        self.last_svg = svgs[-1]
         self.last_snapshot = snap
+        self.frames = (self.frames + [snap])[-self.keep_steps:]
         self.num_redraws += 1
+        self.shown_step = snap.step
         self.caption.value = _caption_html(describe_engine_step(snap))
         self.view.value = _figure_html(*svgs)
-        if self.speed.value:
+        if not self.engine.has_unfinished_requests():
+            self._settle()
+        elif self.speed.value:
             time.sleep(self.speed.value)
+
+    def _settle(self) -> None:
+        """The run is over: show the step that held the most GPU blocks (the first such), not
+        the empty pool every run ends on."""
+        busiest = max(range(len(self.frames)), key=lambda i: (held_blocks(self.frames[i]), -i))
+        self.step_slider.max = self.play.max = len(self.frames) - 1
+        self.step_slider.disabled = False
+        self.play.value = busiest  # the slider follows, and draws that frame
+        self.step_slider.value = busiest
+        self._show_frame(busiest)
+
+    def _show_frame(self, index: int) -> None:
+        if not 0 <= index < len(self.frames):
+            return
+        snap = self.frames[index]
+        previous = self.frames[index - 1] if index else None
+        self.shown_step = snap.step
+        most = max(held_blocks(f) for f in self.frames)
+        note = (" · the run is over: the step that held the most blocks"
+                if held_blocks(snap) == most else " · the run is over: replaying")
+        self.caption.value = _caption_html(describe_engine_step(snap) + note)
+        self.view.value = _figure_html(*self._svgs(snap, previous))
 
     def detach(self) -> None:
         """Stop observing the engine."""
@@ -201,3 +254,9 @@ class LiveBlockTableView(W.VBox):
             self.engine.remove_observer(self._on_step)
         except ValueError:
             pass  # already detached
+
+
+def held_blocks(snap) -> int:
+    """GPU blocks held after an engine step (its ``StepSnapshot``)."""
+    sched = snap.scheduler
+    return sched["num_gpu_blocks"] - sched["num_free_gpu_blocks"]

@@ -19,7 +19,6 @@ engine next to it never sees the fault. Which fault a seed draws is not printed 
 """
 from __future__ import annotations
 
-import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,8 @@ from minipaged.core.lookahead import num_lookahead_blocks
 from minipaged.core.scheduler import Scheduler
 from minipaged.engine import llm_engine, output_processor
 from minipaged.exercises.checking import CheckResult, NotDone, use_solutions
+from minipaged.exercises.lesson19_reported import REPORTED
+from minipaged.exercises.mystery_engine import MysteryEngine
 from minipaged.kernels import ops, reference as attention_reference
 from minipaged.lab.engine_diff import Recording, Request, compare
 from minipaged.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ CAUSES = [
     "a decode attends to every cached token but the newest",
     "a prefix-cache hit is taken without comparing the tokens before the block",
     "swapped groups come back in the step that preempted",
-]
+] + [r.cause for r in REPORTED]
 
 
 # -- the faults ------------------------------------------------------------------------------------
@@ -195,90 +196,67 @@ class _Fault:
     component: str
     cause: int  # index into CAUSES
     patches: tuple  # engine -> a context manager that patches one name
-    tool: str  # which tool shows it (the hint for a wrong component)
-    why: str  # the hint for a wrong cause
+    tool: str  # the question for a wrong component: what to read in the tools' evidence
+    why: str  # the question for a wrong cause (never the cause in other words)
+    reported: str = ""  # where the same bug was reported against a real engine, if it was
 
 
 _BM = block_manager.BlockSpaceManager
 _FAULTS = (
     _Fault("FreeListAllocator", 1, (_patch(FreeListAllocator, "free", _free_always),),
-           "the invariant check breaks first: read which invariant and which block",
-           "a block sits in the free list while a table holds it: look at the ref count "
-           "before it was freed"),
+           "Which invariant broke first, and which component writes the state it names?",
+           "What was the ref count of the block the violation names one step before, and how "
+           "many tables held it then?"),
     _Fault("BlockSpaceManager", 3, (_patch(_BM, "append_slot", _append_in_place),),
-           "the comparison names a cache move of the schedule that the suspect left out",
-           "two sequences keep one last block and both write their newest token into it"),
+           "The first field that differs is part of the schedule: which component fills it?",
+           "In the players at that step, which sequences hold the block the reference's field "
+           "names, and where does each one's newest token go?"),
     _Fault("BlockSpaceManager", 6, (_patch(_BM, "num_blocks_to_append", _room_for_copies_only),),
-           "the comparison shows the suspect crash where the reference preempts: the crash's "
-           "line is not the wrong line; which check said there was room?",
-           "the reference found no room for a new block and preempted; the suspect thought "
-           "there was room"),
+           "The line that raised is only where it was noticed: at that step, what did the "
+           "reference do instead, and which check decided it?",
+           "How many free blocks were there before that step, and how many did the running "
+           "sequences' newest tokens need?"),
     _Fault("BlockSpaceManager", 9, (_patch(_BM, "fork", _fork_uncounted),),
-           "the invariant check names a block whose ref count is less than its tables",
-           "a beam search step gave a sequence its parent's blocks"),
+           "Which invariant broke first? Which operations add a holder to a block?",
+           "Which request holds the block the violation names, and what did its sequences do "
+           "in that step?"),
     _Fault("prepare_inputs", 2, (_patch(llm_engine, "prepare_inputs",
                                         _inputs_changed(_slot_one_late)),),
-           "the comparison names a field of the model's inputs: which function builds it?",
-           "compare inputs.slot_mapping with the positions of the decode tokens"),
+           "The inputs differ while the schedule agrees: which function turns a schedule "
+           "into inputs?",
+           "For the token the comparison names, which slot does its position give through its "
+           "block table, and which slot did it get?"),
     _Fault("prepare_inputs", 11, (_patch(llm_engine, "prepare_inputs",
                                          _inputs_changed(_context_one_short)),),
-           "the comparison names a field of the model's inputs: which function builds it?",
-           "compare inputs.context_lens with the decode tokens' positions"),
+           "The inputs differ while the schedule agrees: which function turns a schedule "
+           "into inputs?",
+           "For the sequence the comparison names, how many tokens does it hold, and what "
+           "number did its input carry?"),
     _Fault("paged_attention", 5, (_patch(ops, "paged_attention", _v2_without_common_max),),
-           "the comparison: the inputs agree and the logits differ, in the decode rows only",
-           "the prompts' rows agree; decode rows differ once a context spans more than one "
-           "partition"),
+           "The inputs agree and the logits differ: which part of the model reads the cache?",
+           "Which rows differ, prompts or decodes, and from which context length on?"),
     _Fault("OutputProcessor", 4, (_patch(output_processor.OutputProcessor, "process",
                                          _stop_checked_first),),
-           "the comparison names a sequence's status: the tokens agree, the status does not",
-           "the sequence should have stopped at max_tokens; count its tokens"),
+           "The tokens agree and something else about the sequence does not: which "
+           "component decides it after each token?",
+           "How many tokens had the sequence generated at that step, and how many does its "
+           "request allow?"),
     _Fault("Scheduler", 8, (_patch(Scheduler, "abort_seq_group", _abort_without_free),),
-           "the invariant check names a finished sequence that still holds blocks",
-           "an aborted request's sequences are finished, their blocks never returned"),
+           "Which invariant broke first, for which request, and what did the workload do to "
+           "that request?",
+           "What happened to that request just before the step, and which blocks does it "
+           "hold after it?"),
     _Fault("PrefixCachingAllocator", 12, (
         _patch(prefix_caching_allocator.PrefixCachingAllocator, "_same_contents", _tokens_only),
         lambda engine: mock.patch.object(engine.scheduler.block_manager.gpu_allocator,
                                          "hash_fn", _named_by_own_tokens)),
-           "the invariant check names a block shared by two requests whose tokens differ",
-           "the shared block holds the same tokens in both; what came before it does not"),
-)
+           "Which invariant broke first? Which component can hand one block to two requests?",
+           "Do the two requests that share the block agree on every token up to its end?"),
+) + tuple(_Fault(r.component, CAUSES.index(r.cause), r.patches, r.tool, r.why, r.reported)
+          for r in REPORTED)  # bugs reported against vLLM, nano-vllm and mini-sglang
 
 
 # -- the mystery -----------------------------------------------------------------------------------
-class MysteryEngine:
-    """An ``LLMEngine`` whose fault is active during its own ``step``, ``add_request`` and
-    ``abort_request``; everything else is the engine's (``suspect.scheduler``, ...)."""
-
-    def __init__(self, engine, fault: _Fault) -> None:
-        self._engine = engine
-        self._fault = fault
-
-    @contextlib.contextmanager
-    def _faulty(self):
-        with contextlib.ExitStack() as stack:
-            for patch in self._fault.patches:
-                stack.enter_context(patch(self._engine))
-            yield
-
-    def step(self):
-        with self._faulty():
-            return self._engine.step()
-
-    def add_request(self, *args, **kwargs):
-        with self._faulty():
-            return self._engine.add_request(*args, **kwargs)
-
-    def abort_request(self, request_id: str):
-        with self._faulty():
-            return self._engine.abort_request(request_id)
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def __repr__(self) -> str:
-        return "MysteryEngine(the package's LLMEngine with one hidden fault)"
-
-
 class Mystery:
     """One drawn mystery: a hidden fault and a workload, both from ``seed``."""
 
@@ -409,7 +387,8 @@ def _verdict(answer, fault: _Fault, step: int | None) -> CheckResult:
     if cause != fault.cause + 1:
         return CheckResult(f"✗ diagnosis: {component} and step {step} are right; cause {cause} "
                            f"is not what goes wrong. Hint: {fault.why}", "failed")
-    return CheckResult(f"✓ diagnosis: {_reveal(answer)}", "passed")
+    seen = f" (the same bug was reported: {fault.reported})" if fault.reported else ""
+    return CheckResult(f"✓ diagnosis: {_reveal(answer)}{seen}", "passed")
 
 
 __all__ = ["CAUSES", "COMPONENTS", "SETTINGS", "Mystery", "MysteryEngine", "check_diagnosis",

@@ -20,6 +20,8 @@ engine until every request is done, and keeps after every step, as plain data:
 one step makes them, so the first difference it names is the earliest thing that went wrong:
 inputs that differ while the schedule agrees point at what builds the batch; logits that differ
 while the inputs agree point at the model or its attention; a crash is a difference too.
+Under the difference, the GPU blocks the two engines hold differently after that step
+(``block_evidence.py``): evidence, not a verdict.
 
 Any engine with the ``LLMEngine`` interface can be recorded (``add_request``, ``abort_request``,
 ``step``, ``add_observer``, ``scheduler``, ``worker``). Sequences are named by request and place in
@@ -33,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from minipaged.lab.block_evidence import SHOWN_BLOCKS, blocks_that_differ
 from minipaged.sampling_params import SamplingParams
 
 # The groups of a step's fields, in the order a step makes them.
@@ -267,10 +270,17 @@ class Difference:
     reference: object
     suspect: object
     note: str = ""  # where in a list, or how far apart two logits rows are
+    # GPU blocks held differently after that step: number -> (the reference's, the suspect's)
+    blocks: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return (f"step {self.step}: {self.field} differs{f' ({self.note})' if self.note else ''}"
+        text = (f"step {self.step}: {self.field} differs{f' ({self.note})' if self.note else ''}"
                 f"\n  reference: {_short(self.reference)}\n  suspect:   {_short(self.suspect)}")
+        for number, (ours, theirs) in list(self.blocks.items())[:SHOWN_BLOCKS]:
+            text += f"\n  GPU block {number}: reference {ours}; suspect {theirs}"
+        if len(self.blocks) > SHOWN_BLOCKS:
+            text += f"\n  ... and {len(self.blocks) - SHOWN_BLOCKS} more blocks held differently"
+        return text
 
 
 def _short(value, limit: int = 300) -> str:
@@ -295,6 +305,9 @@ def compare(reference: Recording, suspect: Recording, atol: float = 1e-3,
     for ref_step, sus_step in zip(reference.steps, suspect.steps):
         found = _compare_step(ref_step, sus_step, atol, rtol)
         if found is not None:
+            if not (ref_step.error or sus_step.error):  # (a crashed step kept no blocks)
+                found.blocks = blocks_that_differ(ref_step.fields.get("blocks", {}),
+                                                  sus_step.fields.get("blocks", {}))
             return found
     n_ref, n_sus = len(reference.steps), len(suspect.steps)
     if n_ref != n_sus:

@@ -67,7 +67,16 @@ def save_tiny(family: str, path, seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.3)
     model.generation_config.eos_token_id = None  # a fixed length: never stop early
     model.generation_config.pad_token_id = 1
-    model.save_pretrained(path)
+    from transformers.utils import logging as hf_logging
+
+    # A one-file checkpoint written in milliseconds: no "Writing model shards" bar in the lesson.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model
 
 

@@ -177,3 +177,24 @@ def test_a_status_that_differs_with_the_same_tokens_is_named(tiny_llama):
 def test_bad_workloads_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="workload must be a list of engine_diff.Request"):
         record(new_engine(tiny_llama[0]), [([1, 2], greedy(2))])
+
+
+def test_a_difference_names_the_blocks_held_differently():
+    from minipaged.lab.block_evidence import blocks_that_differ
+    from minipaged.lab.engine_diff import Difference
+
+    ours = {"block_tables": {"request 0 sequence 0": ["gpu", [3, 4]],
+                             "request 0 sequence 1": ["gpu", [3, 5]],
+                             "request 1 sequence 0": ["cpu", [0]]},
+            "gpu_ref_counts": {3: 2, 4: 1, 5: 1}}
+    theirs = {"block_tables": {"request 0 sequence 0": ["gpu", [3, 4]],
+                               "request 0 sequence 1": ["gpu", [3, 4]]},
+              "gpu_ref_counts": {3: 2, 4: 1}}
+    found = blocks_that_differ(ours, theirs)
+    assert found == {
+        4: ("ref 1, held by request 0 sequence 0",
+            "ref 1, held by request 0 sequence 0, request 0 sequence 1"),
+        5: ("ref 1, held by request 0 sequence 1", "ref 0, held by none")}
+    text = str(Difference(3, "blocks.gpu_ref_counts", {}, {}, blocks=found))
+    assert "GPU block 4: reference ref 1, held by request 0 sequence 0; suspect ref 1" in text
+    assert blocks_that_differ(ours, ours) == {}

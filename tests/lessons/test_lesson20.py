@@ -74,7 +74,9 @@ def test_mistral_window_cells_measure_and_draw_what_the_text_says(capsys, tmp_pa
               compare=lambda *a, **k: None, render_block_tables=render_block_tables,
               SVG=lambda data: SimpleNamespace(data=data))
     run_cell(LESSON, "picture_at=40)", ns)
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "Writing model shards" not in captured.err  # no stray progress bar in the lesson
     assert "greedy tokens equal transformers' Mistral: True" in out
     assert ns["held"][-1][0] == 159 and ns["most"] <= 6  # 160 tokens: never above 16 / 4 + 2
     assert ns["most"] == 5 == (16 - 1 + 3) // 4 + 1  # what 16 positions can span
@@ -92,3 +94,6 @@ def test_mistral_window_cells_measure_and_draw_what_the_text_says(capsys, tmp_pa
     free_list = [int(e.get("data-block")) for e in ET.fromstring(shown[1].data).iter()
                  if e.get("class") == "free-list-entry"]
     assert freed and free_list[:len(freed)] == freed  # back at the front of the free list
+    marked = [int(g.get("data-block")) for g in ET.fromstring(shown[1].data).iter()
+              if g.get("data-mark") == "freed" and "physical-block" in g.get("class", "")]
+    assert marked == freed  # drawn with the legend's "freed" mark

@@ -395,31 +395,33 @@ def test_fork_tree_of_beam_search(tiny_llama, capsys, monkeypatch):
     dot = fork_tree_dot(nodes)
     assert "cluster_legend" in dot and "seq 4b: seq 4's second life" in dot
     assert all(f"legend_{kind} " in dot for kind in ("root", "live", "final", "dropped"))
+    assert 'size="8,40"' in dot  # graphviz scales a wider tree down to 8 inches
     if render_fork_tree(nodes) is not None:  # graphviz's dot is installed
         assert ET.fromstring(render_fork_tree(nodes)).tag == NS + "svg"
 
-    # Without dot: one line saying so, then the tree as text, no exception.
+    # The notebook's view needs no graphviz: our own SVG, shown with IPython's display.
+    shown = []
     monkeypatch.setattr("visualizer.fork_tree.shutil.which", lambda name: None)
+    monkeypatch.setattr("IPython.display.display", shown.append)
     show_fork_tree(recorder, "0")
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "graphviz's `dot` program is not installed: showing the fork tree as text"
-    tree_lines = len(text.splitlines())
-    assert "\n".join(out[1:1 + tree_lines]) == text
-    assert "seq 4b: seq 4's second life" in "\n".join(out[1 + tree_lines:])  # then the legend
+    svg, = shown
+    root = parse(svg.data)
+    assert len(by_class(root, "fork-node")) == len(nodes)
+    assert capsys.readouterr().out == ""
 
 
 # ----------------------------------------------------------------------------------------------
 # live mode
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.lesson08
-def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny_llama):
+def test_live_view_redraws_once_per_engine_step_then_stays_on_the_busiest(tiny_llama):
     pytest.importorskip("ipywidgets")
-    from visualizer.widgets import LiveBlockTableView
+    from visualizer.widgets import LiveBlockTableView, held_blocks
 
     path, _ = tiny_llama
     llm = LLM(path, block_size=4, num_gpu_blocks=12, num_cpu_blocks=12, max_model_len=48)
     engine = llm.llm_engine
-    view = LiveBlockTableView(engine, show_scheduler=True)
+    view = LiveBlockTableView(engine, show_scheduler=True, seconds_per_step=0)
     assert view.num_redraws == 0
 
     # Step by hand: after each step the drawing is the block manager's current state.
@@ -437,8 +439,17 @@ def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny
         assert root.get("data-num-free-gpu-blocks") == \
             str(engine.block_manager.get_num_free_gpu_blocks())
         assert len(by_class(root, "sequence")) == len(engine.block_manager.block_tables)
-        assert view.last_svg in view.view.value  # the widget shows it
+        if engine.has_unfinished_requests():
+            assert view.last_svg in view.view.value  # the widget shows it
     assert steps == engine.stats.num_steps == 9
+    # The run is over: the view shows the step that held the most blocks, not the empty pool.
+    most = max(held_blocks(f) for f in view.frames)
+    assert most > 0 and held_blocks(view.frames[view.step_slider.value]) == most
+    assert view.shown_step == view.frames[view.step_slider.value].step
+    assert f"engine step {view.shown_step}:" in view.caption.value
+    assert "the most blocks" in view.caption.value and view.last_svg not in view.view.value
+    view.step_slider.value = len(view.frames) - 1  # the replay draws any kept step
+    assert view.shown_step == engine.stats.num_steps and view.last_svg in view.view.value
 
     # And through generate(): still one redraw per step; the last drawing is the final state.
     before = view.num_redraws
@@ -451,6 +462,11 @@ def test_live_view_redraws_once_per_engine_step_and_ends_on_the_final_state(tiny
     assert not by_class(root, "sequence")
 
     view.detach()
+    # By default a person can follow it: lesson 08's view pauses after each step.
+    from visualizer.widgets import SECONDS_PER_STEP
+    default = LiveBlockTableView(engine)
+    assert default.speed.value == SECONDS_PER_STEP >= 0.3
+    default.detach()
     llm.generate(prompt_token_ids=[[1, 2]],
                  sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert view.num_redraws - before == engine.stats.num_steps - steps - 2
@@ -482,7 +498,8 @@ def test_fork_tree_names_every_node_once(tiny_llama):
 def test_engine_views_draw_a_compact_pool_and_mark_blocks_entered_this_step():
     pytest.importorskip("ipywidgets")
     from minipaged.lab.dry_run import DryRun
-    from visualizer.widgets import COMPACT_POOL, _new_blocks
+    from visualizer.legend import step_marks
+    from visualizer.widgets import COMPACT_POOL
 
     run = DryRun(block_size=4, num_gpu_blocks=1456)
     seq = run.add_request([1, 2, 3]).seqs[0]
@@ -492,7 +509,7 @@ def test_engine_views_draw_a_compact_pool_and_mark_blocks_entered_this_step():
         run.step()
         snaps.append(run.block_manager.snapshot())
     # step 1 admitted the prompt; step 3 stored the 5th token: a new block
-    assert _new_blocks(before, snaps[-1]) == [run.block_manager.get_block_table(seq)[-1]]
+    assert step_marks(before, snaps[-1])["new"] == [run.block_manager.get_block_table(seq)[-1]]
     root = parse(render_block_tables(snaps[-1], max_pool_blocks=COMPACT_POOL))
     assert len(drawn_pool(root)) == COMPACT_POOL  # not 1456 cells
     assert by_class(root, "pool-elided")[0].get("data-count") == str(1456 - COMPACT_POOL)

@@ -1,11 +1,14 @@
-"""The block-table picture's marks that a lesson can tell apart: an event's outline in a colour of
-its own (lesson 16: copy-on-write copies, while red marks the newest tokens), where a block not
+"""The block-table picture's marks that a lesson can tell apart: an event's outline in the legend's
+look of its kind (lesson 16: copy-on-write copies, while red marks the newest tokens), where a block not
 yet given comes from (a swapped sequence gets it when swapped in), and labels in light sequence
 colours that stay readable."""
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from minipaged.lab.dry_run import DryRun
 from visualizer import render_block_tables
+from visualizer.legend import LOOKS
 from visualizer.svg import HIGHLIGHT, INK, colour
 
 
@@ -13,20 +16,24 @@ def _with_class(root, name):
     return [e for e in root.iter() if name in (e.get("class") or "").split()]
 
 
-def test_an_event_can_have_a_colour_and_a_word_of_its_own():
+def test_an_event_is_drawn_in_the_legend_s_look_of_its_kind():
     run = DryRun(block_size=4, num_gpu_blocks=16)
     run.add_request(list(range(5)))
     run.step()
+    # An old caller's colour is not used: the legend decides every mark's colour.
     root = ET.fromstring(render_block_tables(run.block_manager.snapshot(), highlight_blocks=[0],
                                              highlight_colour="#222222", highlight_mark="copy"))
     outline, = _with_class(root, "event-block")
-    assert outline.get("stroke") == "#222222"
+    copied = LOOKS["copied"]
+    assert (outline.get("stroke"), outline.get("data-mark")) == (copied.stroke, "copied")
     mark, = _with_class(root, "event-mark")
-    assert mark.text == "copy" and mark.get("fill") == "#222222"
+    assert mark.text == "copied" and mark.get("fill") == copied.stroke
     assert all(s.get("stroke") == HIGHLIGHT for s in _with_class(root, "newest-token"))
     plain = ET.fromstring(render_block_tables(run.block_manager.snapshot(), highlight_blocks=[0]))
-    assert _with_class(plain, "event-block")[0].get("stroke") == HIGHLIGHT  # the default
-    assert not _with_class(plain, "event-mark")
+    assert _with_class(plain, "event-block")[0].get("stroke") == LOOKS["new"].stroke  # default
+    with pytest.raises(ValueError, match="not a mark of the legend"):
+        render_block_tables(run.block_manager.snapshot(), highlight_blocks=[0],
+                            highlight_mark="moved")
 
 
 def test_a_swapped_sequence_gets_its_next_block_when_swapped_in():

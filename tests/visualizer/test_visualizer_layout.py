@@ -13,6 +13,7 @@ from minipaged.lab import emulator as emu
 from minipaged.lab import kv_memory
 from minipaged.lab.dry_run import RandomTraffic
 from svg_layout import NS, assert_clean_layout
+from visualizer.legend import LOOKS
 from visualizer import (butterfly_steps, render_block_tables, render_butterfly,
                         render_line_chart, render_memory_waste, render_scheduler)
 
@@ -178,7 +179,8 @@ def _looks_of_the_legend(root):
         if entry.get("class") == "legend-entry":
             swatch = entry.find(NS + "rect")
             looks[entry.get("data-kind")] = (swatch.get("fill"), swatch.get("stroke"),
-                                             swatch.get("stroke-dasharray"))
+                                             swatch.get("stroke-dasharray"),
+                                             swatch.get("stroke-width"), swatch.get("width"))
     return looks
 
 
@@ -197,7 +199,7 @@ def test_cached_and_evictable_blocks_are_coloured_as_the_legend_says(seed):
         snap = traffic.bm.snapshot()
         root = ET.fromstring(render_block_tables(snap, max_pool_blocks=1000))
         looks = _looks_of_the_legend(root)
-        assert set(looks) == {"cached", "evictable", "free", "shared"}
+        assert set(looks) == set(LOOKS)  # every kind, on every picture
         by_number = {b["block_number"]: b for b in snap["gpu_blocks"]}
         for block in _blocks(root, "physical-block"):
             if block.get("data-device") != "gpu":
@@ -210,7 +212,7 @@ def test_cached_and_evictable_blocks_are_coloured_as_the_legend_says(seed):
                         None)
             if info["cached"]:
                 kind = "evictable" if info["evictable"] else "cached"
-                fill, stroke, dash = looks[kind]
+                fill, stroke, dash = looks[kind][:3]
                 outline = _rect(block, "cached-outline")
                 assert (outline.get("stroke"), outline.get("stroke-dasharray")) == (stroke, dash)
                 assert mark is not None and mark.text == kind and mark.get("fill") == stroke
@@ -234,10 +236,10 @@ def test_cached_and_evictable_blocks_are_coloured_as_the_legend_says(seed):
 
 
 def test_legend_swatches_of_different_states_differ():
-    """Cached, evictable, free and shared each look their own way (fill, outline, dashes)."""
+    """Every kind of the legend looks its own way (fill, outline, dashes, width, size)."""
     traffic = next(random_cached_runs(0, 1))
     looks = _looks_of_the_legend(ET.fromstring(render_block_tables(traffic.bm.snapshot())))
-    assert len(looks) == 4 and len(set(looks.values())) == 4, looks
+    assert len(looks) == len(LOOKS) and len(set(looks.values())) == len(LOOKS), looks
     assert looks["cached"][0] != looks["evictable"][0]  # coloured as its owners vs grey
 
 
