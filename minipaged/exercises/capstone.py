@@ -37,7 +37,7 @@ from minipaged.sampling_params import SamplingParams
 # other), without prefix caching: the learner's block manager of lesson 03 (like vLLM v0.1's)
 # takes no cached blocks. The prefix cache has a run of its own (run 2 in ``capstone_runs.py``),
 # with the package's block manager around the learner's allocator.
-CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=11, num_cpu_blocks=12, max_model_len=32,
+CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=12, num_cpu_blocks=12, max_model_len=32,
                          max_num_seqs=6, watermark=0.0, enable_prefix_caching=False, enable_chunked_prefill=True,
                          max_num_batched_tokens=16, device="cpu", dtype="float32", seed=0,
                          cpu_threads=1)  # (both engines alike, whatever else the CPU runs)

@@ -530,7 +530,7 @@ def test_the_default_workload_leaves_the_scheduler_no_easy_step():
         difference = capstone_module.first_difference(stepped.state, expected[stepped.step - 1])
         if difference:
             break
-    assert difference is not None and stepped.step == 3, (stepped.step, difference)
+    assert difference is not None and stepped.step == 7, (stepped.step, difference)
 
 
 def _save_reference_answers(skip=()):
@@ -575,7 +575,7 @@ def test_the_capstone_catches_a_scheduler_that_preempts_the_oldest(learner_dir):
     path.write_text(f"{header}\nfrom minipaged.exercises.answers.lesson04 import *\n\n{source}")
     result = ex.check_capstone()
     assert result.status == "failed", result
-    assert result.startswith("✗ capstone: run 1, the engine: step 3:"), result
+    assert result.startswith("✗ capstone: run 1, the engine: step 7:"), result
     assert "the first of your components to go wrong: Scheduler (lesson 04)" in result
 
 
