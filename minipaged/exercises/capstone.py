@@ -7,7 +7,8 @@ the earlier lessons they wrote (``workbench.collect`` finds them by name, nothin
 The capstone is one or more ``Run``s: engine settings, requests, and the learner's components
 that run in them. In each, both engines get the same requests; after every step the plain data
 of each (``step_state``: what ``step()`` returned, every sequence's tokens, status and computed
-tokens, the block tables, the free lists and ref counts, the queues, the engine's counters) must
+tokens, the block tables, the free lists and ref counts, the queues, the engine's counters, and
+every ``StepSnapshot`` the observers got: its step, groups ended, queues, blocks and counters) must
 be equal. At the first step where they differ, each of the learner's components is run alone in
 the package's engine up to that step: the one that goes wrong first is named (``find_culprit``).
 
@@ -36,32 +37,37 @@ from minipaged.sampling_params import SamplingParams
 # other), without prefix caching: the learner's block manager of lesson 03 (like vLLM v0.1's)
 # takes no cached blocks. The prefix cache has a run of its own (run 2 in ``capstone_runs.py``),
 # with the package's block manager around the learner's allocator.
-CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=10, num_cpu_blocks=12, max_model_len=32,
-                         watermark=0.0, enable_prefix_caching=False, enable_chunked_prefill=True,
+CAPSTONE_SETTINGS = dict(block_size=4, num_gpu_blocks=12, num_cpu_blocks=12, max_model_len=32,
+                         max_num_seqs=6, watermark=0.0, enable_prefix_caching=False, enable_chunked_prefill=True,
                          max_num_batched_tokens=16, device="cpu", dtype="float32", seed=0,
                          cpu_threads=1)  # (both engines alike, whatever else the CPU runs)
 
 
 def default_workload(encode: Callable[[str], list[int]]) -> list[Request]:
-    """Seven requests that leave the scheduler no easy step.
+    """Seven requests that leave the scheduler no easy step, and the sampler every rule.
 
-    Four start together: a single greedy sequence, parallel sampling (``n=2``, greedy: the
-    sequences stay alike and copy-on-write separates their tables), beam search (``n=2``) and a
-    greedy request that ends at a stop string. When the pool runs out, the oldest needs a block
-    while three younger groups run: which one gives its blocks back matters. One request is
-    aborted while it runs; two long prompts arrive later and run in chunks under the token
-    budget, the second waiting behind the first.
+    Five arrive together: a single greedy sequence with presence and frequency penalties and
+    its top-2 logprobs, parallel sampling (``n=2``, seeded, top-k and top-p: copy-on-write
+    separates their tables), beam search (``n=2``), a request aborted while it runs, and a
+    greedy request that ends at a stop string, which waits: seven sequences pass the sequence
+    limit (``max_num_seqs=6``). When the pool runs out, the oldest needs a block while younger
+    groups run: which one gives its blocks back matters (one by recompute, a group by swap).
+    Two long prompts arrive later and run in chunks under the token budget, the second waiting
+    behind the first.
     """
     greedy = lambda n, m, **more: SamplingParams(n=n, temperature=0, max_tokens=m,
                                                  ignore_eos=True, **more)
     beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=8,
                            ignore_eos=True)
+    sampled = SamplingParams(n=2, temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=10,
+                             ignore_eos=True)
     return [
-        Request(encode("A paged KV cache keeps"), greedy(1, 14)),
-        Request(encode("The scheduler runs"), greedy(2, 10)),
+        Request(encode("A paged KV cache keeps"),
+                greedy(1, 14, presence_penalty=0.5, frequency_penalty=0.5, logprobs=2)),
+        Request(encode("The scheduler runs"), sampled),
         Request(encode("Beam search keeps"), beams),
-        Request(encode("Copy on write means"), greedy(1, 12, stop=[" version"])),
         Request(encode("The quick brown fox"), greedy(1, 10), abort_at_step=2),
+        Request(encode("Copy on write means"), greedy(1, 12, stop=[" version"])),
         Request(encode("Once upon a time, in a small village at the edge of a forest, there "
                        "lived"), greedy(1, 4), arrive_at_step=2),
         Request(encode("Write a short poem about memory blocks and pages that move"),
@@ -100,6 +106,7 @@ class RunResult:
     ran: set  # the names of the plugged-in components that ran
     yours: dict  # request id -> the learner's engine's last RequestOutput
     workload: list
+    settings: dict = field(default_factory=dict)  # the engine settings of the run
 
 
 def _count(number: int, thing: str) -> str:
@@ -131,8 +138,8 @@ def collect(names) -> tuple[dict, list[str], dict[str, str]]:
 def check_capstone(names: list[str], on_step=None, workload: list[Request] | None = None,
                    settings: dict | None = None, max_steps: int = 100,
                    runs: list[Run] | None = None, notes: tuple[str, ...] = ()) -> CheckResult:
-    """Your engine next to ``LLM()``: the same tokens, block tables, free lists, queues and
-    counters after every step of every run.
+    """Your engine next to ``LLM()``: the same tokens, logprobs, block tables, free lists,
+    queues, counters and observer snapshots after every step of every run.
 
     Your engine is the package's ``LLMEngine`` with the components you wrote plugged in
     (``workbench.collect``). A component you have not written yet, or whose saved file does not
@@ -181,7 +188,7 @@ def _one_run(run: Run, plugged: dict, max_steps: int, on_step) -> RunResult:
     expected = list(run_steps(reference, workload, max_steps))
     reference.shutdown()
     mismatch, ran, yours = _compare(plugged, settings, workload, expected, max_steps, on_step)
-    return RunResult(run, plugged, expected, mismatch, ran, yours, workload)
+    return RunResult(run, plugged, expected, mismatch, ran, yours, workload, settings)
 
 
 def _compare(found, settings, workload, expected, max_steps, on_step):
@@ -244,9 +251,47 @@ def _what_happened(result: RunResult) -> str:
     if stats.get("num_spec_proposed_tokens"):
         parts.append(f"{stats['num_spec_accepted_tokens']} of "
                      f"{stats['num_spec_proposed_tokens']} drafted tokens accepted")
+    parts += _sampling_covered(result.workload)
+    held = _held_by_the_limit(result)
+    if held:
+        parts.append(f"the sequence limit ({result.settings['max_num_seqs']}) held a request "
+                     f"back at {_count(held, 'step')}")
     if result.run.note:
         parts.append(result.run.note)
     return ", ".join(parts) or "nothing of note"
+
+
+def _sampling_covered(workload: list[Request]) -> list[str]:
+    """The sampling rules the run's requests use, in words."""
+    params = [r.params for r in workload]
+    rules = {"presence and frequency penalties": any(p.presence_penalty or p.frequency_penalty
+                                                     for p in params),
+             "top-k": any(p.top_k > 0 for p in params),
+             "top-p": any(p.top_p < 1 for p in params),
+             "logprobs": any(p.logprobs for p in params),
+             "n > 1": any(p.n > 1 and not p.use_beam_search for p in params),
+             "beam search": any(p.use_beam_search for p in params)}
+    used = [rule for rule, there in rules.items() if there]
+    return [f"sampling with {_names(used)}"] if used else []
+
+
+def _held_by_the_limit(result: RunResult) -> int:
+    """Steps after which the oldest waiting request did not fit beside the running sequences
+    under ``max_num_seqs`` (LLM()'s run)."""
+    limit = result.settings.get("max_num_seqs")
+    if not limit:
+        return 0
+    held = 0
+    for stepped in result.expected:
+        state = stepped.state
+        waiting = state["queues"]["waiting"]
+        if not waiting:
+            continue
+        running = sum(s["status"] == "RUNNING" for s in state["sequences"].values())
+        first = sum(s["request"] == waiting[0] and not s["status"].startswith("FINISHED")
+                    for s in state["sequences"].values())
+        held += running + first > limit
+    return held
 
 
 def _completions(result: RunResult, only_theirs: bool = False) -> str:
@@ -304,8 +349,8 @@ def _verdict(names, found, missing, broken, results: list[RunResult],
             "incomplete"
     else:
         head, status = (f"✓ capstone: all {len(names)} components are yours, and your engine "
-                        f"gives LLM()'s tokens, texts, block tables, free lists, queues and "
-                        f"counters at every step"), "passed"
+                        f"gives LLM()'s tokens, logprobs, texts, block tables, free lists, "
+                        f"queues, counters and observer snapshots at every step"), "passed"
     lines = [head]
     for result in results:
         if result.mismatch is not None:

@@ -2,7 +2,8 @@
 
 ``step_state`` is what must be equal in the learner's engine and ``LLM()``'s after a step (what
 ``step()`` returned, every sequence's tokens, status and computed tokens, the block tables, the
-free lists and ref counts, the queues, the engine's counters); ``first_difference`` finds the first
+free lists and ref counts, the queues, the engine's counters, and every snapshot the observers
+got, field by field); ``first_difference`` finds the first
 thing that differs; ``run_steps`` adds a workload's requests as they arrive (and aborts those that
 ask for it) and steps an engine to the end; ``learner_run`` does so with the learner's components
 plugged in (``workbench.plugged_in``), seeing which of them ran; ``find_culprit`` runs each alone
@@ -12,6 +13,7 @@ lesson 16's check of ``LLMEngine.step`` uses them too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,27 +43,62 @@ def counters(stats) -> dict:
     return values
 
 
+class Near(float):
+    """A float equal to another within 1e-4 (relative past 1): logprobs that two ways of
+    computing a log-softmax give."""
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (int, float)):
+            return NotImplemented
+        return abs(self - other) <= 1e-4 * max(1.0, abs(other))
+
+    def __ne__(self, other) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = float.__hash__
+
+    def __repr__(self) -> str:
+        return f"{float(self):.4f}"
+
+
+def _logprobs(logprobs) -> list | None:
+    """A completion's logprobs (token id -> logprob, per token) with ``Near`` values."""
+    if logprobs is None:
+        return None
+    return [{token: Near(value) for token, value in step.items()} for step in logprobs]
+
+
 def _returned(returned):
     if not isinstance(returned, list):
         return returned
-    return sorted((o.request_id, o.finished, [(list(c.token_ids), c.text, c.finish_reason)
-                                              for c in o.outputs])
-                  for o in returned)
+    return sorted(((o.request_id, o.finished,
+                    [(list(c.token_ids), c.text, c.finish_reason, _logprobs(c.logprobs))
+                     for c in o.outputs]) for o in returned), key=lambda r: r[0])
 
 
-def step_state(engine, groups: dict, returned, num_snapshots: int) -> dict:
+def observed(snapshot) -> dict:
+    """An observer's ``StepSnapshot`` as plain data, all of it but the times (they differ from
+    run to run): the step, what was scheduled, moved and preempted, the groups that ended, the
+    blocks, the queues and the counters."""
+    data = dataclasses.asdict(snapshot)
+    data["stats"] = {k: v for k, v in data["stats"].items() if not k.startswith("time_")}
+    return data
+
+
+def step_state(engine, groups: dict, returned, snapshots: list) -> dict:
     """What must be equal in both engines after a step.
 
     Args:
         engine: an ``LLMEngine``.
         groups: request id -> its ``SequenceGroup``, for every request added so far.
         returned: what ``step()`` returned.
-        num_snapshots: how many snapshots the engine's observers got in the step.
+        snapshots: the ``StepSnapshot``s the engine's observers got in the step.
     """
     scheduler = engine.scheduler
     blocks = scheduler.block_snapshot()
     return {
-        "observers": num_snapshots,
+        "observers": [observed(s) for s in snapshots],
         "returned": _returned(returned),
         "sequences": {seq.seq_id: {"request": rid, "status": seq.status.name,
                                    "token_ids": list(seq.get_token_ids()),
@@ -87,13 +124,33 @@ class Difference:
     subject: str
     yours: object
     expected: object
+    field: str = ""  # for "observers": the snapshot's field that differs ("" for their number)
+
+
+def _snapshot_difference(mine: list[dict], ref: list[dict]) -> Difference | None:
+    """The first difference in what the observers got: how many snapshots, then each one's
+    fields in order (a dict field by its first key that differs)."""
+    if len(mine) != len(ref):
+        return Difference("observers", "the number of snapshots the observers got in this step",
+                          len(mine), len(ref))
+    for yours, theirs in zip(mine, ref):
+        for key, expected in theirs.items():
+            got = yours.get(key)
+            if got == expected:
+                continue
+            if isinstance(got, dict) and isinstance(expected, dict):
+                sub = next(k for k in list(expected) + list(got)
+                           if got.get(k) != expected.get(k))
+                return Difference("observers", f"the observers' StepSnapshot: its {key}[{sub!r}]",
+                                  got.get(sub), expected.get(sub), key)
+            return Difference("observers", f"the observers' StepSnapshot: its {key}", got,
+                              expected, key)
+    return None
 
 
 def first_difference(mine: dict, ref: dict) -> Difference | None:
-    """The first difference between two ``step_state``s, in the order a step makes them."""
-    if mine["observers"] != ref["observers"]:
-        return Difference("observers", "the snapshots the observers got in this step",
-                          mine["observers"], ref["observers"])
+    """The first difference between two ``step_state``s, in the order a step makes them; the
+    observers' snapshots last (a snapshot of a wrong state shows the state's own difference)."""
     for seq_id, expected in ref["sequences"].items():
         yours = mine["sequences"].get(seq_id)
         if yours != expected:
@@ -111,7 +168,8 @@ def first_difference(mine: dict, ref: dict) -> Difference | None:
                           ("queues", "the queues"),
                           ("unfinished_requests", "the requests the engine still holds"),
                           ("returned", "what step() returned (request id, finished, and per "
-                                       "completion its tokens, text and finish reason)")):
+                                       "completion its tokens, text, finish reason and "
+                                       "logprobs)")):
         if mine[kind] != ref[kind]:
             return Difference(kind, subject, mine[kind], ref[kind])
     mine_stats, ref_stats = mine.get("stats", {}), ref.get("stats", {})
@@ -120,7 +178,7 @@ def first_difference(mine: dict, ref: dict) -> Difference | None:
         return Difference("stats", f"self.stats ({', '.join(differ)})",
                           {k: mine_stats.get(k) for k in differ},
                           {k: ref_stats[k] for k in differ})
-    return None
+    return _snapshot_difference(mine["observers"], ref["observers"])
 
 
 # -- running an engine step by step ---------------------------------------------------------------
@@ -174,7 +232,7 @@ def _steps(engine, workload, max_steps, step, snapshots) -> Iterator[Stepped]:
         for output in returned if isinstance(returned, list) else ():
             if hasattr(output, "request_id"):
                 outputs[output.request_id] = output
-        yield Stepped(number, step_state(engine, groups, returned, len(snapshots)),
+        yield Stepped(number, step_state(engine, groups, returned, list(snapshots)),
                       snapshots[-1] if snapshots else None, dict(outputs))
     raise Unfinished(f"requests still unfinished after {max_steps} steps")
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -59,6 +60,12 @@ from minipaged.exercises.cost_probes import PROBES, Probe, Work
 # check is about; a cost that grows with the size is.
 SLOW_RATIO = 8.0
 GROWTH = 4.0
+# Or: at least EXPONENT_RATIO times slower at the largest size, and between the last two sizes
+# the cost grows as a power of the size at least EXCESS_EXPONENT above the package's (an
+# O(n^2) step where the package's is O(n) grows as n^1 more): the slope where the sizes are
+# large enough for it to show.
+EXPONENT_RATIO = 3.0
+EXCESS_EXPONENT = 0.4
 REPEATS = 9
 # Each timed run lasts at least this long: short enough to fit between two interruptions of a
 # busy machine's scheduler most of the time, long enough for the clock.
@@ -79,14 +86,26 @@ class CostVerdict:
         mine, theirs = self.rows[i][1][operation]
         return mine / theirs if theirs > 0 else float("inf")
 
+    def exponent(self, operation: str, whose: int) -> float:
+        """How the cost of ``operation`` grows between the last two sizes, as the power of the
+        size (``whose``: 0 yours, 1 the package's): 1.0 linear, 2.0 quadratic."""
+        (small, at_small), (big, at_big) = self.rows[-2], self.rows[-1]
+        before, after = at_small[operation][whose], at_big[operation][whose]
+        if before <= 0 or after <= 0:
+            return 0.0
+        return math.log(after / before) / math.log(big / small)
+
     def slow_operations(self) -> list[str]:
         """The operations slower by ``SLOW_RATIO`` at the last size, their ratio grown by
-        ``GROWTH`` since the first."""
+        ``GROWTH`` since the first; or slower by ``EXPONENT_RATIO`` with a cost growing as a
+        power of the size ``EXCESS_EXPONENT`` above the package's."""
         if len(self.rows) < 2:
             return []
         return [op for op in self.rows[-1][1]
                 if self.ratio(-1, op) >= SLOW_RATIO
-                and self.ratio(-1, op) >= GROWTH * max(self.ratio(0, op), 1e-9)]
+                and self.ratio(-1, op) >= GROWTH * max(self.ratio(0, op), 1e-9)
+                or self.ratio(-1, op) >= EXPONENT_RATIO
+                and self.exponent(op, 0) >= self.exponent(op, 1) + EXCESS_EXPONENT]
 
     @property
     def slow(self) -> bool:
@@ -99,10 +118,12 @@ class CostVerdict:
         if slow:
             worst = max(slow, key=lambda op: self.ratio(-1, op))
             names = "; ".join(slow)
-            return (f"⚠ {self.name}: correct, but {self.ratio(-1, worst):.0f}x slower than the "
-                    f"package's at {big} ({_times(self.ratio(0, worst))} at {small}): the cost of "
-                    f"{names} grows faster with the number of {self.probe.what} than the "
-                    f"package's")
+            return (f"⚠ {self.name}: correct, but {_times(self.ratio(-1, worst))} slower than "
+                    f"the package's at {big} ({_times(self.ratio(0, worst))} at {small}): the "
+                    f"cost of {names} grows faster with the number of {self.probe.what} than "
+                    f"the package's (as {self.probe.what}^{self.exponent(worst, 0):.1f} against "
+                    f"^{self.exponent(worst, 1):.1f}, from {self.rows[-2][0]:,} to "
+                    f"{self.rows[-1][0]:,})")
         worst = max(self.rows[-1][1], key=lambda op: self.ratio(-1, op))
         return (f"  cost: at most {_times(self.ratio(-1, worst))} the package's time at {big} "
                 f"({worst}), its cost grows as the package's does")
@@ -169,12 +190,13 @@ def measure(name: str, probe: Probe, candidate, package, repeats: int = REPEATS)
             if verdict.slow:
                 again = CostVerdict(name, probe, [
                     (s, _time_size(probe, candidate, package, s, repeats))
-                    for s in (probe.sizes[0], size)])
+                    for s in probe.sizes[:len(verdict.rows)]])
                 if again.slow:
+                    verdict.rows = again.rows
                     break
                 # noise: the second measurement, which says "not slow", stands (best times
                 # taken side by side could pair one run's slow with the other's fast)
-                verdict.rows[0], verdict.rows[-1] = again.rows
+                verdict.rows = again.rows
     finally:
         if gc_was:
             gc.enable()

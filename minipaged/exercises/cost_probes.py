@@ -1,5 +1,7 @@
 """The cost checks' probes: the work each build-track component does at a given size
-(lessons 02-04, 07-11; ``cost.py`` times it, the learner's component against the package's).
+(lessons 02-04, 07-11; ``cost.py`` times it, the learner's component against the package's):
+each times the methods the learner wrote (the prefix cache's lookups and its
+least-recently-used order, not only what it inherits).
 
 A probe builds, untimed, a component loaded to a size (blocks in the pool, running or waiting
 groups, sequences, rows) and returns its operations as ``work(times)``, each of which leaves the
@@ -39,7 +41,12 @@ def _allocator_work(cls, size: int) -> dict[str, Work]:
 
     allocator = cls(Device.GPU, 16, size)
     held = [allocator.allocate() for _ in range(size // 2)]
-    shared = held[len(held) // 2]
+    return _allocator_ops(allocator, held[len(held) // 2])
+
+
+def _allocator_ops(allocator, shared) -> dict[str, Work]:
+    """An allocator's own operations: a block handed out and freed, ``shared`` held once more
+    and let go, the free blocks counted."""
 
     def allocate_free(times: int) -> None:
         for _ in range(times):
@@ -57,6 +64,44 @@ def _allocator_work(cls, size: int) -> dict[str, Work]:
 
     return {"allocate + free": allocate_free, "acquire + free": acquire_free,
             "get_num_free_blocks": count}
+
+
+def _prefix_cache_work(cls, size: int) -> dict[str, Work]:
+    """A prefix cache filled with ``size`` cached blocks (chains of 8 blocks of 4 tokens, each
+    freed: evictable, least recently used first), 64 blocks truly free; then the allocator's
+    own work (``_allocator_work``), a prompt's lookup (``longest_cached_prefix`` of a chain,
+    and one ``lookup``), and a cached block taken back and freed again (its place in the
+    least-recently-used order moves)."""
+    from minipaged.block import Device
+
+    cache = cls(Device.GPU, 4, size + 64)
+    chains = []
+    for chain in range(size // 8):
+        token_ids = [[chain, k, 0, 0] for k in range(8)]
+        blocks = [cache.allocate() for _ in token_ids]
+        cache.name_blocks(blocks, token_ids)
+        chains.append((blocks, token_ids))
+        for block in reversed(blocks):
+            cache.free(block)
+    blocks, token_ids = chains[len(chains) // 2]
+    prompt = [t for tokens in token_ids for t in tokens] + [1]
+    held = [cache.allocate() for _ in range(32)]  # (then allocate takes a truly free block)
+
+    def longest(times: int) -> None:
+        for _ in range(times):
+            cache.longest_cached_prefix(prompt, 8)
+
+    def lookup(times: int) -> None:
+        for _ in range(times):
+            cache.lookup(blocks[2], tuple(token_ids[3]))
+
+    def take_back(times: int) -> None:  # an evictable block held again, then freed again
+        for _ in range(times):
+            cache.acquire(blocks[0])
+            cache.free(blocks[0])
+
+    return {**_allocator_ops(cache, held[0]), "longest_cached_prefix": longest,
+            "lookup": lookup, "acquire + free of a cached block": take_back}
 
 
 def _block_manager_work(cls, size: int) -> dict[str, Work]:
@@ -308,7 +353,7 @@ PROBES: dict[str, Probe] = {
                             "minipaged.worker.model_runner:prepare_inputs"),
     "FreeListAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work,
                                "minipaged.core.allocator:FreeListAllocator"),
-    "PrefixCachingAllocator": Probe("blocks", (1_000, 10_000, 100_000), _allocator_work,
+    "PrefixCachingAllocator": Probe("cached blocks", (800, 8_000, 50_000), _prefix_cache_work,
                                     "minipaged.core.prefix_caching_allocator:"
                                     "PrefixCachingAllocator"),
     "BlockSpaceManager": Probe("blocks", (800, 8_000, 80_000), _block_manager_work,

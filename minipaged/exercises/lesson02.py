@@ -154,6 +154,9 @@ def _pool_state(allocator) -> dict:
 _ALLOCATOR_HINTS = {
     "allocate": "the free list is a stack: the block freed last is the next one out (and at "
                 "first, block 0 comes out first)",
+    "allocate's ref count": "the right block, but its ref count is not 1: allocate hands the "
+                            "block to ONE block table, so it is held once (ref_count = 1), "
+                            "whatever it was before",
     "free": "free() drops ONE reference; only a block that no table holds any more is free "
             "again, and then it is the next one out",
     "acquire": "a fork means one more block table holds the block: what counts the tables?",
@@ -247,8 +250,9 @@ def _check_free_list_allocator(candidate, rng, num_cases: int) -> int:
                 calls.append(f"allocate() -> block {expected.block_number}")
                 if (getattr(got, "block_number", None), getattr(got, "ref_count", None)) != (
                         expected.block_number, 1):
-                    fail(name, case, "; ".join(calls[-8:]), got, expected,
-                         _ALLOCATOR_HINTS["allocate"])
+                    right_block = getattr(got, "block_number", None) == expected.block_number
+                    fail(name, case, "; ".join(calls[-8:]), got, expected, _ALLOCATOR_HINTS[
+                        "allocate's ref count" if right_block else "allocate"])
             else:
                 number = rng.choice(held)
                 calls.append(f"{op}(block {number})")

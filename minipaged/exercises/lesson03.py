@@ -238,10 +238,26 @@ def _manager_hint(wrong: tuple[_Call, str, _Call | None] | None, fallback: str) 
     call, what, expected = wrong
     if what == "broken" and call.method in _REF_COUNT_HINTS:
         return _REF_COUNT_HINTS[call.method]
+    if call.method == "append_slot" and expected is not None and _new_block_differs(
+            call, expected):
+        return _BOUNDARY_HINT
     if call.method == "free" and what == "state" and _only_order_differs(call, expected):
         return ("free lets go of the blocks last block first: the first block of the table "
                 "is freed last, so it is the next one out of the free list")
     return _MANAGER_HINTS[call.method]
+
+
+_BOUNDARY_HINT = ("append_slot opens a new block only when the newest token lies past the "
+                  "table's blocks (the sequence has more logical blocks than its table): a "
+                  "block of block_size slots takes block_size tokens, full only once its last "
+                  "slot is written; otherwise the token goes into the last block")
+
+
+def _new_block_differs(call: _Call, expected: _Call) -> bool:
+    """Did ``call`` open a new block where the package's wrote into the last one, or the
+    other way round?"""
+    new = lambda c: [e.get("new_block") for e in c.events if e["op"] == "append"]
+    return bool(new(call) and new(expected)) and new(call) != new(expected)
 
 
 def _only_order_differs(call: _Call, expected: _Call | None) -> bool:

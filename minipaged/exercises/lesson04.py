@@ -32,7 +32,8 @@ from minipaged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from minipaged.core.scheduler_outputs import StepPlan
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
-from minipaged.exercises.lockstep import _arrivals, _Lockstep, _to_finish
+from minipaged.exercises.lockstep import (_arrivals, _broken_queue_rule, _Lockstep,
+                                          _squeeze_limit, _to_finish)
 from minipaged.exercises.workbench import Component, register
 from minipaged.lab.dry_run import RandomTraffic
 from minipaged.sequence import SequenceGroup, SequenceStatus
@@ -194,10 +195,13 @@ class MyScheduler(Scheduler):
 
 
 def _scheduler_state(lock: _Lockstep) -> dict:
+    """The queues and the free blocks. Waiting in its own order (a group preempted by
+    recompute goes to the FRONT: where it stands is part of the rule); running and swapped by
+    arrival (the scheduler sorts them before it serves them)."""
     sched, bm = lock.run.scheduler, lock.bm
     by_arrival = lambda queue: [g.request_id for g in sorted(queue, key=lambda g: g.arrival_time)]
-    return {"waiting": by_arrival(sched.waiting), "running": by_arrival(sched.running),
-            "swapped": by_arrival(sched.swapped),
+    return {"waiting": [g.request_id for g in sched.waiting],
+            "running": by_arrival(sched.running), "swapped": by_arrival(sched.swapped),
             "free GPU blocks": bm.get_num_free_gpu_blocks(),
             "free CPU blocks": bm.get_num_free_cpu_blocks()}
 
@@ -228,12 +232,13 @@ def _random_configs(rng, case: int = 0):
 
 
 def _lockstep_steps(candidate_class, rng, num_cases: int, configs=_random_configs,
-                    arrivals=_arrivals, record_calls=None):
+                    arrivals=_arrivals, record_calls=None, squeeze: bool = False):
     """(case, description, the queues before the step, the package's run, the learner's run,
     their outputs) for every step of random traffic, the two schedulers side by side.
     ``configs(rng, case)`` draws each case's pool and scheduler settings, ``arrivals(rng,
     block_size)`` each step's new requests; ``record_calls(lock)``, if given, returns a log
-    that each run keeps as ``lock.calls``."""
+    that each run keeps as ``lock.calls``; with ``squeeze``, one case in three lowers the
+    sequence limit once a group is swapped out (``_squeeze_limit``)."""
     for case in range(num_cases):
         block_size, num_gpu, num_cpu, watermark, config = configs(rng, case)
         about = (f"{num_gpu} GPU / {num_cpu} CPU blocks of {block_size}, watermark {watermark}, "
@@ -246,13 +251,16 @@ def _lockstep_steps(candidate_class, rng, num_cases: int, configs=_random_config
         if record_calls is not None:
             for lock in (theirs, mine):
                 lock.calls = record_calls(lock)
+        squeezes = squeeze and case % 3 == 1
         for step in range(rng.randint(4, 24)):
             for prompt, n in arrivals(rng, block_size):
                 for lock in (theirs, mine):
                     lock.arrive(prompt, n)
             before = _scheduler_state(theirs)
+            squeezed = _squeeze_limit(theirs, config) if squeezes else ""  # (config: shared)
             outs = [lock.run.scheduler.schedule() for lock in (theirs, mine)]
-            yield case, f"{about}; step {step}, before it: {before}", before, theirs, mine, outs
+            yield (case, f"{about}; step {step}, {squeezed}before it: {before}", before, theirs,
+                   mine, outs)
             for lock, out in zip((theirs, mine), outs):
                 lock.after_model(out)
             for seq_id in _to_finish(rng, theirs, block_size):
@@ -342,7 +350,10 @@ def _first_wrong_scheduler_call(theirs: list[tuple], mine: list[tuple]):
     return None
 
 
+_STATUS_HINT = "a group coming back from swap runs again: its sequences become RUNNING"
 _PREEMPT_HINTS = {
+    "first in line": "a group preempted by recompute goes FIRST in the waiting queue "
+                     "(waiting.insert(0, ...)): it arrived before every group waiting there",
     "recompute": "_preempt by recompute takes ALL the group's GPU blocks back: free each "
                  "running sequence's blocks (block_manager.free), reset_for_recompute(), drop "
                  "its pending_chunks, and put the group first in the waiting queue",
@@ -368,9 +379,14 @@ def _preemption_hint(got: list, expected: list) -> str:
 def _check_scheduler(candidate, rng, num_cases: int) -> int:
     """The learner's scheduler next to the package's on random traffic (parallel sampling,
     tiny pools, both preemption modes), every step compared."""
-    steps = _lockstep_steps(candidate, rng, num_cases, record_calls=_record_scheduler_calls)
+    steps = _lockstep_steps(candidate, rng, num_cases, record_calls=_record_scheduler_calls,
+                            squeeze=True)
     for case, about, _, theirs, mine, (want_outs, got_outs) in steps:
         got, want = _step_record(mine, got_outs), _step_record(theirs, want_outs)
+        broken = _broken_queue_rule(mine.run.scheduler)
+        if got == want and broken:  # the queues agree, the sequences' statuses do not
+            fail("Scheduler", case, about, broken, "each sequence in its queue's status",
+                 _PREEMPT_HINTS["swap"] if "swapped queue" in broken else _STATUS_HINT)
         if got != want:
             key = next(k for k in want if got[k] != want[k])
             wrong = _first_wrong_scheduler_call(theirs.calls, mine.calls)
@@ -382,7 +398,8 @@ def _check_scheduler(candidate, rng, num_cases: int) -> int:
                 method, words, what, expected = wrong
                 about += f"; first wrong call: {words}"
                 if method == "_preempt" and what == "state":  # the right mode, done wrong
-                    hint = _PREEMPT_HINTS[expected[1]]
+                    hint = _PREEMPT_HINTS["first in line" if key == "waiting" and sorted(
+                        got[key]) == sorted(want[key]) else expected[1]]
                 elif method == "_preempt":
                     hint = _preemption_hint(got["preempted"], want["preempted"])
                 elif method == "_resume_swapped":

@@ -149,7 +149,7 @@ def check_rotate(fn, num_cases: int = 60, seed: int | None = 0) -> CheckResult:
 # -- the build track: the attention layer's forward ----------------------------------------------
 class MyAttention(PagedAttention):
     """The paged attention layer; ``__init__`` is the package's (num_heads, head_size, scale,
-    num_kv_heads), only ``forward`` is yours."""
+    num_kv_heads, sliding_window), only ``forward`` is yours."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...] | None, meta: InputMetadata) -> torch.Tensor:
@@ -165,6 +165,10 @@ class MyAttention(PagedAttention):
         First write every token's key and value into its slot (``ops.reshape_and_cache`` with
         ``meta.slot_mapping``), then run each part through its path: ``ops.prefill_attention``,
         ``ops.paged_prefill_attention``, ``ops.paged_attention``.
+
+        A layer with ``self.sliding_window = w`` (Mistral, Gemma 3's local layers: lesson 20)
+        lets each token see only the ``w`` newest tokens, itself included, on every path (each
+        op takes ``window=``); ``None`` is the whole context.
         """
         not_done()  # <- your code here
 
@@ -182,6 +186,9 @@ _PART_HINTS = {
               "(meta.block_tables, meta.context_lens, meta.max_context_len), its own "
               "new key included: written before it is read",
 }
+_WINDOW_HINT = ("this layer has a sliding window (self.sliding_window = {window}): each token "
+                "sees only the {window} newest tokens, itself included, on every path: pass "
+                "window=self.sliding_window to each op; this row is what the whole context gives")
 
 
 def _check_attention(candidate, rng, num_cases: int) -> int:
@@ -194,8 +201,10 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
         gpt2_shape = rng.random() < 0.5
         num_heads = num_kv_heads * (1 if gpt2_shape else rng.choice([1, 2, 3]))
         scale = head_size ** -0.5
-        make = ((lambda cls: cls(num_heads, head_size, scale)) if gpt2_shape
-                else (lambda cls: cls(num_heads, head_size, scale, num_kv_heads)))
+        window = rng.randint(1, 8) if case % 3 == 2 else None  # a sliding-window layer
+        make = ((lambda cls: cls(num_heads, head_size, scale)) if gpt2_shape and window is None
+                else (lambda cls: cls(num_heads, head_size, scale, num_kv_heads,
+                                      sliding_window=window)))
         meta = package_prepare_inputs(step.runs, step.block_size, torch.device("cpu")).meta
         num_tokens = int(meta.slot_mapping.shape[0])
         g = torch.Generator().manual_seed(rng.randrange(10**9))
@@ -210,7 +219,8 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
                                   generator=g)
         caches = [(key_cache.clone(), value_cache.clone()) for _ in range(2)]
         inputs = (f"{'GPT-2' if gpt2_shape else 'LLaMA'} shape: {num_heads} heads, "
-                  f"{num_kv_heads} kv heads, head_size {head_size}; {describe(step)}")
+                  f"{num_kv_heads} kv heads, head_size {head_size}"
+                  f"{'' if window is None else f', sliding_window {window}'}; {describe(step)}")
         with torch.inference_mode():
             expected = make(PagedAttention)(query, key, value, caches[0], meta)
             try:
@@ -241,7 +251,11 @@ def _check_attention(candidate, rng, num_cases: int) -> int:
             part = ("fresh prompt" if row < meta.num_fresh_prompt_tokens else "chunk"
                     if row < meta.num_prompt_tokens else "decode")
             hint = _PART_HINTS[part]
-            if part != "fresh prompt" and _close(got[row], _read_before_write(
+            if window is not None and _close(got[row], _whole_context(
+                    num_heads, head_size, scale, num_kv_heads, query, key, value, key_cache,
+                    value_cache, meta)[row]):
+                hint = _WINDOW_HINT.format(window=window)
+            elif part != "fresh prompt" and _close(got[row], _read_before_write(
                     make, query, key, value, key_cache, value_cache, meta)[row]):
                 hint = _READ_BEFORE_WRITE_HINT  # the right paths, on the cache of before
             fail("Attention", case, inputs + f"; row {row} ({part} part of the batch), "
@@ -282,6 +296,15 @@ _READ_BEFORE_WRITE_HINT = (
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a - b).abs().amax() / b.abs().amax().clamp(min=1.0)) <= 1e-4)
+
+
+def _whole_context(num_heads, head_size, scale, num_kv_heads, query, key, value, key_cache,
+                   value_cache, meta) -> torch.Tensor:
+    """The package's output without the sliding window, on the cache of before the step.
+    (T, num_heads * head_size)"""
+    with torch.inference_mode():
+        return PagedAttention(num_heads, head_size, scale, num_kv_heads)(
+            query, key, value, (key_cache.clone(), value_cache.clone()), meta)
 
 
 def _read_before_write(make, query, key, value, key_cache, value_cache, meta) -> torch.Tensor:

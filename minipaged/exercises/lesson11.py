@@ -32,6 +32,8 @@ from minipaged.core.prefix_caching_allocator import (BlockContents, PrefixCachin
 from minipaged.exercises import checking, workbench
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
+from minipaged.exercises.prefix_cache_hints import (NAMING_EVICTS, OPERATION_HINTS,
+                                                    STATE_HINTS, kept_a_name)
 
 
 @exercise
@@ -180,8 +182,10 @@ class MyPrefixCachingAllocator(PrefixCachingAllocator):
         is evicted, a block in use keeps its name (this one stays private)."""
         not_done()  # <- your code here
 
-    def _evict(self, block: PhysicalTokenBlock) -> None:
-        """An evictable block loses its name and goes to the free list, to be reused."""
+    def _evict(self, block: PhysicalTokenBlock, counted: bool = True) -> None:
+        """An evictable block loses its name and goes to the free list, to be reused.
+        ``counted``: an eviction for room (``num_evictions``); the inherited
+        ``reset_prefix_cache`` calls ``_evict(block, counted=False)`` for each evictable block."""
         not_done()  # <- your code here
 
 
@@ -199,44 +203,6 @@ def _allocator_state(cache) -> dict[str, object]:
             "free blocks (next first)": cache.free_block_numbers(),
             "free count": cache.get_num_free_blocks(),
             "evictions": cache.num_evictions}
-
-
-_STATE_HINTS = {
-    "ref counts": "acquire adds one reference; free drops one, and a block nobody holds is "
-                  "either evictable (cached) or free",
-    "names": "a block's name is hash_fn(its parent's name, its own tokens), the first block's "
-             "parent name is None: the parent's name stands for every token before the block",
-    "cached blocks": "a named block is cached (by_hash) unless an equal block already is, or "
-                     "the name belongs to a block in use; eviction drops the name",
-    "evictable blocks (LRU first)": "a cached block whose last reference is freed goes to the "
-                                    "end of evictable: the front is the least recently used, "
-                                    "evicted first",
-    "free blocks (next first)": "a block nobody holds that is not cached goes back on the free "
-                                "list (a stack: appended, popped from the end); an evicted "
-                                "block goes there too",
-    "free count": "get_num_free_blocks: evictable blocks still count as free (they can be "
-                  "evicted for room)",
-    "evictions": "_evict counts an eviction (num_evictions) each time a cached block loses its "
-                 "name for room",
-}
-# after a name_blocks call, what a wrong eviction shows (naming can evict an evictable block)
-_NAMING_EVICTS = ("_name_block: an evictable block holding another prefix under the same name "
-                  "is evicted (it loses its name and goes to the free list, one eviction more); "
-                  "a block in use keeps its name, and the new one stays private")
-# the operation that ran when the states first differed -> its hint (the cause, whatever the
-# field where the difference shows)
-_OPERATION_HINTS = {
-    "free": "free drops ONE reference; a cached block nobody holds any more keeps its KV and "
-            "its name and goes to the end of evictable (the most recently used); any other "
-            "block nobody holds goes back on the free list and forgets what it held (contents)",
-    "acquire": "acquire adds one reference; a block nobody held (ref count 0) was evictable: "
-               "it is in use again, so it is taken off evictable (it must not be evicted "
-               "while a table holds it)",
-    "allocate": "allocate takes a truly free block first (pop from the end of the free list); "
-                "only when none is left does it evict the least recently used evictable block "
-                "(_evict: the block loses its name, leaves by_hash and contents, one eviction "
-                "more) and hand it out with ref count 1",
-}
 
 
 class _Workload:
@@ -273,13 +239,16 @@ class _Workload:
         """The two allocators after ``operation`` (free, acquire, allocate, name_blocks): the
         hint names that operation's rule, whichever field shows the difference."""
         mine, theirs = _allocator_state(self.yours), _allocator_state(self.expected)
-        for key, hint in _STATE_HINTS.items():
-            if key in ("free count", "evictions"):
+        for key, hint in STATE_HINTS.items():
+            if operation == "reset":
+                hint = OPERATION_HINTS["reset"]
+            elif key in ("free count", "evictions"):
                 pass  # checked last: all else agrees, so its own method is the cause
-            elif operation in _OPERATION_HINTS:
-                hint = _OPERATION_HINTS[operation]
-            elif key in ("evictable blocks (LRU first)", "free blocks (next first)"):
-                hint = _NAMING_EVICTS
+            elif operation in OPERATION_HINTS:
+                hint = OPERATION_HINTS[operation]
+            elif key in ("evictable blocks (LRU first)", "free blocks (next first)") or (
+                    key == "names" and kept_a_name(mine[key], theirs[key])):
+                hint = NAMING_EVICTS  # (name_blocks: an evictable holder of the name goes)
             self.same(f"{now}: {key}", mine[key], theirs[key], hint)
 
     def allocate(self, now: str) -> tuple[object, object]:
@@ -366,6 +335,21 @@ class _Workload:
             self.compare_states(f"{now}: after free(block {theirs.block_number})", "free")
         self.log.append(now)
 
+    def reset(self) -> None:
+        """Every sequence freed, then the inherited ``reset_prefix_cache`` (it calls your
+        ``_evict(block, counted=False)``)."""
+        for seq_id in sorted(self.seqs):
+            self.finish(seq_id)
+        now, hint = "reset_prefix_cache()", OPERATION_HINTS["reset"]
+        try:
+            mine = self.yours.reset_prefix_cache()
+        except TypeError as error:  # an _evict without counted
+            fail("PrefixCachingAllocator", self.case, self.inputs(now), f"TypeError: {error}",
+                 "True", hint)
+        self.same(now, mine, self.expected.reset_prefix_cache(), hint)
+        self.compare_states(f"{now}: after it", "reset")
+        self.log.append(now)
+
     def run(self, num_ops: int) -> None:
         next_id = 0
         for _ in range(num_ops):
@@ -377,6 +361,7 @@ class _Workload:
                 self.grow(self.rng.choice(sorted(self.seqs)))
             else:
                 self.finish(self.rng.choice(sorted(self.seqs)))
+        self.reset()
 
 
 def _check_prefix_caching_allocator(candidate, rng, num_cases: int) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from minipaged.exercises import solutions, workbench
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
-from minipaged.exercises.step_hints import STEP_HINTS, sequence_hint, stats_hint
+from minipaged.exercises.step_hints import STEP_HINTS, observer_hint, sequence_hint, stats_hint
 from minipaged.exercises.workbench import Component
 from minipaged.lab.batch_inputs import prepare_inputs_for_groups
 from minipaged.exercises import capstone
@@ -186,7 +186,8 @@ def tiny_settings(block_size: int = 4, num_gpu_blocks: int = 12, num_cpu_blocks:
                          max_position_embeddings=256, initializer_range=0.2, eos_token_id=1)
     return dict(hf_config=config, load_format="dummy", block_size=block_size,
                 num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                max_model_len=min(64, num_gpu_blocks * block_size), watermark=0.0,
+                max_model_len=min(64, num_gpu_blocks * block_size), max_num_seqs=256,
+                watermark=0.0,
                 enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=False,
                 max_num_batched_tokens=4096, device="cpu", dtype="float32", seed=0,
                 cpu_threads=1)
@@ -266,6 +267,8 @@ def _check_engine_step(candidate, rng: random.Random, num_cases: int) -> int:
                             hint = sequence_hint(found.yours, found.expected, request.params)
                         elif found.kind == "stats":
                             hint = stats_hint(found.expected)
+                        elif found.kind == "observers":
+                            hint = observer_hint(found.field)
                         else:
                             hint = STEP_HINTS[found.kind]
                         fail("LLMEngine.step", case, f"{_describe(settings, workload)}; after "
@@ -337,6 +340,15 @@ WRONG_STEPS = {  # what is wrong -> the edits that make the reference answer so
         ("        for seq_id, out in new_tokens.items():\n"
          "            seq = seq_group.find(seq_id)\n",
          "            seq = seq_group.find(seq_id)\n")],
+    "the observers are told before the finished groups are freed": [
+        ("    finished = self.scheduler.free_finished_seq_groups()\n"
+         "    for seq_group in finished:\n        self._forget(seq_group)\n"
+         "    self.stats.num_steps += 1\n", "    self.stats.num_steps += 1\n"),
+        ("            observer(snapshot)\n",
+         "            observer(snapshot)\n"
+         "    finished = self.scheduler.free_finished_seq_groups()\n"
+         "    for seq_group in finished:\n        self._forget(seq_group)\n"),
+        ("StepSnapshot.of_step(outs, finished + ended,", "StepSnapshot.of_step(outs, ended,")],
     "the step keeps no counts": [
         ("        self.stats.count_tokens(inputs.meta.num_prompt_tokens,\n"
          "                                inputs.meta.num_generation_tokens, 0)\n", ""),

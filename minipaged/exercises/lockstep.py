@@ -167,3 +167,33 @@ def _to_finish(rng, lock: _Lockstep, block_size: int) -> list[int]:
     return [s.seq_id for g in lock.run.scheduler.running if not g.pending_chunks
             for s in g.get_seqs(SequenceStatus.RUNNING)
             if rng.random() < 0.12 or s.get_len() > 6 * block_size]
+
+
+def _squeeze_limit(lock: _Lockstep, config) -> str:
+    """Lower ``max_num_seqs`` so that the oldest swapped group no longer fits beside the running
+    sequences (an operator tightening the limit while groups are swapped out): without it the
+    limit never binds on resume, for the groups swapped out were running together before.
+    Returns what was done, in words ("" when nothing is swapped out)."""
+    sched = lock.run.scheduler
+    if getattr(lock, "squeezed", False):
+        return f"max_num_seqs lowered to {config.max_num_seqs} earlier; "
+    if not sched.swapped or config.max_num_seqs < 256:
+        return ""
+    lock.squeezed = True
+    oldest = min(sched.swapped, key=lambda g: g.arrival_time)
+    running = sum(g.num_seqs(SequenceStatus.RUNNING) for g in sched.running)
+    config.max_num_seqs = max(1, running + oldest.num_seqs(SequenceStatus.SWAPPED) - 1)
+    return f"max_num_seqs lowered to {config.max_num_seqs}; "
+
+
+def _broken_queue_rule(scheduler) -> str | None:
+    """The first sequence whose status is not its group's queue's (waiting: WAITING, running:
+    RUNNING, swapped: SWAPPED; finished ones aside), in words; None when every one agrees."""
+    for queue in ("waiting", "running", "swapped"):
+        status = getattr(SequenceStatus, queue.upper())
+        for group in getattr(scheduler, queue):
+            for seq in group.get_seqs():
+                if not seq.is_finished() and seq.status is not status:
+                    return (f"request {group.request_id} is in the {queue} queue, but its "
+                            f"sequence {seq.seq_id} is {seq.status.name}")
+    return None

@@ -88,12 +88,19 @@ def _logprob_hint(row: Row, rows: list[Row], logits: torch.Tensor, reported: dic
                 - params.presence_penalty * (counts > 0).float())
 
     right = penalised(seq.output_token_ids) / temperature  # (V,)
+    values = torch.log_softmax(right, dim=-1)  # (V,)
+    if params.logprobs and len(reported) < params.logprobs + 1 and all(
+            isinstance(t, int) and 0 <= t < values.shape[-1]
+            and abs(float(values[t]) - v) <= 1e-4 for t, v in reported.items()):
+        return (f"the right values, too few of them: logprobs={params.logprobs} asks for the "
+                f"chosen token's logprob AND those of the {params.logprobs} most likely tokens "
+                f"(torch.topk of the row's logprobs)")
     slips = [
         (penalised(seq.get_token_ids()) / temperature,
          "the penalties count the sequence's generated tokens only (output_token_ids), never "
          "the prompt's"),
-        (base / temperature, "the reported logprobs are those after the presence and frequency "
-                             "penalties"),
+        (base / temperature, "the presence and frequency penalties come first: the token is "
+                             "chosen, and the logprobs reported, from the penalised logits"),
         (penalised(seq.output_token_ids), "the reported logprobs are those after the "
                                           "temperature too (logits / temperature)"),
         (top_k_top_p_filter(right.clone(), params.top_k, params.top_p),

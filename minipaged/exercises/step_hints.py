@@ -13,6 +13,10 @@ from minipaged.sampling_params import SamplingParams
 STEP_HINTS = {
     "observers": "after the step, call each of self._observers once with the step's "
                  "StepSnapshot.of_step(...): the lessons draw from it",
+    "observers late": "the observers see the step as it ends: every new token appended, the "
+                      "finished groups freed and forgotten (free_finished_seq_groups), every "
+                      "group that ended in the step (finished, or given up on) in the snapshot, "
+                      "the step counted; only then is the snapshot taken",
     "block_tables": "a sequence that finishes gives its blocks back in the step it finishes "
                     "(self.scheduler.free_seq); blocks change only through the scheduler",
     "queues": "a group that finished leaves the running queue in the same step, once all its "
@@ -40,6 +44,12 @@ STEP_HINTS["ref_counts"] = STEP_HINTS["free_gpu_blocks"] = STEP_HINTS["free_cpu_
     STEP_HINTS["block_tables"]
 _SCHEDULE_COUNT = ("count what the scheduler decided, once, right after schedule(): "
                    "self.stats.count_schedule(outs, self.scheduler.pool_counts())")
+
+
+def observer_hint(field: str) -> str:
+    """The hint when what the observers got differs (``field``: the snapshot's field, "" for
+    their number): the snapshot was taken at another moment, or with other groups."""
+    return STEP_HINTS["observers"] if not field else STEP_HINTS["observers late"]
 
 
 def stats_hint(expected: dict) -> str:

@@ -23,15 +23,18 @@ class MyAttention(PagedAttention):
         pieces = []
         if n_prompt:
             pieces.append(ops.prefill_attention(q[:n_prompt], k[:n_prompt], v[:n_prompt],
-                                                meta.prompt_lens, self.scale))
+                                                meta.prompt_lens, self.scale,
+                                                window=self.sliding_window))
         if n_before_decode > n_prompt:
             pieces.append(ops.paged_prefill_attention(
                 q[n_prompt:n_before_decode], k_cache, v_cache, meta.chunk_block_tables,
-                meta.chunk_query_start_loc, meta.chunk_context_lens, self.scale, kv_scales))
+                meta.chunk_query_start_loc, meta.chunk_context_lens, self.scale, kv_scales,
+                window=self.sliding_window))
         if T > n_before_decode:
             pieces.append(ops.paged_attention(q[n_before_decode:], k_cache, v_cache,
                                               meta.block_tables, meta.context_lens, self.scale,
-                                              meta.max_context_len, kv_scales))
+                                              meta.max_context_len, kv_scales,
+                                              window=self.sliding_window))
         if not pieces:
             return query.new_zeros(0, self.num_heads * self.head_size)
         return torch.cat(pieces).reshape(T, self.num_heads * self.head_size)

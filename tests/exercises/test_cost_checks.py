@@ -199,6 +199,44 @@ class LaysOutThePoolPerSequence(Attention):
         return out
 
 
+class LookupWalksTheCache(MyPrefixCachingAllocator):
+    """Correct, but looks a name up by walking every cached block's contents (the issue's
+    43,029x at 50,000 cached blocks, which the probe of get_num_free_blocks read as 1.0x)."""
+
+    def lookup(self, parent, token_ids):
+        name = self.hash_fn(None if parent is None else self.block_hash_of(parent), token_ids)
+        for number, contents in self.contents.items():
+            block = self.blocks[number]
+            if contents.block_hash == name and self.by_hash.get(name) is block:
+                return block if self._same_contents(block, parent, token_ids) else None
+        return None
+
+
+class SortsWhatIsLeftForEachGroup(MyScheduler):
+    """Correct, but sorts the groups not served yet again before serving each (n sorts of up to
+    n groups a step: the issue's _schedule_running that read "at most 8.0x", no warning)."""
+
+    def _schedule_running(self, step):
+        self.running.sort(key=lambda g: g.arrival_time)
+        queue, self.running = self.running, []
+        while queue:
+            queue.sort(key=lambda g: (g.arrival_time, g.request_id))
+            group = queue.pop(0)
+            if group.pending_chunks:
+                self.running.append(group)
+                continue
+            while not self.block_manager.can_append_slot(group):
+                victim = queue.pop() if queue else group
+                step.preempted.append(self._preempt(victim, step.blocks_to_swap_out))
+                if victim is group:
+                    break
+            else:
+                self._append_slots(group, step.blocks_to_copy)
+                self.running.append(group)
+                step.decode_groups.append(group)
+                step.budget -= len(group.get_seqs(SequenceStatus.RUNNING))
+
+
 @pytest.mark.parametrize("name,slow,operation", [
     ("FreeListAllocator", CountsByScanning, "get_num_free_blocks"),
     ("FreeListAllocator", ChecksMembershipOnFree, "allocate + free"),
@@ -212,6 +250,8 @@ class LaysOutThePoolPerSequence(Attention):
                  marks=pytest.mark.slow),
     pytest.param("Sampler", PenalizesRowByRow, "__call__", marks=pytest.mark.slow),
     ("Attention", LaysOutThePoolPerSequence, "forward"),
+    ("PrefixCachingAllocator", LookupWalksTheCache, "lookup"),
+    pytest.param("Scheduler", SortsWhatIsLeftForEachGroup, "schedule", marks=pytest.mark.slow),
 ])
 def test_a_cost_that_grows_with_the_pool_gets_a_verdict_naming_the_operation(name, slow,
                                                                                  operation):

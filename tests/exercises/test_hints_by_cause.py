@@ -226,8 +226,8 @@ DecodesCostNoBudget = changed(
 # -- lesson 07: Attention ------------------------------------------------------------------------
 OnePromptForAll = changed(
     a07, "Attention",
-    ("                                                     meta.prompt_lens, self.scale)",
-     "                                                     [prompt_end], self.scale)"))
+    ("                                                     meta.prompt_lens, self.scale,\n",
+     "                                                     [prompt_end], self.scale,\n"))
 
 WritesOnlyTheDecodeKeys = changed(
     a07, "Attention",

@@ -145,6 +145,33 @@ def component_targets() -> list[Target]:
     return targets
 
 
+# The exercises that are not components, each with the package objects it asks the learner to
+# write again (issue 55: lesson 10 listed top_k_top_p_filter before exercise 1 asks for its
+# top-p rule, lesson 11 block_hash before its exercise, and apply_penalties before the sampler)
+WARM_UPS = {
+    ("10", "top_p_filter"): ["minipaged.worker.sampler:top_k_top_p_filter"],
+    ("10", "MySampler"): ["minipaged.worker.sampler:apply_penalties"],
+    ("11", "my_block_hash"): ["minipaged.core.prefix_caching_allocator:block_hash"],
+    ("11", "cached_tokens"): ["minipaged.core.prefix_caching_allocator:"
+                              "PrefixCachingAllocator.longest_cached_prefix"],
+}
+
+
+def warm_up_targets() -> list[Target]:
+    """``WARM_UPS`` as targets: the cell that defines the exercise's function or class is its
+    stub."""
+    targets = []
+    for (lesson, name), paths in WARM_UPS.items():
+        (path,) = [p for p in LESSONS if p.name.startswith(lesson)]
+        cells = json.loads(path.read_text())["cells"]
+        cell = next(i for i, c in enumerate(cells) if c["cell_type"] == "code" and re.search(
+            rf"^(def|class) {name}\b", "".join(c["source"]), re.M))
+        objects = [_resolve(p) for p in paths]
+        targets.append(Target(name, int(lesson), cell, objects,
+                              "\n".join(_source(o) for o in objects)))
+    return targets
+
+
 # -- the listings -------------------------------------------------------------------------------
 @dataclass
 class Listing:
@@ -352,6 +379,18 @@ def test_every_component_has_a_stub_and_a_package_source(targets):
 def test_no_lesson_lists_a_component_before_its_stub(targets):
     problems = spoilers(_notebooks(), targets)
     assert not problems, "\n".join(problems)
+
+
+def test_no_lesson_lists_what_an_exercise_asks_for_before_it():
+    problems = spoilers(_notebooks(), warm_up_targets())
+    assert not problems, "\n".join(problems)
+    notebooks = _notebooks()  # the listing the issue found, put back, is caught
+    (cell,) = [i for i, c in enumerate(notebooks[10]) if "## 3. Top-k and top-p" in
+               "".join(c["source"])]
+    notebooks[10].insert(cell + 1, _code("show(top_k_top_p_filter)"))
+    targets = [Target(t.name, t.lesson, t.stub_cell + (t.lesson == 10), t.objects, t.text)
+               for t in warm_up_targets()]
+    assert [p for p in spoilers(notebooks, targets) if "top_p_filter" in p]
 
 
 def missing_markers(notebooks: dict[int, list[dict]]) -> list[str]:

@@ -12,7 +12,8 @@ from minipaged.models.input_metadata import InputMetadata
 
 
 class Attention(PagedAttention):
-    """``PagedAttention`` with its forward written out: cache write, then three paths."""
+    """``PagedAttention`` with its forward written out: cache write, then three paths, each
+    within the layer's sliding window (None: the whole context)."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, ...] | None,
@@ -43,16 +44,18 @@ class Attention(PagedAttention):
                 k_prompt = kv_quant.round_trip(k_prompt, key_cache.dtype)
                 v_prompt = kv_quant.round_trip(v_prompt, value_cache.dtype)
             out[:prompt_end] = ops.prefill_attention(q[:prompt_end], k_prompt, v_prompt,
-                                                     meta.prompt_lens, self.scale)
+                                                     meta.prompt_lens, self.scale,
+                                                     window=self.sliding_window)
         if chunk_end > prompt_end:
             # Chunks: their context (cached earlier, and their own keys just written) comes
             # from the cache through each chunk's block table.
             out[prompt_end:chunk_end] = ops.paged_prefill_attention(
                 q[prompt_end:chunk_end], key_cache, value_cache, meta.chunk_block_tables,
-                meta.chunk_query_start_loc, meta.chunk_context_lens, self.scale, scales)
+                meta.chunk_query_start_loc, meta.chunk_context_lens, self.scale, scales,
+                window=self.sliding_window)
         if num_tokens > chunk_end:
             # Decodes: one query per sequence over its whole context (lesson 05's kernel).
             out[chunk_end:] = ops.paged_attention(
                 q[chunk_end:], key_cache, value_cache, meta.block_tables, meta.context_lens,
-                self.scale, meta.max_context_len, scales)
+                self.scale, meta.max_context_len, scales, window=self.sliding_window)
         return out.view(num_tokens, self.num_heads * self.head_size)

@@ -112,10 +112,12 @@ class MyPrefixCachingAllocator(PrefixCachingAllocator):
             self._evict(holder)  # an evictable block with another prefix under this name
         self.by_hash[name] = block
 
-    def _evict(self, block: PhysicalTokenBlock) -> None:
-        """An evictable block loses its name and goes to the free list, to be reused."""
+    def _evict(self, block: PhysicalTokenBlock, counted: bool = True) -> None:
+        """An evictable block loses its name and goes to the free list, to be reused
+        (``counted``: for room; ``reset_prefix_cache`` evicts uncounted)."""
         self.evictable.pop(block.block_number)
         contents = self.contents.pop(block.block_number)
         del self.by_hash[contents.block_hash]
-        self.num_evictions += 1
+        if counted:
+            self.num_evictions += 1
         self.free_blocks.append(block)

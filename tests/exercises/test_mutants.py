@@ -1,0 +1,239 @@
+"""The build track's mutation table: for each component, one-line mistakes of its reference answer
+that its check must reject (the mistakes a learner makes, the issue's among them).
+
+``MUTANTS`` lists (component, mistake, the mistake built from the answer); ``test_every_mutant_
+is_rejected`` runs each through its component's check; ``test_the_table`` prints the table
+(mutants per component, caught) and holds it to at least three mutants a component. The fast
+tier runs one mutant per component (the first of each); the whole table is marked slow. The
+mistakes the capstone must reject (a sampler without penalties passes lesson 10's check only if
+the check misses them, so the capstone is the second net) are in ``CAPSTONE_MUTANTS``, slow.
+
+Mistakes that ``test_hints_by_cause.py`` writes for its hints are reused from there (the same
+objects); the others are written here, each as the answer with a line or two changed.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from minipaged.exercises import lesson16, workbench
+from minipaged.exercises.answers import lesson02 as a02
+from minipaged.exercises.answers import lesson03 as a03
+from minipaged.exercises.answers import lesson04 as a04
+from minipaged.exercises.answers import lesson07 as a07
+from minipaged.exercises.answers import lesson09 as a09
+from minipaged.exercises.answers import lesson10 as a10
+from minipaged.exercises.answers import lesson11 as a11
+import test_hints_by_cause as known  # (tests/exercises is on sys.path: pytest's rootdir mode)
+
+
+@pytest.fixture(autouse=True)
+def _learner_dir(tmp_path, monkeypatch):
+    """Nothing is saved into the learner's folder."""
+    monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path / "learner"))
+
+
+changed = known.changed
+
+
+# -- the mistakes written here ------------------------------------------------------------------
+AllocateWithoutRefCount = changed(
+    a02, "MyFreeListAllocator", ("        block.ref_count = 1\n", ""))
+AppendSlotOpensABlockEarly = changed(
+    a03, "MyBlockSpaceManager",
+    ("        if len(table) < len(seq.logical_token_blocks):\n",
+     "        if len(table) * self.block_size <= seq.get_len():\n"))
+RecomputeToTheBack = changed(
+    a04, "MyScheduler",
+    ("            self.waiting.insert(0, seq_group)  # first in line again\n",
+     "            self.waiting.append(seq_group)\n"))
+ResumesPastTheLimit = changed(
+    a04, "MyScheduler",
+    ("                    or self._num_running_seqs() + num_seqs > self.config.max_num_seqs\n",
+     ""))
+SwapOutForgetsSwapped = changed(
+    a04, "MyScheduler",
+    ("                seq.status = SequenceStatus.SWAPPED\n", "                pass\n"))
+IgnoresTheWindow = changed(
+    a07, "Attention", ("        num_tokens = query.shape[0]\n",
+                       "        num_tokens = query.shape[0]\n        self.sliding_window = None\n"))
+AdmitsPastTheLimit = changed(
+    a09, "admit_waiting", ("        if step.budget < needed or too_many or",
+                           "        if step.budget < needed or"))
+NoPenalties = changed(
+    a10, "ReferenceSampler",
+    ("            if not generated or not (params.presence_penalty or params.frequency_penalty):",
+     "            if True:"))
+NoTopK = changed(
+    a10, "ReferenceSampler", ("        if top_k != -1 and top_k < logits.shape[-1]:",
+                              "        if False:"))
+NoTopLogprobs = changed(
+    a10, "ReferenceSampler", ("        if num_top:\n", "        if False:\n"))
+NameBlockKeepsTheSameNameBlock = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("            self._evict(holder)  # an evictable block with another prefix under this name",
+     "            pass"))
+EvictWithoutCounted = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("    def _evict(self, block: PhysicalTokenBlock, counted: bool = True) -> None:",
+     "    def _evict(self, block: PhysicalTokenBlock) -> None:"),
+    ("        if counted:\n            self.num_evictions += 1",
+     "        self.num_evictions += 1"))
+
+
+# -- the table: (component, mistake, the mutant) ---------------------------------------------------
+MUTANTS = [
+    ("FreeListAllocator", "allocate without ref_count = 1", AllocateWithoutRefCount),
+    ("FreeListAllocator", "allocates from the bottom of the stack", known.AllocatesFromTheFront),
+    ("FreeListAllocator", "acquire forgets the count", known.AcquireForgetsTheCount),
+    ("FreeListAllocator", "a free counter of its own", known.CountsAllocationsForTheFreeNumber),
+    ("FreeListAllocator", "free blocks listed bottom first", known.ListsTheFreeBlocksBottomFirst),
+    ("BlockSpaceManager", "allocate forgets the others' references",
+     known.AllocateWithoutTheOthersReferences),
+    ("BlockSpaceManager", "append_slot opens a block one token early", AppendSlotOpensABlockEarly),
+    ("BlockSpaceManager", "can_allocate counts shared blocks per sequence",
+     known.CanAllocateCountsSharedBlocksPerSequence),
+    ("BlockSpaceManager", "copy-on-write keeps the old reference",
+     known.CopyOnWriteKeepsTheOldReference),
+    ("BlockSpaceManager", "free releases the first block first", known.FreeFirstBlockFirst),
+    ("BlockSpaceManager", "fork shares the parent's list", known.ForkSharesTheParentsList),
+    ("Scheduler", "a recomputed group goes to the back of waiting", RecomputeToTheBack),
+    ("Scheduler", "resume ignores max_num_seqs", ResumesPastTheLimit),
+    ("Scheduler", "swap-out forgets SWAPPED", SwapOutForgetsSwapped),
+    ("Scheduler", "preempts the oldest", known.PreemptsTheOldest),
+    ("Scheduler", "recompute keeps the blocks", known.RecomputeKeepsTheBlocks),
+    ("Scheduler", "resumes in a step that preempted", known.ResumesInAStepThatPreempted),
+    ("Scheduler", "decodes cost no budget", known.DecodesCostNoBudget),
+    ("Attention", "ignores sliding_window", IgnoresTheWindow),
+    ("Attention", "reads the cache before writing it", known.ReadsTheCacheBeforeWriting),
+    ("Attention", "one prompt for all", known.OnePromptForAll),
+    ("Attention", "writes only the decode keys", known.WritesOnlyTheDecodeKeys),
+    ("Attention", "chunks read the decode tables", known.ChunksReadTheDecodeTables),
+    ("prepare_inputs", "context lens without the new token", known.ContextLensWithoutTheNewToken),
+    ("prepare_inputs", "tables padded with -1", known.TablesPaddedWithMinusOne),
+    ("prepare_inputs", "no metadata", known.ReturnsNoMetadata),
+    ("admit_waiting", "admits past max_num_seqs", AdmitsPastTheLimit),
+    ("admit_waiting", "admits past a group with chunks left", known.AdmitsPastAGroupWithChunksLeft),
+    ("admit_waiting", "skips a group that does not fit", known.SkipsAGroupThatDoesNotFit),
+    ("Sampler", "ignores presence and frequency penalties", NoPenalties),
+    ("Sampler", "ignores top-k", NoTopK),
+    ("Sampler", "reports no top logprobs", NoTopLogprobs),
+    ("Sampler", "penalises the prompt too", known.PenalisesThePromptToo),
+    ("Sampler", "one draw for a shared prompt row", known.OneDrawForASharedPromptRow),
+    ("Sampler", "a token as a tensor", known.TokenAsATensor),
+    ("PrefixCachingAllocator", "_evict without counted (reset_prefix_cache breaks)",
+     EvictWithoutCounted),
+    ("PrefixCachingAllocator", "_name_block keeps the same-name block",
+     NameBlockKeepsTheSameNameBlock),
+    ("PrefixCachingAllocator", "free forgets the cache", known.FreeForgetsTheCache),
+    ("PrefixCachingAllocator", "acquire leaves the block evictable",
+     known.AcquireLeavesTheBlockEvictable),
+    ("PrefixCachingAllocator", "evictions uncounted", known.EvictionsUncounted),
+    ("PrefixCachingAllocator", "lookup past max_blocks", known.LookupPastMaxBlocks),
+    ("greedy_verify", "verifies past the first miss", known.verify_past_the_first_miss),
+    ("greedy_verify", "the draft as the correction", known.verify_with_the_draft_as_correction),
+    ("rejection_sample", "no bonus token", known.NoBonusToken),
+    ("rejection_sample", "acceptance flipped", known.AcceptsWhenUBelowPOverQFlipped),
+] + [("LLMEngine.step", what, lesson16.wrong_step(what)) for what in lesson16.WRONG_STEPS]
+
+_FIRST_OF_EACH = {}
+for _row in MUTANTS:
+    _FIRST_OF_EACH.setdefault(_row[0], _row)
+FAST = list(_FIRST_OF_EACH.values())  # one mutant per component: the fast tier
+
+
+def rejected(name: str, mutant) -> bool:
+    """Does ``name``'s check reject ``mutant`` (a failing case, not a pass)?"""
+    result = workbench.check_component(name, mutant, save=False)
+    return result.status == "failed"
+
+
+def _ids(rows):
+    return [f"{name}: {what}" for name, what, _ in rows]
+
+
+@pytest.mark.parametrize("name, what, mutant", FAST, ids=_ids(FAST))
+def test_one_mutant_of_each_component_is_rejected(name, what, mutant):
+    assert rejected(name, mutant), (name, what)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, what, mutant", MUTANTS, ids=_ids(MUTANTS))
+def test_every_mutant_is_rejected(name, what, mutant):
+    """The whole table (about a minute on two cores)."""
+    assert rejected(name, mutant), (name, what)
+
+
+def test_the_table(capsys):
+    """Every component the build track registers has mutants here (at least three each, the
+    CUDA phase 3 of lesson 06 aside: its mutants are C++, built in test_exercises_lesson06)."""
+    counts = Counter(name for name, _, _ in MUTANTS)
+    with capsys.disabled():
+        print("\nthe mutation table (mutants per component):")
+        for name, count in counts.items():
+            print(f"  {name:24} {count}")
+        print(f"  {'total':24} {sum(counts.values())}")
+    registered = set(workbench.components()) - {"softmax_phase_cuda"}
+    assert registered <= set(counts), registered - set(counts)
+    assert min(counts.values()) >= 2, counts
+    assert sum(c >= 3 for c in counts.values()) >= len(counts) - 2, counts
+
+
+# -- the capstone's net: mistakes its run must reject -------------------------------------------
+CAPSTONE_MUTANTS = [("Sampler", "ignores presence and frequency penalties", NoPenalties),
+                    ("Sampler", "reports no top logprobs", NoTopLogprobs),
+                    ("LLMEngine.step", "the observers are told before the finished groups are "
+                     "freed", lesson16.wrong_step("the observers are told before the finished "
+                                                   "groups are freed"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, what, mutant", CAPSTONE_MUTANTS, ids=_ids(CAPSTONE_MUTANTS))
+def test_the_capstone_rejects_a_mutant_its_workload_reaches(name, what, mutant):
+    """The capstone's first run with the one mutant plugged in, next to LLM() (about 20 s
+    each): it differs at some step."""
+    from minipaged.exercises import capstone
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = capstone._one_run(capstone.Run("run 1, the engine", (name,)), {name: mutant},
+                                   max_steps=100, on_step=None)
+    finally:
+        torch.set_num_threads(threads)
+    assert result.mismatch is not None, (name, what)
+    assert name in result.ran
+
+
+# -- hints by cause: the issue's mis-hinted mistakes (and this table's own), each with its gist -
+HINTS = [
+    ("FreeListAllocator", AllocateWithoutRefCount, "its ref count is not 1", "is a stack"),
+    ("BlockSpaceManager", AppendSlotOpensABlockEarly, "opens a new block only when",
+     "who else holds"),
+    ("Scheduler", known.ResumesInAStepThatPreempted, "not in a step that preempted",
+     "reset_for_recompute"),
+    ("Scheduler", RecomputeToTheBack, "FIRST in the waiting queue", None),
+    ("Scheduler", SwapOutForgetsSwapped, "SequenceStatus.SWAPPED", "your code raised"),
+    ("Scheduler", ResumesPastTheLimit, "the sequence limit", None),
+    ("Attention", IgnoresTheWindow, "window=self.sliding_window", None),
+    ("Sampler", NoPenalties, "penalties come first", None),
+    ("Sampler", NoTopLogprobs, "most likely tokens", "penalties"),
+    ("PrefixCachingAllocator", NameBlockKeepsTheSameNameBlock,
+     "an evictable block holding another prefix under the same name is evicted", "hash_fn"),
+    ("PrefixCachingAllocator", EvictWithoutCounted, "counted=False", None),
+    ("LLMEngine.step", lesson16.wrong_step("the observers are told before the finished groups "
+                                           "are freed"), "the observers see the step as it ends",
+     None),
+]
+
+
+@pytest.mark.parametrize("name, mutant, gist, not_said", HINTS,
+                         ids=[f"{h[0]}: {h[2][:30]}" for h in HINTS])
+def test_the_hint_names_the_cause(name, mutant, gist, not_said):
+    result = str(workbench.check_component(name, mutant, save=False))
+    hint = result.split("hint: ", 1)[1]
+    assert gist in hint, result
+    if not_said:
+        assert not_said not in hint, result
