@@ -1,13 +1,14 @@
 """The command line.
 
-    minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream] [engine options]
+    minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream] [--trace FILE]
+                       [engine options]
     minipaged serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [limits]
                     [engine options]
     minipaged demo [--model gemma-3-270m]
 
 Every engine setting (a field of EngineConfig, minipaged/config.py) is a flag of both `generate`
 and `serve`, for example --num-gpu-blocks 64, --tensor-parallel-size 3,
---no-enable-prefix-caching.
+--no-enable-prefix-caching, --trace steps.json (the steps for Perfetto).
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ NOT_FLAGS = {
     "hf_config": "a transformers object",
     "speculative_config": "--speculative-config JSON and its fields' flags, below",
 }
+
+
+# Shorter names some settings' flags also answer to.
+FLAG_ALIASES = {"trace_path": "--trace"}
 
 
 def engine_options() -> list[tuple[str, type, str, object, tuple | None]]:
@@ -69,7 +74,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=None, choices=choices, help=help_text)
+            aliases = [FLAG_ALIASES[name]] if name in FLAG_ALIASES else []
+            group.add_argument(flag, *aliases, type=kind, default=None, choices=choices,
+                               help=help_text)
     add_speculative_options(parser)
 
 
@@ -213,12 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, **engine_kwargs(args))
         chat = args.chat if args.chat is not None else is_packaged(args.model)
         if args.stream:
-            return _generate_streaming(llm, args.prompts, params, chat)
+            code = _generate_streaming(llm, args.prompts, params, chat)
+            llm.shutdown()  # (closes a --trace file)
+            return code
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts],
                                params, use_tqdm=False)
         else:
             outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        llm.shutdown()  # (closes a --trace file)
     except (ValueError, OSError) as e:
         print(f"minipaged: error: {e}", file=sys.stderr)
         return 2
