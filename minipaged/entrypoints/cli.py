@@ -90,6 +90,13 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
                             "/metrics (default: $MINIPAGED_API_KEY, else no key)")
     group.add_argument("--metrics-public", action="store_true",
                        help="leave /metrics open without the key")
+    group.add_argument("--no-live-page", action="store_true",
+                       help="serve no live page at / (nor its event stream)")
+    group.add_argument("--live-show-text", action="store_true",
+                       help="the live page shows every request's text; by default only token "
+                            "counts and block ownership (other people's chats stay theirs)")
+    group.add_argument("--max-live-streams", type=int, default=None,
+                       help="most live pages open at once (default: 4); one more gets 503")
     for name, help_text in LIMIT_OPTIONS:
         default = getattr(ServerLimits(), name)
         if default is not None:
@@ -104,11 +111,14 @@ def server_options(args):
 
     from minipaged.entrypoints.api_server import ServerOptions
     from minipaged.entrypoints.limits import ServerLimits
+    from minipaged.entrypoints.live_feed import LiveOptions
 
     limits = ServerLimits(**{name: getattr(args, name) for name, _ in LIMIT_OPTIONS
                              if getattr(args, name) is not None})
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINIPAGED_API_KEY")
-    return ServerOptions(api_key or None, args.metrics_public, limits)
+    streams = {} if args.max_live_streams is None else {"max_streams": args.max_live_streams}
+    live = None if args.no_live_page else LiveOptions(show_text=args.live_show_text, **streams)
+    return ServerOptions(api_key or None, args.metrics_public, limits, live)
 
 
 # Speculative decoding (lesson 12): vLLM's --speculative-config JSON, or its fields as flags
@@ -250,7 +260,8 @@ def _serve(args) -> int:
         print(f"minipaged: error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or (EMBEDDED_MODEL if is_embedded(args.model) else args.model)
-    print(f"minipaged: serving {name!r} on http://{args.host}:{args.port}/v1 "
+    page = "" if options.live is None else f" (the live page: http://{args.host}:{args.port}/)"
+    print(f"minipaged: serving {name!r} on http://{args.host}:{args.port}/v1{page} "
           f"({engine.block_manager.num_total_gpu_blocks} KV blocks of {engine.block_size} tokens "
           f"on {engine.device}; API key {'required' if options.api_key else 'not required'})",
           flush=True)
