@@ -1,14 +1,19 @@
 """What the live page sees of the engine: the latest step, thinned and drawn, never slowing a step
 (lesson 13; the page and its routes are ``live_routes.py``).
 
-    engine thread: after each step, observe(snapshot) keeps a reference to it (nothing else)
-    event loop:    each open stream wakes every ``interval`` s; if a step happened since its last
-                   frame, it sends the newest frame: built (and drawn) once per step seen,
-                   shared by every stream, in a worker thread
+    event loop:    each open stream wakes every ``interval`` s and asks for a snapshot (one
+                   request at a time for all streams); if a step happened since its last frame,
+                   it sends the newest frame: built (and drawn) once per snapshot, shared by
+                   every stream, in a worker thread
+    engine thread: between two steps it answers: an observer for the next step only (the step
+                   as ``StepSnapshot``), or the state now when no step is coming
 
-So a step never waits for a browser: a slow client skips the steps it had no time for (it gets
-the latest, not a backlog), and the engine pays for the snapshot only while a stream is open
-(the observer is added when the first stream opens and removed when the last one closes).
+So the engine builds at most 1 / interval snapshots a second, however fast it steps (a
+snapshot reads every block of both pools: one per step would cost a small model most of its
+speed), spaced so that snapshots, frames and drawings take at most ``SHARE`` (5 %) of the time
+(a drawing of many sequences takes a tenth of a second), and none without an open page; a step never waits for a browser: a slow client skips
+what it had no time for (it gets the latest, not a backlog). The page's log still counts every
+preemption and copy, from the stats.
 
 The page keeps the server's exposure rules: a frame holds token counts, block numbers and
 request ids, never the text of a request or its token ids, unless the server was started with
@@ -69,6 +74,11 @@ class LiveOptions:
 
 
 EVENTS_KEPT = 30  # preemptions and copies the page's log may still fetch
+# The page's work (the engine's snapshot, then building and drawing the frame) takes at most this
+# share of the time: the next snapshot is asked for no sooner than the last one's cost / SHARE.
+SHARE = 0.05
+COUNTED = ("num_preemptions_recompute", "num_preemptions_swap", "num_blocks_copied",
+           "num_blocks_swapped_out")
 
 
 class LiveFeed:
@@ -87,7 +97,11 @@ class LiveFeed:
         self._latest: StepSnapshot | None = None  # written by the engine thread only
         self._version = 0  # steps seen (engine thread), so streams know when to send
         self._events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
-        self._attached = False  # (engine thread)
+        self._pending = False  # a snapshot was asked of the engine thread
+        self._armed = False  # (engine thread) _observe_once waits for the next step
+        self._snapshot_cost = 0.0  # seconds the engine took for the last snapshot
+        self._next_at = 0.0  # (time.monotonic()) no snapshot is asked for before this
+        self._counts: dict | None = None  # COUNTED at the last snapshot
         self._frame: tuple[int, str] = (-1, "")  # (version, JSON) of the last frame built
         self._build_lock = asyncio.Lock()
         self._rate: tuple[float, int] | None = None  # (time, tokens) when the last frame built
@@ -96,25 +110,47 @@ class LiveFeed:
         self.stopping: Callable[[], bool] = lambda: False
 
     # -- the engine thread -----------------------------------------------------------------------
-    def observe(self, snap: StepSnapshot) -> None:
-        """The observer: keep the newest step (and its preemptions and copies for the log)."""
-        if snap.preempted or snap.blocks_to_copy or snap.blocks_to_swap_out:
-            self._events.append({"step": snap.step, "preempted": snap.preempted,
-                                 "copies": sum(len(d) for d in snap.blocks_to_copy.values()),
-                                 "swapped_out": len(snap.blocks_to_swap_out)})
+    def _arm(self, engine: LLMEngine) -> None:
+        """Between two steps: watch the next step, or (no step coming) take the state now."""
+        if engine.has_unfinished_requests() and not self.async_engine.paused:
+            if not self._armed:
+                self._armed = True
+                engine.add_observer(self._observe_once)
+            return
+        if self._latest is None or self._latest.step != engine.stats.num_steps:
+            started = time.perf_counter()
+            snap = _snapshot_now(engine)
+            self._snapshot_cost = time.perf_counter() - started
+            self._keep(snap)
+        self._pending = False
+
+    def _observe_once(self, snap: StepSnapshot) -> None:
+        """An observer for one step only: it removes itself at once."""
+        self.async_engine.engine.remove_observer(self._observe_once)
+        self._armed = False
+        # (the engine built the snapshot between the step's end and this call)
+        self._snapshot_cost = time.perf_counter() - snap.times[-1] if snap.times else 0.0
+        self._keep(snap)
+        self._pending = False
+
+    def _keep(self, snap: StepSnapshot) -> None:
+        """Keep the newest snapshot; the preemptions and copies since the last one go to the
+        page's log (counted from the stats, so the steps no frame showed are counted too)."""
+        counts = {k: snap.stats.get(k, 0) for k in COUNTED}
+        if self._counts is not None:
+            new = {k: v - self._counts[k] for k, v in counts.items() if v > self._counts[k]}
+            if new:
+                self._events.append({"step": snap.step, "since": self._latest.step,
+                                     "preempted": [list(p) for p in snap.preempted], **new})
+        self._counts = counts
         self._latest = snap
         self._version += 1
 
-    def _attach(self, engine: LLMEngine) -> None:
-        if not self._attached:
-            self._attached = True
-            engine.add_observer(self.observe)
-            self.observe(_snapshot_now(engine))  # the state as it is, before any step
-
     def _detach(self, engine: LLMEngine) -> None:
-        if self._attached:
-            self._attached = False
-            engine.remove_observer(self.observe)
+        if self._armed:
+            self._armed = False
+            engine.remove_observer(self._observe_once)
+        self._pending = False
         # NOTE: a page that paused the engine and went away must not leave it paused
         self.async_engine.resume()
 
@@ -124,14 +160,18 @@ class LiveFeed:
         if self.num_streams >= self.options.max_streams:
             return False
         self.num_streams += 1
-        if self.num_streams == 1:
-            self.async_engine.call_in_engine_thread(self._attach)
         return True
 
     def close_stream(self) -> None:
         self.num_streams -= 1
         if self.num_streams == 0:
             self.async_engine.call_in_engine_thread(self._detach)
+
+    def _want_frame(self) -> None:
+        """Ask the engine thread for a snapshot, unless one is asked for already."""
+        if not self._pending and time.monotonic() >= self._next_at:
+            self._pending = True
+            self.async_engine.call_in_engine_thread(self._arm)
 
     async def frames(self, is_disconnected: Callable):
         """Server-sent events: the newest frame whenever a step happened since the last one, a
@@ -141,6 +181,7 @@ class LiveFeed:
         sent, quiet_since = -1, time.monotonic()
         try:
             while not self.stopping() and not await is_disconnected():
+                self._want_frame()
                 version, payload = await self.latest_frame()
                 if version != sent and payload:
                     sent, quiet_since = version, time.monotonic()
@@ -162,7 +203,11 @@ class LiveFeed:
             return self._frame
 
     def _build(self, snap: StepSnapshot, version: int) -> str:
-        return json.dumps(self.frame_of(snap, version), separators=(",", ":"))
+        started = time.thread_time()  # (this thread's own time: a busy machine does not count)
+        payload = json.dumps(self.frame_of(snap, version), separators=(",", ":"))
+        cost = self._snapshot_cost + time.thread_time() - started
+        self._next_at = time.monotonic() + cost / SHARE
+        return payload
 
     def frame_of(self, snap: StepSnapshot, version: int = 0) -> dict:
         """One step as the page gets it: plain numbers, no request text unless ``show_text``."""

@@ -94,10 +94,21 @@ function draw(frame) {
     seenEvents.add(key);
     const li = document.createElement("li");
     li.className = "event";
+    // counted since the frame before (steps e.since + 1 .. e.step); the ids are this step's
     const parts = e.preempted.map(([rid, mode]) => `req ${rid} preempted (${mode})`);
-    if (e.copies) parts.push(`${e.copies} block(s) copied on write`);
-    if (e.swapped_out) parts.push(`${e.swapped_out} block(s) swapped out`);
-    li.textContent = `step ${e.step}: ` + parts.join(", ");
+    const counts = [["num_preemptions_recompute", "preempted (recompute)"],
+                    ["num_preemptions_swap", "preempted (swap)"],
+                    ["num_blocks_copied", "block(s) copied on write"],
+                    ["num_blocks_swapped_out", "block(s) swapped out"]];
+    const named = (mode) => e.preempted.filter(([, m]) => m === mode).length;
+    const shown = { num_preemptions_recompute: named("recompute"),
+                    num_preemptions_swap: named("swap") };
+    for (const [key, label] of counts) {
+      const more = (e[key] || 0) - (shown[key] || 0);  // those of steps no frame showed
+      if (more > 0) parts.push(`${more} ${shown[key] ? "more " : ""}${label}`);
+    }
+    const steps = e.step - e.since > 1 ? `steps ${e.since + 1}-${e.step}` : `step ${e.step}`;
+    li.textContent = `${steps}: ` + parts.join(", ");
     $("event-log").prepend(li);
   }
   $("pause").textContent = frame.paused ? "Resume" : "Pause";
