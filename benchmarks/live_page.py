@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,12 @@ def tiny_model(path: str) -> None:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512)
     LlamaForCausalLM(config).save_pretrained(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_server(model: str | None, port: int, extra: list[str]) -> subprocess.Popen:
@@ -107,7 +114,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--pages", type=int, default=1, help="event streams open in 'with' runs")
     ap.add_argument("--pairs", type=int, default=None, help="(without, with) pairs")
-    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--port", type=int, default=None, help="default: a free port")
     ap.add_argument("--record", action="store_true", help="append the table to RESULTS.md")
     args = ap.parse_args()
     num_requests = args.num_requests or 16
@@ -119,15 +126,16 @@ def main() -> None:
     rng = random.Random(0)
     vocab = 512 if args.small else 49152
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(num_requests)]
+    port = args.port or free_port()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if args.small:
             tiny_model(tmp)
             model = tmp
-        proc = start_server(model, args.port, ["--kv-cache-bytes", str(64 << 20)]
+        proc = start_server(model, port, ["--kv-cache-bytes", str(64 << 20)]
                             if args.small else [])
         try:
-            url = f"http://127.0.0.1:{args.port}"
+            url = f"http://127.0.0.1:{port}"
             asyncio.run(one_run(url, prompts[:2], 2, 0))  # warm-up (the first step compiles)
             rows = []
             for _ in range(pairs):
