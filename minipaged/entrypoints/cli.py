@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--served-model-name", default=None,
                      help="the name clients pass as 'model' (default: the model argument)")
     srv.add_argument("--log-level", default="info", help="uvicorn's log level")
+    srv.add_argument("--learner", action="store_true",
+                     help="serve the engine built from your saved build-track components, as "
+                          "lesson 16's capstone builds it; names every part still the package's")
     add_server_options(srv)
     add_engine_options(srv)
     args = parser.parse_args(argv)
@@ -248,17 +251,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
-    from minipaged.engine.async_llm_engine import AsyncLLMEngine
     from minipaged.engine.llm_engine import LLMEngine
-    from minipaged.worker.checkpoint import EMBEDDED_MODEL, is_embedded
-    from minipaged.entrypoints.api_server import serve
 
+    if args.learner:
+        import importlib
+
+        # NOTE: found by name: the build track (exercises/) sits above the entrypoints
+        # (docs/ARCHITECTURE.md); it builds the engine from the learner's components and comes
+        # back to run_server
+        return importlib.import_module(LEARNER_MODULE).serve(args)
     try:
         options = server_options(args)  # (first: a bad limit is refused before the model loads)
         engine = LLMEngine(args.model, **engine_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"minipaged: error: {e}", file=sys.stderr)
         return 2
+    return run_server(args, options, engine)
+
+
+LEARNER_MODULE = "minipaged.exercises.served_learner"
+
+
+def run_server(args, options, engine) -> int:
+    """Serve ``engine`` with the server's ``options`` until interrupted."""
+    from minipaged.engine.async_llm_engine import AsyncLLMEngine
+    from minipaged.entrypoints.api_server import serve
+    from minipaged.worker.checkpoint import EMBEDDED_MODEL, is_embedded
+
     name = args.served_model_name or (EMBEDDED_MODEL if is_embedded(args.model) else args.model)
     page = "" if options.live is None else f" (the live page: http://{args.host}:{args.port}/)"
     print(f"minipaged: serving {name!r} on http://{args.host}:{args.port}/v1{page} "

@@ -181,6 +181,9 @@ class LiveFeed:
         sent, quiet_since = -1, time.monotonic()
         try:
             while not self.stopping() and not await is_disconnected():
+                if self.async_engine.error is not None:  # the engine loop died: say why, end
+                    yield f"event: error\ndata: {json.dumps(str(self.async_engine.error))}\n\n"
+                    return
                 self._want_frame()
                 version, payload = await self.latest_frame()
                 if version != sent and payload:

@@ -60,11 +60,14 @@ async function follow() {
         continue;
       }
       $("status").textContent = "live";
-      await readEvents(response, (name, data) => { if (name === "frame") draw(JSON.parse(data)); });
+      await readEvents(response, (name, data) => {
+        if (name === "frame") draw(JSON.parse(data));
+        if (name === "error") $("status").textContent = "the engine stopped: " + JSON.parse(data);
+      });
     } catch (e) {
       $("status").textContent = "disconnected: " + e;
     }
-    await new Promise((r) => setTimeout(r, 2000));
+    await new Promise((r) => setTimeout(r, 5000));
   }
 }
 
