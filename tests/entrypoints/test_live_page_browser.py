@@ -1,12 +1,15 @@
 """The live page in a real browser (lesson 13): Debian's Chromium, driven by playwright, chats in
 two tabs at once against a server with an API key and a small KV pool, and checks that each
 tab's streamed text is the API's answer for the same seed, that the block view follows the
-steps (blocks taken, shared, then all free again) and that a preemption is drawn. It saves the
-screenshots in docs/img/.
+steps (blocks taken, shared, then all free again) and that a preemption is drawn. Its two
+screenshots go to $MINIPAGED_SCREENSHOTS_DIR when set (docs/img/'s were made so:
+MINIPAGED_SCREENSHOTS_DIR=docs/img), else to a temporary folder.
 
 Nothing is downloaded: playwright drives the system browser, the page loads only the server's
 own files. Slow: Chromium and a served tiny model, about 30 s on the 2-core machine.
 """
+import os
+
 import httpx
 import pytest
 
@@ -62,11 +65,11 @@ def ask(page, text: str, seed: int) -> None:
     page.click("#send")
 
 
-def test_two_tabs_chat_at_once_and_the_page_draws_the_steps(server):
+def test_two_tabs_chat_at_once_and_the_page_draws_the_steps(server, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, engine = server
-    images = ROOT / "docs" / "img"
+    images = ROOT / os.environ.get("MINIPAGED_SCREENSHOTS_DIR", str(tmp_path))
     with sync_playwright() as p:
         browser = launch_chromium(p)
         try:
