@@ -84,6 +84,10 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str,
             yield
         finally:
             async_engine.shutdown()
+            # NOTE: closed here: after a SIGTERM uvicorn ends the process by that signal, and no
+            # atexit handler runs
+            if engine.trace is not None:
+                engine.trace.close()
 
     app = FastAPI(title="minipaged", lifespan=lifespan)
     app.state.limits = limits

@@ -98,3 +98,24 @@ def test_a_path_that_cannot_be_written_is_refused_by_name(tiny_llama, tmp_path):
         LLMEngine(tiny_llama[0], trace_path=str(tmp_path / "no" / "such" / "dir.json"))
     with pytest.raises(ValueError, match="trace_path must be None or a file path"):
         LLMEngine(tiny_llama[0], trace_path=3)
+
+
+def test_the_server_closes_the_trace_when_it_stops(tiny_llama, tmp_path):
+    """(uvicorn ends the process by the signal it got after a SIGTERM: no atexit runs, so the
+    server's shutdown closes the trace)"""
+    from minipaged.engine.async_llm_engine import AsyncLLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.entrypoints.api_server import BackgroundServer, build_app
+
+    path = tmp_path / "served.json"
+    engine = LLMEngine(tiny_llama[0], num_gpu_blocks=20, block_size=4, max_model_len=64,
+                       trace_path=str(path))
+    with BackgroundServer(build_app(AsyncLLMEngine(engine), "t")) as server:
+        import httpx
+
+        reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "t", "prompt": [3, 4, 5], "max_tokens": 3})
+        assert reply.status_code == 200
+    assert engine.trace.closed
+    _, per_request, _ = tracks(read_trace(path))  # closed: the "]" is there
+    assert [e["name"] for evs in per_request.values() for e in evs][-1] == "finished"
