@@ -102,6 +102,7 @@ class LiveFeed:
         self._snapshot_cost = 0.0  # seconds the engine took for the last snapshot
         self._next_at = 0.0  # (time.monotonic()) no snapshot is asked for before this
         self._counts: dict | None = None  # COUNTED at the last snapshot
+        self._kept_paused = False  # whether the engine was paused at the last snapshot
         self._frame: tuple[int, str] = (-1, "")  # (version, JSON) of the last frame built
         self._build_lock = asyncio.Lock()
         self._rate: tuple[float, int] | None = None  # (time, tokens) when the last frame built
@@ -117,7 +118,8 @@ class LiveFeed:
                 self._armed = True
                 engine.add_observer(self._observe_once)
             return
-        if self._latest is None or self._latest.step != engine.stats.num_steps:
+        if (self._latest is None or self._latest.step != engine.stats.num_steps
+                or self._kept_paused != self.async_engine.paused):  # (the page shows Pause)
             started = time.perf_counter()
             snap = _snapshot_now(engine)
             self._snapshot_cost = time.perf_counter() - started
@@ -143,6 +145,7 @@ class LiveFeed:
                 self._events.append({"step": snap.step, "since": self._latest.step,
                                      "preempted": [list(p) for p in snap.preempted], **new})
         self._counts = counts
+        self._kept_paused = self.async_engine.paused
         self._latest = snap
         self._version += 1
 

@@ -256,3 +256,20 @@ def test_serve_flags_set_the_live_page():
     assert cli.server_options(parser.parse_args(["--no-live-page"])).live is None
     with pytest.raises(ValueError, match="max_live_streams must be an integer >= 1, got 0"):
         cli.server_options(parser.parse_args(["--max-live-streams", "0"]))
+
+
+def test_a_page_that_paused_the_engine_and_went_away_leaves_it_running(served):
+    url, engine, async_engine, feed = served
+    page = Frames(url)
+    try:
+        page.wait_for(lambda f: True)
+        reply = httpx.post(url + "/live/control", headers=AUTH, json={"action": "pause"})
+        assert reply.status_code == 200
+        page.wait_for(lambda f: f["paused"])
+    finally:
+        page.close()  # the last page goes: the engine steps again
+    deadline = time.monotonic() + 30
+    while async_engine.paused:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert chat(url, "still there?", max_tokens=3)["usage"]["completion_tokens"] == 3
