@@ -96,6 +96,8 @@ _RULES = {
                             f"an integer from 1 to {MAX_SCHEDULER_STEPS}"),
     "preemption_mode": (_mode, lambda v: True, "None, 'recompute' or 'swap'"),
     "device": (_device, lambda v: True, "'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    "trace_path": (lambda v: v if isinstance(v, str) and v.strip() else None, lambda v: True,
+                   "None or a file path"),
     "kv_cache_dtype": (lambda v: v if v in KV_CACHE_DTYPES else None, lambda v: True,
                        "one of " + ", ".join(map(repr, KV_CACHE_DTYPES))),
 }
@@ -198,6 +200,10 @@ class EngineConfig:
         "auto", "what the KV cache holds: auto (the model's dtype), fp8 (float8 e4m3) or int8, "
                 "each 8-bit number with a float32 scale per token and kv head (lesson 18); the "
                 "pool then holds more blocks per byte", choices=KV_CACHE_DTYPES)
+    trace_path: str | None = setting(
+        None, "write every step to this file as Chrome trace-event JSON, for Perfetto or "
+              "chrome://tracing: a track per request, a slice per step phase, counters of "
+              "the KV pool, the queues and the batched tokens (engine/step_trace.py)")
 
     @classmethod
     def from_settings(cls, model: str | None = None, **settings) -> EngineConfig:

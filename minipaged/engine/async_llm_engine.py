@@ -77,6 +77,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: object  # called in the engine thread, with the engine; must not raise
+
+
+
+
 _STOP = object()
 
 
@@ -103,6 +110,8 @@ class AsyncLLMEngine:
         self._closed = False  # set once the thread stops taking commands
         self.num_requests_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.metrics: dict = {}  # republished by the engine thread after every step
+        self.paused = False  # (set only by the engine thread: ``pause()``, ``resume()``)
+        self._steps_allowed = 0  # steps to run while paused (``step_once()``)
         self._publish_metrics()
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -164,6 +173,28 @@ class AsyncLLMEngine:
         Safe to call from any thread, for any id, any number of times."""
         self._commands.put(_Abort(request_id))
 
+    def call_in_engine_thread(self, fn) -> None:
+        """Run ``fn(engine)`` in the engine thread before its next step (the way another thread
+        reads or changes the engine, e.g. adds an observer); ``fn`` must not raise."""
+        self._commands.put(_Call(fn))
+
+    def pause(self) -> None:
+        """Stop stepping after the current step (requests still queue); ``resume()`` goes on."""
+        self.call_in_engine_thread(lambda engine: self._set_paused(True))
+
+    def resume(self) -> None:
+        self.call_in_engine_thread(lambda engine: self._set_paused(False))
+
+    def step_once(self) -> None:
+        """While paused: run one step (if there is work), then stay paused."""
+        self.call_in_engine_thread(lambda engine: self._allow_step())
+
+    def _set_paused(self, paused: bool) -> None:
+        self.paused, self._steps_allowed = paused, 0
+
+    def _allow_step(self) -> None:
+        self._steps_allowed += self.paused
+
     async def stream_outputs(self, request_ids: list[str], outputs: asyncio.Queue):
         """Yield ``(request_id, RequestOutput)`` from ``outputs`` until every request finished.
 
@@ -195,7 +226,7 @@ class AsyncLLMEngine:
         try:
             while True:
                 # NOTE: with nothing to do the thread sleeps in get(); it never spins.
-                idle = not self.engine.has_unfinished_requests()
+                idle = not self._may_step()
                 commands = [self._commands.get()] if idle else []
                 while True:
                     try:
@@ -208,7 +239,8 @@ class AsyncLLMEngine:
                         self._fail_all(EngineDeadError("the server is shutting down"))
                         return
                     self._apply(command, outbox)
-                if self.engine.has_unfinished_requests():
+                if self._may_step():
+                    self._steps_allowed = max(self._steps_allowed - 1, 0)
                     self._route(self.engine.step(), outbox)
                 # NOTE: metrics first, so a client that saw its last output reads fresh metrics.
                 self._publish_metrics()
@@ -219,7 +251,14 @@ class AsyncLLMEngine:
             self._fail_all(EngineDeadError(f"the engine loop stopped: {e!r}"))
             self._publish_metrics()
 
+    def _may_step(self) -> bool:
+        return self.engine.has_unfinished_requests() and (not self.paused
+                                                          or self._steps_allowed > 0)
+
     def _apply(self, command, outbox: list) -> None:
+        if isinstance(command, _Call):
+            command.fn(self.engine)
+            return
         if isinstance(command, _Abort):
             output = self.engine.abort_request(command.request_id)
             sink = self._sinks.pop(command.request_id, None)

@@ -25,6 +25,7 @@ from minipaged.engine.cache_setup import init_kv_cache
 from minipaged.engine.multi_step import MultiStep
 from minipaged.engine.output_processor import OutputProcessor, eos_token_ids
 from minipaged.engine.stats import EngineStats, StepSnapshot
+from minipaged.engine.step_trace import StepTrace
 from minipaged.model_shape import ModelShape
 from minipaged.outputs import RequestOutput
 from minipaged.sampling_params import SamplingParams
@@ -52,6 +53,9 @@ class LLMEngine:
 
     def __init__(self, model: str | None = None, **settings) -> None:
         self.config = cfg = EngineConfig.from_settings(model, **settings)
+        # the steps as a Chrome trace-event file, for Perfetto (``engine/step_trace.py``); opened
+        # first, so that a path that cannot be written is refused before the model loads
+        self.trace = StepTrace(cfg.trace_path) if cfg.trace_path is not None else None
         resolved_device = resolve_device(cfg.device)
         start_building_ops(resolved_device)  # a first run's compile overlaps the model's loading
 
@@ -93,6 +97,8 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator] = {}  # one per sequence id
         self._seq_counter = itertools.count()
         self._request_counter = itertools.count()
+        if self.trace is not None:
+            self.add_observer(self.trace)
 
     # -- facts kept in one place -----------------------------------------------------------------
     @property
@@ -227,11 +233,14 @@ class LLMEngine:
         self._observers.remove(fn)
 
     is_shut_down = False  # (shutdown sets it on the instance)
+    trace: StepTrace | None = None
 
     def shutdown(self) -> None:
         """Give back the model, KV and swap pools, CUDA graphs, worker processes, a draft model
         and on CUDA torch's cached blocks (also at collection). Twice is fine; steps then raise."""
         self.is_shut_down = True
+        if self.trace is not None:
+            self.trace.close()
         self.speculator = NoSpeculator()  # (drops a draft model's weights and cache, if any)
         self.worker.shutdown()
 
@@ -281,7 +290,7 @@ class LLMEngine:
         self.stats.count_times(t)
         if self._observers:
             snap = StepSnapshot.of_step(outs, finished + ended, self.scheduler, self.stats,
-                                        self.speculator.last_step)
+                                        self.speculator.last_step, t)
             for fn in list(self._observers):
                 fn(snap)
         touched = {g.request_id: g for g in outs.scheduled_seq_groups + ended}

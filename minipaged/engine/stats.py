@@ -129,11 +129,16 @@ class StepSnapshot:
     # "emitted" tokens, the "lookahead_slots" they were written to, "blocks_before"/"_after"
     # the rollback.
     spec: dict = field(default_factory=dict)
+    # The step's clock readings (``time.perf_counter()`` seconds): its start, the end of each
+    # phase (schedule, prepare, model, sample, update); the step trace draws them.
+    times: list[float] = field(default_factory=list)
+    # When each scheduled request arrived (``time.monotonic()`` seconds).
+    arrival_times: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of_step(cls, outs: SchedulerOutputs, finished: list[SequenceGroup],
                 scheduler: Scheduler, stats: EngineStats,
-                spec: dict | None = None) -> StepSnapshot:
+                spec: dict | None = None, times: list[float] | None = None) -> StepSnapshot:
         """The snapshot after a step: copies, so that later steps do not change it.
 
         Args:
@@ -142,6 +147,7 @@ class StepSnapshot:
             scheduler: gives the queues and the pool.
             stats: the engine's counters after the step.
             spec: the step's verifications (``Speculator.last_step``), if any.
+            times: the step's clock readings, if measured.
         """
         return cls(
             step=stats.num_steps,
@@ -157,4 +163,6 @@ class StepSnapshot:
             stats=stats.as_dict(),
             num_batched_tokens=outs.num_batched_tokens,
             spec={k: dict(v) for k, v in (spec or {}).items()},
+            times=list(times or []),
+            arrival_times={g.request_id: g.arrival_time for g in outs.scheduled_seq_groups},
         )

@@ -5,6 +5,8 @@
     POST /v1/chat/completions    messages in, formatted by the tokenizer's chat template
     GET  /health                 200 while the engine loop runs, 500 once it has died
     GET  /metrics                Prometheus text: queues, KV blocks, token and preemption counters
+    GET  /                       the live page: a chat beside the engine's blocks, step by step
+                                 (``live_routes.py``, ``live_feed.py``)
 
 A request passes, in order: the API key (``auth.py``), the body size (``limits.py``), pydantic's
 field checks (``openai_protocol.py``), the server's limits, tokenizing and the engine's own
@@ -28,6 +30,8 @@ from starlette.exceptions import HTTPException
 from minipaged.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from minipaged.entrypoints.auth import APIKeyAuth
 from minipaged.entrypoints.limits import BodySizeLimit, ServerLimits
+from minipaged.entrypoints.live_feed import LiveFeed, LiveOptions
+from minipaged.entrypoints.live_routes import add_live_routes
 from minipaged.entrypoints.metrics import prometheus_text
 from minipaged.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, ChatFormat,
                                                    CompletionFormat, CompletionRequest, describe,
@@ -48,11 +52,13 @@ class ServerOptions:
             no key (anyone who reaches the port may use the engine).
         metrics_public: leave ``/metrics`` open when there is a key.
         limits: what one request may ask (``ServerLimits``).
+        live: the live page's settings (``LiveOptions``); None: no page.
     """
 
     api_key: str | None = None
     metrics_public: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
+    live: LiveOptions | None = field(default_factory=LiveOptions)
 
 
 def build_app(async_engine: AsyncLLMEngine, served_model_name: str,
@@ -78,6 +84,10 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str,
             yield
         finally:
             async_engine.shutdown()
+            # NOTE: closed here: after a SIGTERM uvicorn ends the process by that signal, and no
+            # atexit handler runs
+            if engine.trace is not None:
+                engine.trace.close()
 
     app = FastAPI(title="minipaged", lifespan=lifespan)
     app.state.limits = limits
@@ -103,6 +113,10 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str,
         kind, code = _ERROR_KINDS.get(exc.status_code, ("invalid_request_error", None))
         return JSONResponse(APIError(exc.status_code, str(exc.detail), type=kind,
                                      code=code).body(), status_code=exc.status_code)
+
+    if options.live is not None:
+        app.state.live_feed = LiveFeed(async_engine, options.live)
+        add_live_routes(app, app.state.live_feed, served_model_name, options.api_key is not None)
 
     @app.get("/health")
     async def health():
@@ -204,8 +218,10 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
+        self.app = app
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
                                                      log_level="warning"))
+        _end_live_streams_at_shutdown(app, self._server)
         self._thread = threading.Thread(target=self._server.run, name="minipaged-http",
                                         daemon=True)
         self._thread.start()
@@ -240,5 +256,17 @@ def serve(async_engine: AsyncLLMEngine, served_model_name: str, host: str = "127
     """
     import uvicorn
 
-    uvicorn.run(build_app(async_engine, served_model_name, options), host=host, port=port,
-                log_level=log_level)
+    app = build_app(async_engine, served_model_name, options)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    _end_live_streams_at_shutdown(app, server)
+    server.run()
+
+
+def _end_live_streams_at_shutdown(app: FastAPI, server) -> None:
+    """The live page's streams end as soon as uvicorn starts to shut down.
+
+    NOTE: uvicorn waits for every open response before it shuts down the app, and an event
+    stream never ends by itself: an open page would hold Ctrl-C forever."""
+    feed = getattr(app.state, "live_feed", None)
+    if feed is not None:
+        feed.stopping = lambda: server.should_exit

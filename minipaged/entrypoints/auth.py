@@ -1,6 +1,7 @@
 """API keys: ``minipaged serve --api-key KEY`` (or ``MINIPAGED_API_KEY``) (lesson 13).
 
-With a key, every ``/v1/...`` route (and ``/metrics``, unless ``--metrics-public``) answers only
+With a key, every ``/v1/...`` route, the live page's event stream and controls (and
+``/metrics``, unless ``--metrics-public``) answer only
 a request that carries ``Authorization: Bearer KEY`` -- what the ``openai`` client sends for
 ``OpenAI(api_key=KEY)``. Anything else gets 401 and OpenAI's error body before the request is
 parsed or its body read. ``/health`` stays open, for load balancers and probes.
@@ -33,6 +34,8 @@ def needs_key(path: str, metrics_public: bool) -> bool:
     """Whether a request to ``path`` must carry the API key."""
     if path == "/metrics":
         return not metrics_public
+    if path in ("/live/events", "/live/control"):  # the live page's data (its files hold none)
+        return True
     return path == "/v1" or path.startswith("/v1/")
 
 

@@ -1,13 +1,14 @@
 """The command line.
 
-    minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream] [engine options]
+    minipaged generate "prompt" [--model ...] [--max-tokens ...] [--stream] [--trace FILE]
+                       [engine options]
     minipaged serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [limits]
                     [engine options]
     minipaged demo [--model gemma-3-270m]
 
 Every engine setting (a field of EngineConfig, minipaged/config.py) is a flag of both `generate`
 and `serve`, for example --num-gpu-blocks 64, --tensor-parallel-size 3,
---no-enable-prefix-caching.
+--no-enable-prefix-caching, --trace steps.json (the steps for Perfetto).
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ NOT_FLAGS = {
     "hf_config": "a transformers object",
     "speculative_config": "--speculative-config JSON and its fields' flags, below",
 }
+
+
+# Shorter names some settings' flags also answer to.
+FLAG_ALIASES = {"trace_path": "--trace"}
 
 
 def engine_options() -> list[tuple[str, type, str, object, tuple | None]]:
@@ -69,7 +74,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=None, choices=choices, help=help_text)
+            aliases = [FLAG_ALIASES[name]] if name in FLAG_ALIASES else []
+            group.add_argument(flag, *aliases, type=kind, default=None, choices=choices,
+                               help=help_text)
     add_speculative_options(parser)
 
 
@@ -83,6 +90,13 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
                             "/metrics (default: $MINIPAGED_API_KEY, else no key)")
     group.add_argument("--metrics-public", action="store_true",
                        help="leave /metrics open without the key")
+    group.add_argument("--no-live-page", action="store_true",
+                       help="serve no live page at / (nor its event stream)")
+    group.add_argument("--live-show-text", action="store_true",
+                       help="the live page shows every request's text; by default only token "
+                            "counts and block ownership (other people's chats stay theirs)")
+    group.add_argument("--max-live-streams", type=int, default=None,
+                       help="most live pages open at once (default: 4); one more gets 503")
     for name, help_text in LIMIT_OPTIONS:
         default = getattr(ServerLimits(), name)
         if default is not None:
@@ -97,11 +111,14 @@ def server_options(args):
 
     from minipaged.entrypoints.api_server import ServerOptions
     from minipaged.entrypoints.limits import ServerLimits
+    from minipaged.entrypoints.live_feed import LiveOptions
 
     limits = ServerLimits(**{name: getattr(args, name) for name, _ in LIMIT_OPTIONS
                              if getattr(args, name) is not None})
     api_key = args.api_key if args.api_key is not None else os.environ.get("MINIPAGED_API_KEY")
-    return ServerOptions(api_key or None, args.metrics_public, limits)
+    streams = {} if args.max_live_streams is None else {"max_streams": args.max_live_streams}
+    live = None if args.no_live_page else LiveOptions(show_text=args.live_show_text, **streams)
+    return ServerOptions(api_key or None, args.metrics_public, limits, live)
 
 
 # Speculative decoding (lesson 12): vLLM's --speculative-config JSON, or its fields as flags
@@ -188,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--served-model-name", default=None,
                      help="the name clients pass as 'model' (default: the model argument)")
     srv.add_argument("--log-level", default="info", help="uvicorn's log level")
+    srv.add_argument("--learner", action="store_true",
+                     help="serve the engine built from your saved build-track components, as "
+                          "lesson 16's capstone builds it; names every part still the package's")
     add_server_options(srv)
     add_engine_options(srv)
     args = parser.parse_args(argv)
@@ -213,12 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, **engine_kwargs(args))
         chat = args.chat if args.chat is not None else is_packaged(args.model)
         if args.stream:
-            return _generate_streaming(llm, args.prompts, params, chat)
+            code = _generate_streaming(llm, args.prompts, params, chat)
+            llm.shutdown()  # (closes a --trace file)
+            return code
         if chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts],
                                params, use_tqdm=False)
         else:
             outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        llm.shutdown()  # (closes a --trace file)
     except (ValueError, OSError) as e:
         print(f"minipaged: error: {e}", file=sys.stderr)
         return 2
@@ -228,19 +251,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
-    from minipaged.engine.async_llm_engine import AsyncLLMEngine
     from minipaged.engine.llm_engine import LLMEngine
-    from minipaged.worker.checkpoint import EMBEDDED_MODEL, is_embedded
-    from minipaged.entrypoints.api_server import serve
 
+    if args.learner:
+        import importlib
+
+        # NOTE: found by name: the build track (exercises/) sits above the entrypoints
+        # (docs/ARCHITECTURE.md); it builds the engine from the learner's components and comes
+        # back to run_server
+        return importlib.import_module(LEARNER_MODULE).serve(args)
     try:
         options = server_options(args)  # (first: a bad limit is refused before the model loads)
         engine = LLMEngine(args.model, **engine_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"minipaged: error: {e}", file=sys.stderr)
         return 2
+    return run_server(args, options, engine)
+
+
+LEARNER_MODULE = "minipaged.exercises.served_learner"
+
+
+def run_server(args, options, engine) -> int:
+    """Serve ``engine`` with the server's ``options`` until interrupted."""
+    from minipaged.engine.async_llm_engine import AsyncLLMEngine
+    from minipaged.entrypoints.api_server import serve
+    from minipaged.worker.checkpoint import EMBEDDED_MODEL, is_embedded
+
     name = args.served_model_name or (EMBEDDED_MODEL if is_embedded(args.model) else args.model)
-    print(f"minipaged: serving {name!r} on http://{args.host}:{args.port}/v1 "
+    page = "" if options.live is None else f" (the live page: http://{args.host}:{args.port}/)"
+    print(f"minipaged: serving {name!r} on http://{args.host}:{args.port}/v1{page} "
           f"({engine.block_manager.num_total_gpu_blocks} KV blocks of {engine.block_size} tokens "
           f"on {engine.device}; API key {'required' if options.api_key else 'not required'})",
           flush=True)

@@ -44,6 +44,17 @@ def test_throughput_alternates_pairs_while_a_core_is_kept_busy():
     assert "minipaged chooses per step" in out
 
 
+def test_live_page_benchmark_runs_in_its_small_mode():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/live_page.py", "--small", "--pairs", "1", "--max-tokens",
+         "8", "--num-requests", "4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0 and int(cells[4]) >= 1  # a frame read
+    assert "median with / without" in proc.stdout
+
+
 def test_serving_benchmark_runs_on_a_tiny_model(tmp_path):
     from tiny_models import save_tiny_model
 

@@ -116,6 +116,21 @@ def test_tensor_parallel_flags_reach_the_engine(monkeypatch, tiny_dir, capsys):
     assert "worker_timeout must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
 
 
+def test_generate_trace_writes_the_steps_for_perfetto(tiny_dir, tmp_path, capsys):
+    from trace_reader import read_trace, tracks
+
+    path = tmp_path / "steps.json"
+    code = cli.main(["generate", "Hello", "Hi there", "--model", tiny_dir, "--max-tokens", "4",
+                     "--num-gpu-blocks", "40", "--max-model-len", "200", "--trace", str(path)])
+    assert code == 0, capsys.readouterr().err
+    steps, per_request, counters = tracks(read_trace(path))  # closed: generate shut down
+    assert len(per_request) == 2 and all(e[-1]["name"] == "finished"
+                                         for e in per_request.values())
+    assert [e["name"] for e in steps[:6]] == ["step 1", "schedule", "prepare", "model",
+                                              "sample", "update"]
+    assert counters
+
+
 class _Stdout(io.StringIO):
     """Remembers, for each write, how many engine steps had run."""
 
