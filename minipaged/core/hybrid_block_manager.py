@@ -1,0 +1,162 @@
+"""KV cache groups for hybrid models (Gemma 3: five sliding layers in six, lesson 20): one block
+table per group of layers, all drawn from one shared pool.
+
+A full-attention layer reads a sequence's whole context; a sliding layer only its last window.
+When every layer keeps every block, a sliding layer holds as much as a full one. Here the
+layers are cut into groups of one kind and equal size (``model_shape.kv_groups``), and each
+sequence has one block table per group:
+
+    full group     [ 7  8  9 10 11 12 13 14 15 16]   grows with the sequence
+    sliding group  [ -  -  -  -  -  - 21 22 23 24]   blocks that left the window went back
+    sliding group  [ -  -  -  -  -  - 31 32 33 34]   (- : the dropped marker, read as the sink)
+
+A block of the pool is the K and V of ``block_size`` tokens for as many layers as a group has;
+the worker's cache holds one tensor per place in a group (the i-th layer of every group shares
+tensor i), and a block number belongs to one group at a time, so the groups never overwrite
+each other. Every count (admission, growth, swapping) is the sum over the groups, against
+the one pool: a lone long request can use all of it.
+
+The first group is full attention and is this manager itself (its tables are
+``block_tables``, what readers of a ``BlockSpaceManager`` see); every other group is a
+``BlockSpaceManager`` (another full group) or a ``SlidingWindowBlockManager`` that shares this
+one's allocators. Each operation the scheduler calls runs on every group.
+
+Admitting a prompt asks room for its whole length in every group (a sliding group's prompt cut
+into chunks takes all its blocks: ``core/sliding_window.py``), so a lone request needs as many
+bytes at admission as with every block kept, never more; the room comes back as the window
+slides. Not used (the engine keeps every block in one table, ``engine/cache_setup.py`` says
+when) with prefix caching, speculative decoding, multi-step decode, tensor parallel or CUDA.
+"""
+from __future__ import annotations
+
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.sliding_window import SlidingWindowBlockManager
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class HybridBlockManager(BlockSpaceManager):
+    """One block table per KV cache group, one shared pool.
+
+    Args:
+        windows: each group's window, in ``model_shape.kv_groups``'s order; the first must be
+            None (a full-attention group: this manager's own tables).
+        sink_block: the cache block past the pool that a sliding group's dropped markers stand
+            for (``num_gpu_blocks``: the engine allocates one more).
+        The others: ``BlockSpaceManager``'s; ``num_gpu_blocks`` counts the shared pool's blocks
+        (each of one group's layers). The watermark is kept as whole blocks of every group:
+        ``len(windows)`` times that of a pool of ``num_gpu_blocks // len(windows)``, so that
+        the request checks can count in tokens' blocks (``token_blocks``).
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False, *,
+                 windows: tuple, sink_block: int) -> None:
+        windows = tuple(windows)
+        if not windows or windows[0] is not None:
+            raise ValueError(f"windows {windows}: the first KV cache group must be a full-"
+                             "attention group (None)")
+        if enable_prefix_caching:
+            raise ValueError("KV cache groups do not run with prefix caching; the engine keeps "
+                             "every block in one table instead (engine/cache_setup.py)")
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark, False)
+        self.windows = windows
+        self.sink_block = sink_block
+        num = len(windows)
+        self.watermark_blocks = num * int(watermark * (num_gpu_blocks // num))
+        self.groups: list[BlockSpaceManager] = []  # the groups after the first
+        for window in windows[1:]:
+            group = (BlockSpaceManager(block_size, 0, 0) if window is None else
+                     SlidingWindowBlockManager(block_size, 0, 0, window=window,
+                                               sink_block=sink_block))
+            # NOTE: one pool: every group takes and gives back the same allocators' blocks
+            group.gpu_allocator, group.cpu_allocator = self.gpu_allocator, self.cpu_allocator
+            self.groups.append(group)
+
+    @classmethod
+    def like(cls, other: HybridBlockManager) -> HybridBlockManager:
+        return cls(other.block_size, other.num_total_gpu_blocks, other.num_total_cpu_blocks,
+                   other.watermark, False, windows=other.windows, sink_block=other.sink_block)
+
+    def token_blocks(self, num_blocks: int) -> int:
+        """A number of the pool's blocks, counted in blocks of every group (one block of
+        tokens for the whole model), as the request checks and ``max_model_len`` count."""
+        return num_blocks // len(self.windows)
+
+    # -- admitting a prompt ----------------------------------------------------------------------
+    def num_blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
+        return (super().num_blocks_to_allocate(seq_group)
+                + sum(g.num_blocks_to_allocate(seq_group) for g in self.groups))
+
+    def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
+        cached = super().allocate(seq_group)  # (nothing is cached: no prefix caching)
+        for group in self.groups:
+            group.allocate(seq_group)
+        return cached
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        # NOTE: without prefix caching nothing is named; a sliding group turns a chunked
+        # prompt's markers into blocks here (core/sliding_window.py)
+        super().cache_blocks(seq, num_tokens)
+        for group in self.groups:
+            group.cache_blocks(seq, num_tokens)
+
+    # -- growing ---------------------------------------------------------------------------------
+    def num_blocks_to_append(self, seqs: list[Sequence]) -> int:
+        # (a sliding group's blocks that leave the window are not counted back: an upper bound)
+        return (super().num_blocks_to_append(seqs)
+                + sum(g.num_blocks_to_append(seqs) for g in self.groups))
+
+    def reserve_slot(self, seq: Sequence) -> list[tuple[int, int]]:
+        copies = super().reserve_slot(seq)
+        for group in self.groups:
+            copies += group.reserve_slot(seq)  # block numbers of the one pool: no clash
+        return copies
+
+    def rollback_slots(self, seq: Sequence) -> None:
+        super().rollback_slots(seq)
+        for group in self.groups:
+            group.rollback_slots(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        super().fork(parent, child)
+        for group in self.groups:
+            group.fork(parent, child)
+
+    # -- swapping --------------------------------------------------------------------------------
+    def _physical_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> list:
+        blocks = super()._physical_blocks(seq_group, status)
+        for group in self.groups:
+            blocks += group._physical_blocks(seq_group, status)
+        return blocks
+
+    def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
+        moves = super().swap_in(seq_group)
+        for group in self.groups:
+            moves.update(group._move(seq_group, SequenceStatus.SWAPPED, group._swap_in_block,
+                                     "swap_in"))
+        return moves
+
+    def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
+        moves = super().swap_out(seq_group)  # (checks the CPU room of every group's blocks)
+        for group in self.groups:
+            moves.update(group._move(seq_group, SequenceStatus.RUNNING, group._swap_out_block,
+                                     "swap_out"))
+        return moves
+
+    # -- freeing and reading ---------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        for group in self.groups:
+            group.free(seq)
+
+    def other_group_tables(self, seq: Sequence) -> tuple[list[int], ...]:
+        """The sequence's block tables in the groups after the first (``get_block_table``
+        gives the first's), as the worker reads them: a dropped marker is the sink."""
+        return tuple(g.get_block_table(seq) for g in self.groups)
+
+    def snapshot(self) -> dict:
+        groups = [{"window": w, "block_tables": {
+            seq_id: [-1 if b.block_number < 0 else b.block_number for b in table]
+            for seq_id, table in g.block_tables.items()}}
+            for w, g in zip(self.windows[1:], self.groups)]
+        return {**super().snapshot(), "kv_groups": groups}
