@@ -155,8 +155,24 @@ class HybridBlockManager(BlockSpaceManager):
         return tuple(g.get_block_table(seq) for g in self.groups)
 
     def snapshot(self) -> dict:
-        groups = [{"window": w, "block_tables": {
-            seq_id: [-1 if b.block_number < 0 else b.block_number for b in table]
-            for seq_id, table in g.block_tables.items()}}
-            for w, g in zip(self.windows[1:], self.groups)]
-        return {**super().snapshot(), "kv_groups": groups}
+        """``BlockSpaceManager.snapshot`` with every group's tables: ``kv_groups`` (per group
+        after the first, its window and tables, -1 for a dropped marker), and each block's
+        ``owners`` and ``kv_group`` (0: the first group's) counting every group."""
+        snap = super().snapshot()
+        pools = {device: {b["block_number"]: b for b in snap[f"{device}_blocks"]}
+                 for device in ("gpu", "cpu")}
+        for entries in pools.values():
+            for entry in entries.values():
+                entry["kv_group"] = 0 if entry["owners"] else None
+        groups = []
+        for index, (window, group) in enumerate(zip(self.windows[1:], self.groups), start=1):
+            for seq_id, table in group.block_tables.items():
+                for block in table:
+                    if block.block_number >= 0:  # (not a dropped marker)
+                        entry = pools[block.device.value][block.block_number]
+                        entry["owners"].append(seq_id)
+                        entry["kv_group"] = index
+            groups.append({"window": window, "block_tables": {
+                seq_id: [b.block_number for b in table]
+                for seq_id, table in group.block_tables.items()}})
+        return {**snap, "kv_groups": groups}

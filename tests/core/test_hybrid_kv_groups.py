@@ -152,3 +152,40 @@ def test_a_model_of_one_kind_keeps_todays_path(tmp_path):
     cache = engine.worker.cache_engine
     assert cache.layer_places is None and cache.gpu_cache is cache.gpu_tensors
     assert all(layer.self_attn.kv_group == 0 for layer in engine.worker.model.layers)
+
+
+def test_snapshot_names_every_group_as_owner(gemma3):
+    """Every held block of the pool has its owners and its group in the snapshot (the
+    visualizer's data), whichever group's table holds it."""
+    path, _ = gemma3
+    engine = LLMEngine(path, num_gpu_blocks=64, **SETTINGS)
+    engine.add_request("r", None, SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=8,
+                                                 ignore_eos=True),
+                       prompt_token_ids=list(range(3, 43)))
+    for _ in range(3):
+        engine.step()
+    snap = engine.scheduler.block_snapshot()
+    held = [b for b in snap["gpu_blocks"] if b["ref_count"]]
+    assert held and all(len(b["owners"]) == b["ref_count"] for b in held)
+    assert {b["kv_group"] for b in held} == set(range(6))
+    assert len(snap["kv_groups"]) == 5 and all(g["window"] == 16 for g in snap["kv_groups"])
+    assert all(t[0] == -1 for g in snap["kv_groups"] for t in g["block_tables"].values())
+    engine.abort_request("r")
+    manager = engine.scheduler.block_manager
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+    assert all(not g.block_tables for g in manager.groups)
+
+
+def test_an_8bit_cache_runs_with_groups(gemma3):
+    """int8 K/V (lesson 18): the scales share the groups' tensors too; the same tokens as the
+    every-block engine with the same cache."""
+    path, _ = gemma3
+    prompts = [[3 + (i * 5 + j) % 250 for j in range(30)] for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)] * 3
+    settings = dict(SETTINGS, num_gpu_blocks=64, kv_cache_dtype="int8")
+    got = run(LLMEngine(path, **settings), prompts, params)
+    want = run(LLMEngine(path, kv_cache_groups=False, **settings), prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(
+            b.outputs[0].cumulative_logprob, abs=1e-4)
