@@ -21,17 +21,52 @@ The first group is full attention and is this manager itself (its tables are
 ``BlockSpaceManager`` (another full group) or a ``SlidingWindowBlockManager`` that shares this
 one's allocators. Each operation the scheduler calls runs on every group.
 
+With prefix caching (lesson 11) every group finds its own cached blocks, in the one pool:
+a group's blocks are named with the group in their tokens (``_GroupNames``), so two groups'
+blocks of the same tokens never stand for each other, and a prompt takes from each group only
+as many cached blocks as every group found (the tokens it skips must be in every group's
+cache). A sliding group keeps a prompt's blocks named as they leave its window, as
+``core/sliding_window.py`` does, so that later prompts find the whole chain.
+
 Admitting a prompt asks room for its whole length in every group (a sliding group's prompt cut
 into chunks takes all its blocks: ``core/sliding_window.py``), so a lone request needs as many
 bytes at admission as with every block kept, never more; the room comes back as the window
 slides. Not used (the engine keeps every block in one table, ``engine/cache_setup.py`` says
-when) with prefix caching, speculative decoding, multi-step decode, tensor parallel or CUDA.
+when) with speculative decoding, multi-step decode, tensor parallel or CUDA.
 """
 from __future__ import annotations
 
+from minipaged.block import PhysicalTokenBlock
+from minipaged.core.allocator import BlockAllocator
 from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.sliding_window import SlidingWindowBlockManager
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class _GroupNames:
+    """One group's view of the shared prefix-caching allocator (every other call goes to it):
+    the group is part of the tokens its blocks are named by, and ``cap`` (prompt tokens ->
+    blocks), while set, cuts the prefix a prompt finds to what every group found."""
+
+    def __init__(self, allocator: BlockAllocator, group: int) -> None:
+        self._allocator = allocator
+        self._tag = ("kv cache group", group)
+        self.cap: dict[tuple[int, ...], int] | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._allocator, name)
+
+    def lookup(self, parent: PhysicalTokenBlock | None, token_ids) -> PhysicalTokenBlock | None:
+        return self._allocator.lookup(parent, (self._tag, *token_ids))
+
+    def name_blocks(self, blocks, token_ids) -> None:
+        self._allocator.name_blocks(blocks, [(self._tag, *t) for t in token_ids])
+
+    def longest_cached_prefix(self, token_ids, max_blocks: int) -> list[PhysicalTokenBlock]:
+        if self.cap is not None:
+            max_blocks = min(max_blocks, self.cap.get(tuple(token_ids), max_blocks))
+        # NOTE: the allocator's own loop, run on this view: its lookups take this group's names
+        return type(self._allocator).longest_cached_prefix(self, token_ids, max_blocks)
 
 
 class HybridBlockManager(BlockSpaceManager):
@@ -55,27 +90,29 @@ class HybridBlockManager(BlockSpaceManager):
         if not windows or windows[0] is not None:
             raise ValueError(f"windows {windows}: the first KV cache group must be a full-"
                              "attention group (None)")
-        if enable_prefix_caching:
-            raise ValueError("KV cache groups do not run with prefix caching; the engine keeps "
-                             "every block in one table instead (engine/cache_setup.py)")
-        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark, False)
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                         enable_prefix_caching)
         self.windows = windows
         self.sink_block = sink_block
         num = len(windows)
         self.watermark_blocks = num * int(watermark * (num_gpu_blocks // num))
         self.groups: list[BlockSpaceManager] = []  # the groups after the first
-        for window in windows[1:]:
-            group = (BlockSpaceManager(block_size, 0, 0) if window is None else
-                     SlidingWindowBlockManager(block_size, 0, 0, window=window,
-                                               sink_block=sink_block))
+        for index, window in enumerate(windows[1:], start=1):
+            group = (BlockSpaceManager(block_size, 0, 0, 0.0, enable_prefix_caching)
+                     if window is None else
+                     SlidingWindowBlockManager(block_size, 0, 0, 0.0, enable_prefix_caching,
+                                               window=window, sink_block=sink_block))
             # NOTE: one pool: every group takes and gives back the same allocators' blocks
-            group.gpu_allocator, group.cpu_allocator = self.gpu_allocator, self.cpu_allocator
+            group.gpu_allocator = (_GroupNames(self.gpu_allocator, index)
+                                   if enable_prefix_caching else self.gpu_allocator)
+            group.cpu_allocator = self.cpu_allocator
             self.groups.append(group)
 
     @classmethod
     def like(cls, other: HybridBlockManager) -> HybridBlockManager:
         return cls(other.block_size, other.num_total_gpu_blocks, other.num_total_cpu_blocks,
-                   other.watermark, False, windows=other.windows, sink_block=other.sink_block)
+                   other.watermark, other.enable_prefix_caching, windows=other.windows,
+                   sink_block=other.sink_block)
 
     def token_blocks(self, num_blocks: int) -> int:
         """A number of the pool's blocks, counted in blocks of every group (one block of
@@ -83,15 +120,42 @@ class HybridBlockManager(BlockSpaceManager):
         return num_blocks // len(self.windows)
 
     # -- admitting a prompt ----------------------------------------------------------------------
+    def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
+        """The first group's cached blocks for each waiting sequence, cut to as many as every
+        group found: the tokens a prompt skips must be cached in every group."""
+        found = super().cached_prefix(seq_group)
+        if not self.enable_prefix_caching:
+            return found
+        counts = {seq_id: len(hits) for seq_id, hits in found.items()}
+        for group in self.groups:
+            for seq_id, hits in group.cached_prefix(seq_group).items():
+                counts[seq_id] = min(counts[seq_id], len(hits))
+        return {seq_id: hits[:counts[seq_id]] for seq_id, hits in found.items()}
+
+    def _every_group(self, seq_group: SequenceGroup, call) -> list:
+        """``call(manager)`` for every group's manager, the other groups' prefix hits cut to
+        this group's (``cached_prefix``)."""
+        caps = None
+        if self.enable_prefix_caching:
+            hits = self.cached_prefix(seq_group)
+            caps = {tuple(s.get_token_ids()): len(hits[s.seq_id])
+                    for s in seq_group.get_seqs(SequenceStatus.WAITING)}
+        results = [call(super())]
+        for group in self.groups:
+            if caps is not None:
+                group.gpu_allocator.cap = caps
+            try:
+                results.append(call(group))
+            finally:
+                if caps is not None:
+                    group.gpu_allocator.cap = None
+        return results
+
     def num_blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
-        return (super().num_blocks_to_allocate(seq_group)
-                + sum(g.num_blocks_to_allocate(seq_group) for g in self.groups))
+        return sum(self._every_group(seq_group, lambda m: m.num_blocks_to_allocate(seq_group)))
 
     def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
-        cached = super().allocate(seq_group)  # (nothing is cached: no prefix caching)
-        for group in self.groups:
-            group.allocate(seq_group)
-        return cached
+        return self._every_group(seq_group, lambda m: m.allocate(seq_group))[0]
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         # NOTE: without prefix caching nothing is named; a sliding group turns a chunked

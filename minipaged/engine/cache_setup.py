@@ -108,8 +108,7 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
                   ) -> tuple[KVGroup, ...] | None:
     """The KV cache groups of a hybrid model (sliding and full layers), or None to keep every
     block in one table: for a model of one kind of layer, and (logged once, with the reason)
-    where the groups are not built yet: with ``kv_cache_groups=False``, prefix caching,
-    speculative decoding, multi-step decode, tensor parallel, or a model on CUDA.
+    where the groups are not built yet: with ``kv_cache_groups=False``, speculative decoding, multi-step decode, tensor parallel, or a model on CUDA.
 
     Args:
         cfg: the engine's settings.
@@ -121,8 +120,6 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
         return None  # one kind of layer (or every layer sliding: core/sliding_window.py)
     why_not = [reason for reason, off in (
         ("kv_cache_groups=False", not cfg.kv_cache_groups),
-        ("prefix caching (enable_prefix_caching=False turns them on)",
-         cfg.enable_prefix_caching),
         ("speculative decoding", cfg.speculative_config is not None),
         ("multi-step decode", cfg.num_scheduler_steps > 1),
         ("tensor parallel", cfg.tensor_parallel_size > 1),
@@ -157,6 +154,7 @@ def _init_hybrid(cfg: EngineConfig, worker: Worker, shape: ModelShape, dtype: to
     scheduler_config = SchedulerConfig(cfg.max_num_seqs, budget, max_len, cfg.preemption_mode,
                                        cfg.enable_chunked_prefill)
     manager = HybridBlockManager(cfg.block_size, num_gpu_blocks, num_cpu_blocks, cfg.watermark,
+                                 cfg.enable_prefix_caching,
                                  windows=tuple(g.window for g in groups),
                                  sink_block=num_gpu_blocks)
     return CacheSetup(Scheduler(scheduler_config, manager), num_gpu_blocks, num_cpu_blocks,

@@ -212,6 +212,10 @@ class LocalWorker(Worker):
         self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
                                         kv_cache_dtype, layer_places)
+        if layer_places is not None:  # the layers read each group's tables (models/llama.py)
+            for module in self.model.modules():
+                if hasattr(module, "grouped_cache"):
+                    module.grouped_cache = True
         if use_cuda_graphs and self.device.type == "cuda":  # (lesson 15)
             self.enable_cuda_graphs(max_num_seqs, max_model_len, block_size)
 

@@ -46,9 +46,6 @@ def test_kv_groups_cut_each_kind_into_groups_of_equal_size():
 def test_hybrid_manager_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="first KV cache group must be a full"):
         HybridBlockManager(4, 10, 0, windows=(8, None), sink_block=10)
-    with pytest.raises(ValueError, match="prefix caching"):
-        HybridBlockManager(4, 10, 0, enable_prefix_caching=True, windows=(None, 8),
-                           sink_block=10)
 
 
 @pytest.mark.slow  # (about 35 s on 2 cores: picking prompts with clear greedy paths)
@@ -133,7 +130,6 @@ def test_a_lone_request_of_the_whole_pool_runs(gemma3):
 
 
 @pytest.mark.parametrize("settings", [
-    dict(enable_prefix_caching=True),
     dict(kv_cache_groups=False),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
     dict(num_scheduler_steps=2),
@@ -189,3 +185,16 @@ def test_an_8bit_cache_runs_with_groups(gemma3):
     for a, b in zip(got, want):
         assert a.outputs[0].cumulative_logprob == pytest.approx(
             b.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_one_table_for_every_layer_is_refused_on_a_grouped_cache(gemma3):
+    """Code that drives the model by hand with one block table would write the groups' K/V
+    over each other: the layers refuse a step without each group's tables."""
+    from paged_forward import prefill_meta
+
+    path, _ = gemma3
+    engine = LLMEngine(path, num_gpu_blocks=64, **SETTINGS)
+    meta = prefill_meta([4], [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="group_metas"):
+        engine.worker.model(torch.tensor([5, 6, 7, 8]), torch.arange(4),
+                            engine.worker.cache_engine.gpu_cache, meta)

@@ -2,7 +2,8 @@
 (five sliding layers of window 8 in six, blocks of 4) give the same tokens and logprobs with
 one block table per group (``core/hybrid_block_manager.py``) as with every layer keeping every
 block, from the same memory, through copy-on-write (n = 2 sampling, beam search's forks),
-preemption by swapping or by recompute (a small pool), and chunked prefill; and the invariants
+preemption by swapping or by recompute (a small pool), chunked prefill and prefix caching
+(prompts sharing their starts); and the invariants
 of ``lab/invariants.py`` (every group's tables on the one pool) hold after every step."""
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +24,11 @@ MODES = [  # engine settings a workload runs under (the memory of num_gpu_blocks
     dict(preemption_mode="recompute", num_gpu_blocks=17),
     dict(enable_chunked_prefill=True, max_num_batched_tokens=6, num_gpu_blocks=17),
     dict(enable_chunked_prefill=False, num_gpu_blocks=24),
+    # prefix caching: every group finds its cached blocks (shared prompt starts below)
+    dict(preemption_mode="swap", num_gpu_blocks=17, enable_prefix_caching=True),
+    dict(preemption_mode="recompute", num_gpu_blocks=17, enable_prefix_caching=True),
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=6, num_gpu_blocks=17,
+         enable_prefix_caching=True),
 ]
 
 
@@ -35,9 +41,9 @@ def engines(tmp_path_factory):
 
     def get(mode: int):
         if mode not in made:
-            settings_ = dict(block_size=4, num_cpu_blocks=64, max_model_len=64,
-                             dtype="float32", seed=0, enable_prefix_caching=False,
-                             **MODES[mode])
+            settings_ = {**dict(block_size=4, num_cpu_blocks=64, max_model_len=64,
+                                dtype="float32", seed=0, enable_prefix_caching=False),
+                         **MODES[mode]}
             hybrid = LLMEngine(path, **settings_)
             keeping = LLMEngine(path, kv_cache_groups=False, **settings_)
             assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
@@ -51,16 +57,21 @@ def engines(tmp_path_factory):
 
 token = st.integers(2, 255)
 request = st.fixed_dictionaries({
+    "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens
     "tokens": st.lists(token, min_size=1, max_size=30),
     "max_tokens": st.integers(1, 16), "kind": request_kinds()})
 
 
 @given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4))
-@settings(max_examples=examples(40), deadline=None,
+@settings(max_examples=examples(80), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_kv_cache_groups_change_no_output(engines, mode, reqs):
     hybrid, keeping, watch = engines(mode)
-    prompts = [r["tokens"] for r in reqs]
+    prompts = []
+    for i, r in enumerate(reqs):
+        start = (prompts[r["prefix_of"]][:12]
+                 if r["prefix_of"] is not None and r["prefix_of"] < i else [])
+        prompts.append((start + r["tokens"])[:30])
     params = [params_of_kind(r["kind"], i, r["max_tokens"]) for i, r in enumerate(reqs)]
     got = run(hybrid, prompts, params)
     want = run(keeping, prompts, params)
@@ -92,3 +103,20 @@ def test_a_busy_workload_preempts_and_drops(engines):
         groups = hybrid.scheduler.block_manager.groups
         assert all(g.num_dropped_blocks > 0 for g in groups)
         assert watch.first is None, watch.first
+
+
+def test_prefix_hits_are_found_in_every_group(engines):
+    """Two prompts with the same 24-token start, one after the other: the second takes the
+    first's cached blocks in every group (the sliding groups kept theirs named as they left
+    the window), and its tokens are the every-block engine's."""
+    hybrid, keeping, watch = engines(5)
+    manager = hybrid.scheduler.block_manager
+    start = list(range(50, 74))
+    prompts = [start + [7, 8, 9], start + [11, 12]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    before = manager.num_cached_tokens
+    got = [run(hybrid, [p], params)[0] for p in prompts]
+    want = [run(keeping, [p], params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert manager.num_cached_tokens - before == 24  # six blocks of 4, in every group
+    assert watch.first is None, watch.first
