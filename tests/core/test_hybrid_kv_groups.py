@@ -198,3 +198,36 @@ def test_one_table_for_every_layer_is_refused_on_a_grouped_cache(gemma3):
     with pytest.raises(ValueError, match="group_metas"):
         engine.worker.model(torch.tensor([5, 6, 7, 8]), torch.arange(4),
                             engine.worker.cache_engine.gpu_cache, meta)
+
+
+def test_tensor_parallel_and_cuda_keep_every_block(gemma3):
+    """Without starting ranks or a GPU: the decision alone (engine/cache_setup.py)."""
+    from types import SimpleNamespace
+
+    from minipaged.config import EngineConfig
+    from minipaged.engine.cache_setup import hybrid_groups
+
+    path, hf = gemma3
+    shape = ModelShape.from_hf(hf.config)
+    on_cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert len(hybrid_groups(EngineConfig.from_settings(path), shape, on_cpu)) == 6
+    assert hybrid_groups(EngineConfig.from_settings(path, tensor_parallel_size=2), shape,
+                         on_cpu) is None
+    assert hybrid_groups(EngineConfig.from_settings(path), shape,
+                         SimpleNamespace(device=torch.device("cuda"))) is None
+
+
+def test_a_block_in_two_groups_tables_is_named(gemma3):
+    """lab/invariants.py: a block held by two groups' tables breaks "a block serves one KV
+    cache group" (and its ref count)."""
+    path, _ = gemma3
+    engine = LLMEngine(path, num_gpu_blocks=64, **SETTINGS)
+    engine.add_request("r", None, SamplingParams(max_tokens=4, ignore_eos=True),
+                       prompt_token_ids=list(range(3, 23)))
+    engine.step()
+    manager = engine.scheduler.block_manager
+    (seq_id,) = manager.block_tables
+    manager.groups[0].block_tables[seq_id][-1] = manager.block_tables[seq_id][0]
+    found = {v.invariant for v in check_block_manager(manager)}
+    assert "a block serves one KV cache group" in found
+    assert "ref count = tables holding it" in found
