@@ -65,7 +65,8 @@ def kv_groups(windows: tuple) -> tuple[KVGroup, ...]:
     the same bytes and all groups draw from one pool (vLLM's hybrid KV cache manager does the
     same): Gemma 3 270M's 15 sliding and 3 full layers make one full group and five sliding
     groups of 3 layers; the tiny Gemma 3's 5 and 1 make six groups of one layer. The last
-    group of a kind may have fewer layers. A model with one kind of layer is one group.
+    group of a kind may have fewer layers (its blocks keep the missing layers' room unused).
+    A model with one kind of layer is one group.
 
     Args:
         windows: each layer's sliding window, None for full attention (``layer_windows``).
