@@ -32,7 +32,7 @@ Admitting a prompt asks room for its whole length in every group (a sliding grou
 into chunks takes all its blocks: ``core/sliding_window.py``), so a lone request needs as many
 bytes at admission as with every block kept, never more; the room comes back as the window
 slides. Not used (the engine keeps every block in one table, ``engine/cache_setup.py`` says
-when) with speculative decoding, multi-step decode, tensor parallel or CUDA.
+when) with a draft model, multi-step decode, tensor parallel or CUDA.
 """
 from __future__ import annotations
 

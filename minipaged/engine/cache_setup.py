@@ -108,7 +108,8 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
                   ) -> tuple[KVGroup, ...] | None:
     """The KV cache groups of a hybrid model (sliding and full layers), or None to keep every
     block in one table: for a model of one kind of layer, and (logged once, with the reason)
-    where the groups are not built yet: with ``kv_cache_groups=False``, speculative decoding, multi-step decode, tensor parallel, or a model on CUDA.
+    where the groups are not built yet: with ``kv_cache_groups=False``, a draft model,
+    multi-step decode, tensor parallel, or a model on CUDA.
 
     Args:
         cfg: the engine's settings.
@@ -120,7 +121,8 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
         return None  # one kind of layer (or every layer sliding: core/sliding_window.py)
     why_not = [reason for reason, off in (
         ("kv_cache_groups=False", not cfg.kv_cache_groups),
-        ("speculative decoding", cfg.speculative_config is not None),
+        ("speculative decoding by a draft model", cfg.speculative_config is not None
+         and cfg.speculative_config.method == "draft"),
         ("multi-step decode", cfg.num_scheduler_steps > 1),
         ("tensor parallel", cfg.tensor_parallel_size > 1),
         ("CUDA (not measured there yet)", getattr(worker, "device", None) is not None

@@ -131,7 +131,7 @@ def test_a_lone_request_of_the_whole_pool_runs(gemma3):
 
 @pytest.mark.parametrize("settings", [
     dict(kv_cache_groups=False),
-    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+
     dict(num_scheduler_steps=2),
 ])
 def test_settings_the_groups_do_not_run_with_keep_every_block(gemma3, settings):
@@ -215,6 +215,27 @@ def test_tensor_parallel_and_cuda_keep_every_block(gemma3):
                          on_cpu) is None
     assert hybrid_groups(EngineConfig.from_settings(path), shape,
                          SimpleNamespace(device=torch.device("cuda"))) is None
+    draft = {"method": "draft", "model": path, "num_speculative_tokens": 2}
+    assert hybrid_groups(EngineConfig.from_settings(path, speculative_config=draft), shape,
+                         on_cpu) is None
+
+
+def test_prompt_lookup_speculation_runs_with_groups(gemma3):
+    """n-gram drafts: lookahead slots reserved and rolled back in every group; the tokens are
+    the every-block engine's, and drafts were accepted (the path ran)."""
+    path, _ = gemma3
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    settings = dict(SETTINGS, num_gpu_blocks=64, speculative_config=spec)
+    prompts = [[5, 6, 7, 8] * 9, [9, 10, 11] * 10]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 2
+    hybrid = LLMEngine(path, **settings)
+    assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
+    got = run(hybrid, prompts, params)
+    want = run(LLMEngine(path, kv_cache_groups=False, **settings), prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert hybrid.stats.num_spec_accepted_tokens > 0
+    manager = hybrid.scheduler.block_manager
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
 
 
 def test_a_block_in_two_groups_tables_is_named(gemma3):

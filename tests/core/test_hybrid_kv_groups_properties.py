@@ -2,8 +2,8 @@
 (five sliding layers of window 8 in six, blocks of 4) give the same tokens and logprobs with
 one block table per group (``core/hybrid_block_manager.py``) as with every layer keeping every
 block, from the same memory, through copy-on-write (n = 2 sampling, beam search's forks),
-preemption by swapping or by recompute (a small pool), chunked prefill and prefix caching
-(prompts sharing their starts); and the invariants
+preemption by swapping or by recompute (a small pool), chunked prefill, prefix caching
+(prompts sharing their starts) and speculative decoding by prompt lookup; and the invariants
 of ``lab/invariants.py`` (every group's tables on the one pool) hold after every step."""
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,7 +29,13 @@ MODES = [  # engine settings a workload runs under (the memory of num_gpu_blocks
     dict(preemption_mode="recompute", num_gpu_blocks=17, enable_prefix_caching=True),
     dict(enable_chunked_prefill=True, max_num_batched_tokens=6, num_gpu_blocks=17,
          enable_prefix_caching=True),
+    # speculative decoding by prompt lookup: lookahead slots and their rollback in every group
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+         num_gpu_blocks=20),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+         num_gpu_blocks=20, enable_prefix_caching=True),
 ]
+SINGLE_SEQUENCE_ONLY = (7, 8)  # the modes that run neither n = 2 nor beam search
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +78,8 @@ def test_kv_cache_groups_change_no_output(engines, mode, reqs):
         start = (prompts[r["prefix_of"]][:12]
                  if r["prefix_of"] is not None and r["prefix_of"] < i else [])
         prompts.append((start + r["tokens"])[:30])
-    params = [params_of_kind(r["kind"], i, r["max_tokens"]) for i, r in enumerate(reqs)]
+    params = [params_of_kind("greedy" if mode in SINGLE_SEQUENCE_ONLY else r["kind"], i,
+                             r["max_tokens"]) for i, r in enumerate(reqs)]
     got = run(hybrid, prompts, params)
     want = run(keeping, prompts, params)
     for a, b in zip(got, want):
