@@ -91,6 +91,7 @@ _RULES = {
     "enable_prefix_caching": (_flag, lambda v: True, "True or False"),
     "enable_chunked_prefill": (_flag, lambda v: True, "True or False"),
     "enforce_eager": (_flag, lambda v: True, "True or False"),
+    "kv_cache_groups": (_flag, lambda v: True, "True or False"),
     "cpu_threads": (as_int, lambda v: v >= 1, "None (chosen per step) or an integer >= 1"),
     "num_scheduler_steps": (as_int, lambda v: 1 <= v <= MAX_SCHEDULER_STEPS,
                             f"an integer from 1 to {MAX_SCHEDULER_STEPS}"),
@@ -178,6 +179,10 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, "reuse the cached KV blocks a prompt starts with (lesson 11); outputs are the "
               "same either way")
+    kv_cache_groups: bool = setting(
+        True, "a model with sliding and full layers (Gemma 3, lesson 20): one block table per "
+              "group of layers from one pool, the sliding groups keeping only their window "
+              "(engine/cache_setup.py says the settings that keep every block instead)")
     enforce_eager: bool = setting(
         False, "on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     num_scheduler_steps: int = setting(

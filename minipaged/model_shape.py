@@ -48,6 +48,59 @@ def layer_windows(hf_config) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers whose KV cache one block table serves: one attention kind (their window, None
+    for full attention), ``layers`` their indices."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_groups(windows: tuple) -> tuple[KVGroup, ...]:
+    """The KV cache groups of a model whose layers have these windows (lesson 20): the layers
+    of one window, cut into groups of equal size, full-attention groups first.
+
+    Every group has as many layers as the kind with the fewest, so that a block of any group is
+    the same bytes and all groups draw from one pool (vLLM's hybrid KV cache manager does the
+    same): Gemma 3 270M's 15 sliding and 3 full layers make one full group and five sliding
+    groups of 3 layers; the tiny Gemma 3's 5 and 1 make six groups of one layer. The last
+    group of a kind may have fewer layers (its blocks keep the missing layers' room unused).
+    A model with one kind of layer is one group.
+
+    Args:
+        windows: each layer's sliding window, None for full attention (``layer_windows``).
+    """
+    by_window: dict = {}
+    for layer, window in enumerate(windows):
+        by_window.setdefault(window, []).append(layer)
+    if not by_window:
+        return ()
+    size = min(len(layers) for layers in by_window.values())
+    groups = []
+    for window in sorted(by_window, key=lambda w: (w is not None, w or 0)):
+        layers = by_window[window]
+        groups += [KVGroup(window, tuple(layers[i:i + size]))
+                   for i in range(0, len(layers), size)]
+    return tuple(groups)
+
+
+def layer_kv_groups(windows: tuple) -> tuple[tuple[int, int], ...]:
+    """Per layer: (its KV cache group's index in ``kv_groups``, its place in that group).
+
+    The place is the layer's cache tensor in a hybrid cache: the i-th layer of every group
+    shares one tensor, each block of it used by the group that holds the block.
+
+    Args:
+        windows: each layer's sliding window (``layer_windows``).
+    """
+    where = {}
+    for g, group in enumerate(kv_groups(windows)):
+        for place, layer in enumerate(group.layers):
+            where[layer] = (g, place)
+    return tuple(where[layer] for layer in range(len(windows)))
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int,
                        element_size: int, scale_bytes: int = 0) -> int:
     """KV cache bytes one token occupies: a key and a value vector per kv head, per layer.

@@ -38,6 +38,9 @@ class SequenceRun:
     block_table: list[int]  # the sequence's physical block numbers, in logical order
     sample: bool  # does the last token produce a row of logits?
     is_prompt: bool  # prefill (a prompt or a chunk of one), else a decode
+    # a hybrid model's other KV cache groups (lesson 20): their block tables, in the order of
+    # model_shape.kv_groups after the first (block_table's); empty for a model of one group
+    other_block_tables: tuple = ()
 
     @property
     def end(self) -> int:

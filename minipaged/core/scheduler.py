@@ -323,14 +323,17 @@ class Scheduler:
     def _seq_runs(self, chunks: list[PrefillChunk],
                   decode_groups: list[SequenceGroup]) -> list[SequenceRun]:
         """The step as the worker reads it: tokens, positions and block tables as ints."""
+        # a hybrid model's other KV cache groups (core/hybrid_block_manager.py); else none
+        others = getattr(self.block_manager, "other_group_tables", lambda seq: ())
         runs = [SequenceRun(c.seq_group, list(c.seq_ids), c.seq.get_token_ids()[c.start:c.end],
-                            c.start, self.get_block_table(c.seq), c.sample, True)
+                            c.start, self.get_block_table(c.seq), c.sample, True,
+                            others(c.seq))
                 for c in chunks]
         for seq_group in decode_groups:
             for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
                 runs.append(SequenceRun(seq_group, [seq.seq_id], [seq.get_last_token_id()],
                                         seq.get_len() - 1, self.get_block_table(seq), True,
-                                        False))
+                                        False, others(seq)))
         return runs
 
     def _take_chunks(self, seq_group: SequenceGroup, budget: int,

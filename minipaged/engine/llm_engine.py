@@ -78,8 +78,9 @@ class LLMEngine:
         self.limits = RequestLimits(
             shape.vocab_size, cfg.block_size, self.tokenizer is not None, sc.max_model_len,
             cache.max_model_len_reason, sc.max_num_seqs, sc.max_num_batched_tokens,
-            sc.enable_chunked_prefill, cache.num_gpu_blocks,
-            self.scheduler.pool_counts().watermark_blocks,
+            # (a hybrid model's pool in blocks of every KV cache group: one per block of tokens)
+            sc.enable_chunked_prefill, cache.num_gpu_blocks // cache.num_kv_groups,
+            self.scheduler.pool_counts().watermark_blocks // cache.num_kv_groups,
             cfg.speculative_config is not None)
         eos = eos_token_ids(self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, eos, self.max_model_len)

@@ -40,6 +40,8 @@ INVARIANTS = {
     "a shared block holds the same tokens": "sequences sharing a block hold it at the same place "
                                             "and agree on every computed token up to its end "
                                             "(its K/V depend on all of them)",
+    "a block serves one KV cache group": "a hybrid model's block (lesson 20) is held by the "
+                                         "tables of one KV cache group only",
     "live sequences hold blocks": "every running or swapped sequence has a block table",
     "a group is in one queue": "each request is in one of waiting, running, swapped, once",
     "queue matches status": "the unfinished sequences of a group in the running queue are "
@@ -70,26 +72,40 @@ def _seq_label(bm, seq_id: int) -> str:
 
 
 def check_block_manager(bm) -> list[Violation]:
-    """The invariants of the pools and block tables (the first nine of ``INVARIANTS``).
+    """The invariants of the pools and block tables (the first ten of ``INVARIANTS``).
+
+    A hybrid model's manager (``core/hybrid_block_manager.py``) has more KV cache groups in
+    ``groups``, each with its own tables over the same pool: a block's ref count is then the
+    tables of every group holding it, and one group only may hold it.
 
     Args:
         bm: a ``BlockSpaceManager`` (or one with its ``block_size``, ``block_tables``, ``seqs``,
             ``gpu_allocator`` and ``cpu_allocator``).
     """
     found: list[Violation] = []
-    holders: dict[tuple[Device, int], list[tuple[int, int]]] = {}  # block -> (seq id, index)
-    for seq_id, table in bm.block_tables.items():
-        for index, block in enumerate(table):
-            if block.block_number < 0:
-                continue  # a sliding window's dropped marker (core/sliding_window.py): no block
-            holders.setdefault((block.device, block.block_number), []).append((seq_id, index))
+    managers = [bm] + list(getattr(bm, "groups", []))  # the KV cache groups: one, or more
+    # block -> (seq id, index, group)
+    holders: dict[tuple[Device, int], list[tuple[int, int, int]]] = {}
+    for group, manager in enumerate(managers):
+        for seq_id, table in manager.block_tables.items():
+            for index, block in enumerate(table):
+                if block.block_number < 0:
+                    continue  # a sliding window's dropped marker (core/sliding_window.py)
+                holders.setdefault((block.device, block.block_number), []).append(
+                    (seq_id, index, group))
     for allocator in (bm.gpu_allocator, bm.cpu_allocator):
         found += _check_pool(bm, allocator, holders)
-    for seq_id, table in bm.block_tables.items():
-        found += _check_table(bm, seq_id, table)
+    for manager in managers:
+        for seq_id, table in manager.block_tables.items():
+            found += _check_table(manager, seq_id, table)
     for (device, number), who in holders.items():
-        if len(who) > 1:
-            found += _check_shared(bm, f"{device.value.upper()} block {number}", who)
+        name = f"{device.value.upper()} block {number}"
+        groups = sorted({group for _, _, group in who})
+        if len(groups) > 1:
+            found.append(Violation("a block serves one KV cache group", name,
+                                   f"held by the tables of groups {groups}"))
+        elif len(who) > 1:
+            found += _check_shared(managers[groups[0]], name, [(s, i) for s, i, _ in who])
     return found
 
 
@@ -106,7 +122,7 @@ def _check_pool(bm, allocator, holders) -> list[Violation]:
     for block in allocator.blocks:
         who = holders.get((allocator.device, block.block_number), [])
         name, count = f"{pool} block {block.block_number}", block.ref_count
-        tables = ", ".join(_seq_label(bm, s) for s, _ in who) or "no table"
+        tables = ", ".join(_seq_label(bm, s) for s, *_ in who) or "no table"
         if block.block_number in free_set and (count > 0 or who):
             found.append(Violation("no block both free and held", name,
                                    f"in the free list, with ref count {count}, held by {tables}"))

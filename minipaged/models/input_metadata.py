@@ -21,6 +21,9 @@ class InputMetadata:
         chunk_query_start_loc: (num_chunks + 1,) where each chunk's tokens start in the chunk part.
         chunk_block_tables: (num_chunks, max_blocks) the block table of each chunk's sequence.
         chunk_context_lens: (num_chunks,) tokens in the cache once the chunk is written (its end).
+        group_metas: a hybrid model's other KV cache groups (lesson 20), in the order of
+            ``model_shape.kv_groups`` after the first: the same batch with each group's own
+            ``slot_mapping``, ``block_tables`` and ``chunk_block_tables``; None for one group.
     """
 
     prompt_lens: list[int]
@@ -32,6 +35,14 @@ class InputMetadata:
     chunk_block_tables: torch.Tensor | None = None
     chunk_context_lens: torch.Tensor | None = None
     num_chunk_tokens: int = 0
+    group_metas: list[InputMetadata] | None = None
+
+    def for_group(self, group: int) -> InputMetadata:
+        """The metadata a layer of KV cache group ``group`` reads (this one for group 0, or
+        for every layer of a model of one group)."""
+        if not group or self.group_metas is None:
+            return self
+        return self.group_metas[group - 1]
 
     @property
     def num_fresh_prompt_tokens(self) -> int:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged.kernels import ops
-from minipaged.model_shape import ModelShape
+from minipaged.model_shape import ModelShape, layer_kv_groups
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.models.attention import PagedAttention
 from minipaged.models.parallel_layers import (ColumnParallelLinear, FusedColumns,
@@ -89,6 +89,10 @@ class LlamaAttention(nn.Module):
         windowed = {} if window is None else {"sliding_window": window}
         self.attn = PagedAttention(self.num_heads, self.head_size, scale ** -0.5,
                                    self.num_kv_heads, **windowed)
+        # a hybrid cache (lesson 20) gives each KV cache group its own block tables and slots;
+        # the worker sets grouped_cache when the cache's layers share tensors by group
+        self.kv_group = layer_kv_groups(shape.windows)[layer_idx][0]
+        self.grouped_cache = False
 
     def forward(self, positions, hidden, kv_cache, meta: InputMetadata) -> torch.Tensor:
         T = hidden.shape[0]
@@ -99,6 +103,13 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's D elements
         q, k = self.rotary(positions, q, k)
+        if self.grouped_cache and meta.group_metas is None and kv_cache is not None:
+            # NOTE: one table for every layer would write the groups' K/V over each other
+            raise ValueError("this cache has KV cache groups (kv_cache_groups): the step's "
+                             "InputMetadata needs each group's slots and tables, group_metas "
+                             "(prepare_inputs builds them from the SequenceRuns)")
+        if self.kv_group:  # (a hybrid model's later KV cache groups)
+            meta = meta.for_group(self.kv_group)
         out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, meta)  # (T, H * D)
         return self.o_proj(out)
 

@@ -10,7 +10,7 @@ their ``block_tables`` and context lengths.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -172,8 +172,25 @@ def prepare_inputs(seq_runs: list[SequenceRun], block_size: int, device: torch.d
         chunk_context_lens=chunk_ends_t,
         num_chunk_tokens=sum(chunk_lens),
     )
+    if seq_runs and seq_runs[0].other_block_tables:  # a hybrid model (lesson 20)
+        meta.group_metas = _group_metas(meta, seq_runs, block_size, device, drafts)
     return PreparedInputs(input_ids_t, positions_t, meta, rows, sample_t, computed, chunks,
                           spec_rows)
+
+
+def _group_metas(meta: InputMetadata, seq_runs: list[SequenceRun], block_size: int,
+                 device: torch.device, drafts) -> list[InputMetadata]:
+    """The step's metadata in each KV cache group after the first: the same batch laid out
+    again from each run's table of that group (the order, lengths and rows do not depend on
+    the tables), keeping only what the tables decide: slots and block tables."""
+    metas = []
+    for g in range(len(seq_runs[0].other_block_tables)):
+        runs = [replace(r, block_table=r.other_block_tables[g], other_block_tables=())
+                for r in seq_runs]
+        m = prepare_inputs(runs, block_size, device, drafts).meta
+        metas.append(replace(meta, slot_mapping=m.slot_mapping, block_tables=m.block_tables,
+                             chunk_block_tables=m.chunk_block_tables))
+    return metas
 
 
 _ALIGN = 8  # bytes: every piece starts where an int64 may

@@ -65,7 +65,7 @@ class Worker(ABC):
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
                    use_cuda_graphs: bool = False, max_num_seqs: int = 256,
-                   max_model_len: int = 2048) -> None:
+                   max_model_len: int = 2048, **hybrid) -> None:
         """Allocate the KV pools (once, before the first step).
 
         Args:
@@ -77,6 +77,9 @@ class Worker(ABC):
             use_cuda_graphs: serve decode steps from CUDA graphs where the worker can (lesson
                 15); a worker that cannot (not on CUDA, several processes) runs them eagerly.
             max_num_seqs, max_model_len: size the graphs' static buffers.
+            hybrid: ``layer_places`` for a hybrid model's KV cache groups (lesson 20,
+                ``worker/cache_engine.py``), given only to ``LocalWorker``: the engine keeps
+                every block in one table under tensor parallel (``engine/cache_setup.py``).
         """
 
     @abstractmethod
@@ -196,9 +199,11 @@ class LocalWorker(Worker):
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
                    use_cuda_graphs: bool = False, max_num_seqs: int = 256,
-                   max_model_len: int = 2048) -> None:
+                   max_model_len: int = 2048, layer_places: tuple[int, ...] | None = None
+                   ) -> None:
         if self._on_gpu():  # a clear refusal rather than an out-of-memory error half-way
-            need = num_gpu_blocks * cache_block_bytes(block_size, num_layers, num_kv_heads,
+            num_tensors = num_layers if layer_places is None else max(layer_places) + 1
+            need = num_gpu_blocks * cache_block_bytes(block_size, num_tensors, num_kv_heads,
                                                       head_size, self.dtype, kv_cache_dtype)
             if need > gpu_memory.DeviceMemory.read(self.device).available:
                 raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: the KV pool needs "
@@ -206,7 +211,11 @@ class LocalWorker(Worker):
                                  + gpu_memory.holders_report(self, need))
         self.cache_engine = CacheEngine(num_layers, num_kv_heads, head_size, block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
-                                        kv_cache_dtype)
+                                        kv_cache_dtype, layer_places)
+        if layer_places is not None:  # the layers read each group's tables (models/llama.py)
+            for module in self.model.modules():
+                if hasattr(module, "grouped_cache"):
+                    module.grouped_cache = True
         if use_cuda_graphs and self.device.type == "cuda":  # (lesson 15)
             self.enable_cuda_graphs(max_num_seqs, max_model_len, block_size)
 
@@ -259,6 +268,6 @@ class LocalWorker(Worker):
             return [{"weights": 0, "kv_cache": 0}]
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kv_cache = (0 if self.cache_engine is None else
-                    sum(t.numel() * t.element_size() for kv in self.cache_engine.gpu_cache
+                    sum(t.numel() * t.element_size() for kv in self.cache_engine.gpu_tensors
                         for t in kv))
         return [{"weights": weights, "kv_cache": kv_cache}]

@@ -125,3 +125,13 @@ def test_host_step_benchmark_prints_its_table(k):
     # per decode step: every timed step() ran k of them (else a line says how many)
     assert ("num_scheduler_steps=4" in proc.stdout) == (k == 4)
     assert "decode steps, not" not in proc.stdout
+
+
+def test_hybrid_kv_benchmark_small():
+    proc = subprocess.run([sys.executable, "benchmarks/hybrid_kv.py", "--small"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "| 4,096 | 72.00 MiB | 19.73 MiB | 3.65x |" in out  # Gemma 3 270M's numbers
+    assert "| 32,768 | 576.00 MiB | 103.73 MiB | 5.55x |" in out
+    assert "equal to every block's" in out and "DIFFER" not in out

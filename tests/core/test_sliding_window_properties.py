@@ -15,6 +15,7 @@ from minipaged.core.sliding_window import SlidingWindowBlockManager
 from minipaged.engine.llm_engine import LLMEngine
 from budgets import examples
 from tiny_models import save_tiny_model
+from workloads import params_of_kind, request_kinds, run_to_end as run
 
 pytestmark = pytest.mark.slow
 
@@ -68,21 +69,7 @@ token = st.integers(2, 255)
 request = st.fixed_dictionaries({
     "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens
     "tokens": st.lists(token, min_size=1, max_size=26),
-    "max_tokens": st.integers(1, 16),
-    # greedy; n = 2 seeded sampling (shared prompt blocks, copy-on-write); beam search (forks)
-    "kind": st.sampled_from(["greedy", "sampled", "beam"]),
-})
-
-
-def run(engine, prompts, params):
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), None, p, prompt_token_ids=prompt)
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return [outs[str(i)] for i in range(len(prompts))]
+    "max_tokens": st.integers(1, 16), "kind": request_kinds()})
 
 
 @given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4))
@@ -96,15 +83,7 @@ def test_freeing_out_of_window_blocks_changes_no_output(engines, mode, reqs):
             r["prefix_of"] < i else []
         prompts.append((start + r["tokens"])[:30])  # (n = 2 of 46 tokens fits the pool)
         kind = "greedy" if mode in SINGLE_SEQUENCE_ONLY else r["kind"]
-        if kind == "sampled":
-            params.append(SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=r["max_tokens"],
-                                         ignore_eos=True, logprobs=2))
-        elif kind == "beam":
-            params.append(SamplingParams(n=2, use_beam_search=True, temperature=0,
-                                         max_tokens=r["max_tokens"], ignore_eos=True))
-        else:
-            params.append(SamplingParams(temperature=0, max_tokens=r["max_tokens"],
-                                         ignore_eos=True, logprobs=2))
+        params.append(params_of_kind(kind, i, r["max_tokens"]))
     got = run(freeing, prompts, params)
     want = run(keeping, prompts, params)
     for a, b in zip(got, want):

@@ -1,0 +1,242 @@
+"""KV cache groups for hybrid models (Gemma 3: five sliding layers in six, lesson 20): one block
+table per group of layers, all drawn from one shared pool.
+
+A full-attention layer reads a sequence's whole context; a sliding layer only its last window.
+When every layer keeps every block, a sliding layer holds as much as a full one. Here the
+layers are cut into groups of one kind and equal size (``model_shape.kv_groups``), and each
+sequence has one block table per group:
+
+    full group     [ 7  8  9 10 11 12 13 14 15 16]   grows with the sequence
+    sliding group  [ -  -  -  -  -  - 21 22 23 24]   blocks that left the window went back
+    sliding group  [ -  -  -  -  -  - 31 32 33 34]   (- : the dropped marker, read as the sink)
+
+A block of the pool is the K and V of ``block_size`` tokens for as many layers as a group has;
+the worker's cache holds one tensor per place in a group (the i-th layer of every group shares
+tensor i), and a block number belongs to one group at a time, so the groups never overwrite
+each other. Every count (admission, growth, swapping) is the sum over the groups, against
+the one pool: a lone long request can use all of it.
+
+The first group is full attention and is this manager itself (its tables are
+``block_tables``, what readers of a ``BlockSpaceManager`` see); every other group is a
+``BlockSpaceManager`` (another full group) or a ``SlidingWindowBlockManager`` that shares this
+one's allocators. Each operation the scheduler calls runs on every group.
+
+With prefix caching (lesson 11) every group finds its own cached blocks, in the one pool:
+a group's blocks are named with the group in their tokens (``_GroupNames``), so two groups'
+blocks of the same tokens never stand for each other, and a prompt takes from each group only
+as many cached blocks as every group found (the tokens it skips must be in every group's
+cache). A sliding group keeps a prompt's blocks named as they leave its window, as
+``core/sliding_window.py`` does, so that later prompts find the whole chain.
+
+Admitting a prompt asks room for its whole length in every group (a sliding group's prompt cut
+into chunks takes all its blocks: ``core/sliding_window.py``), so a lone request needs as many
+bytes at admission as with every block kept, never more; the room comes back as the window
+slides. Not used (the engine keeps every block in one table, ``engine/cache_setup.py`` says
+when) with a draft model, multi-step decode, tensor parallel or CUDA.
+"""
+from __future__ import annotations
+
+from minipaged.block import PhysicalTokenBlock
+from minipaged.core.allocator import BlockAllocator
+from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.sliding_window import SlidingWindowBlockManager
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class _GroupNames:
+    """One group's view of the shared prefix-caching allocator (every other call goes to it):
+    the group is part of the tokens its blocks are named by, and ``cap`` (prompt tokens ->
+    blocks), while set, cuts the prefix a prompt finds to what every group found."""
+
+    def __init__(self, allocator: BlockAllocator, group: int) -> None:
+        self._allocator = allocator
+        self._tag = ("kv cache group", group)
+        self.cap: dict[tuple[int, ...], int] | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._allocator, name)
+
+    def lookup(self, parent: PhysicalTokenBlock | None, token_ids) -> PhysicalTokenBlock | None:
+        return self._allocator.lookup(parent, (self._tag, *token_ids))
+
+    def name_blocks(self, blocks, token_ids) -> None:
+        self._allocator.name_blocks(blocks, [(self._tag, *t) for t in token_ids])
+
+    def longest_cached_prefix(self, token_ids, max_blocks: int) -> list[PhysicalTokenBlock]:
+        if self.cap is not None:
+            max_blocks = min(max_blocks, self.cap.get(tuple(token_ids), max_blocks))
+        # NOTE: the allocator's own loop, run on this view: its lookups take this group's names
+        return type(self._allocator).longest_cached_prefix(self, token_ids, max_blocks)
+
+
+class HybridBlockManager(BlockSpaceManager):
+    """One block table per KV cache group, one shared pool.
+
+    Args:
+        windows: each group's window, in ``model_shape.kv_groups``'s order; the first must be
+            None (a full-attention group: this manager's own tables).
+        sink_block: the cache block past the pool that a sliding group's dropped markers stand
+            for (``num_gpu_blocks``: the engine allocates one more).
+        The others: ``BlockSpaceManager``'s; ``num_gpu_blocks`` counts the shared pool's blocks
+        (each of one group's layers). The watermark is kept as whole blocks of every group:
+        ``len(windows)`` times that of a pool of ``num_gpu_blocks // len(windows)``, so that
+        the request checks can count in tokens' blocks (``token_blocks``).
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False, *,
+                 windows: tuple, sink_block: int) -> None:
+        windows = tuple(windows)
+        if not windows or windows[0] is not None:
+            raise ValueError(f"windows {windows}: the first KV cache group must be a full-"
+                             "attention group (None)")
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                         enable_prefix_caching)
+        self.windows = windows
+        self.sink_block = sink_block
+        num = len(windows)
+        self.watermark_blocks = num * int(watermark * (num_gpu_blocks // num))
+        self.groups: list[BlockSpaceManager] = []  # the groups after the first
+        for index, window in enumerate(windows[1:], start=1):
+            group = (BlockSpaceManager(block_size, 0, 0, 0.0, enable_prefix_caching)
+                     if window is None else
+                     SlidingWindowBlockManager(block_size, 0, 0, 0.0, enable_prefix_caching,
+                                               window=window, sink_block=sink_block))
+            # NOTE: one pool: every group takes and gives back the same allocators' blocks
+            group.gpu_allocator = (_GroupNames(self.gpu_allocator, index)
+                                   if enable_prefix_caching else self.gpu_allocator)
+            group.cpu_allocator = self.cpu_allocator
+            self.groups.append(group)
+
+    @classmethod
+    def like(cls, other: HybridBlockManager) -> HybridBlockManager:
+        return cls(other.block_size, other.num_total_gpu_blocks, other.num_total_cpu_blocks,
+                   other.watermark, other.enable_prefix_caching, windows=other.windows,
+                   sink_block=other.sink_block)
+
+    def token_blocks(self, num_blocks: int) -> int:
+        """A number of the pool's blocks, counted in blocks of every group (one block of
+        tokens for the whole model), as the request checks and ``max_model_len`` count."""
+        return num_blocks // len(self.windows)
+
+    # -- admitting a prompt ----------------------------------------------------------------------
+    def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
+        """The first group's cached blocks for each waiting sequence, cut to as many as every
+        group found: the tokens a prompt skips must be cached in every group."""
+        found = super().cached_prefix(seq_group)
+        if not self.enable_prefix_caching:
+            return found
+        counts = {seq_id: len(hits) for seq_id, hits in found.items()}
+        for group in self.groups:
+            for seq_id, hits in group.cached_prefix(seq_group).items():
+                counts[seq_id] = min(counts[seq_id], len(hits))
+        return {seq_id: hits[:counts[seq_id]] for seq_id, hits in found.items()}
+
+    def _every_group(self, seq_group: SequenceGroup, call) -> list:
+        """``call(manager)`` for every group's manager, the other groups' prefix hits cut to
+        this group's (``cached_prefix``)."""
+        caps = None
+        if self.enable_prefix_caching:
+            hits = self.cached_prefix(seq_group)
+            caps = {tuple(s.get_token_ids()): len(hits[s.seq_id])
+                    for s in seq_group.get_seqs(SequenceStatus.WAITING)}
+        results = [call(super())]
+        for group in self.groups:
+            if caps is not None:
+                group.gpu_allocator.cap = caps
+            try:
+                results.append(call(group))
+            finally:
+                if caps is not None:
+                    group.gpu_allocator.cap = None
+        return results
+
+    def num_blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
+        return sum(self._every_group(seq_group, lambda m: m.num_blocks_to_allocate(seq_group)))
+
+    def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
+        return self._every_group(seq_group, lambda m: m.allocate(seq_group))[0]
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        # NOTE: without prefix caching nothing is named; a sliding group turns a chunked
+        # prompt's markers into blocks here (core/sliding_window.py)
+        super().cache_blocks(seq, num_tokens)
+        for group in self.groups:
+            group.cache_blocks(seq, num_tokens)
+
+    # -- growing ---------------------------------------------------------------------------------
+    def num_blocks_to_append(self, seqs: list[Sequence]) -> int:
+        # (a sliding group's blocks that leave the window are not counted back: an upper bound)
+        return (super().num_blocks_to_append(seqs)
+                + sum(g.num_blocks_to_append(seqs) for g in self.groups))
+
+    def reserve_slot(self, seq: Sequence) -> list[tuple[int, int]]:
+        copies = super().reserve_slot(seq)
+        for group in self.groups:
+            copies += group.reserve_slot(seq)  # block numbers of the one pool: no clash
+        return copies
+
+    def rollback_slots(self, seq: Sequence) -> None:
+        super().rollback_slots(seq)
+        for group in self.groups:
+            group.rollback_slots(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        super().fork(parent, child)
+        for group in self.groups:
+            group.fork(parent, child)
+
+    # -- swapping --------------------------------------------------------------------------------
+    def _physical_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> list:
+        blocks = super()._physical_blocks(seq_group, status)
+        for group in self.groups:
+            blocks += group._physical_blocks(seq_group, status)
+        return blocks
+
+    def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
+        moves = super().swap_in(seq_group)
+        for group in self.groups:
+            moves.update(group._move(seq_group, SequenceStatus.SWAPPED, group._swap_in_block,
+                                     "swap_in"))
+        return moves
+
+    def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
+        moves = super().swap_out(seq_group)  # (checks the CPU room of every group's blocks)
+        for group in self.groups:
+            moves.update(group._move(seq_group, SequenceStatus.RUNNING, group._swap_out_block,
+                                     "swap_out"))
+        return moves
+
+    # -- freeing and reading ---------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        for group in self.groups:
+            group.free(seq)
+
+    def other_group_tables(self, seq: Sequence) -> tuple[list[int], ...]:
+        """The sequence's block tables in the groups after the first (``get_block_table``
+        gives the first's), as the worker reads them: a dropped marker is the sink."""
+        return tuple(g.get_block_table(seq) for g in self.groups)
+
+    def snapshot(self) -> dict:
+        """``BlockSpaceManager.snapshot`` with every group's tables: ``kv_groups`` (per group
+        after the first, its window and tables, -1 for a dropped marker), and each block's
+        ``owners`` and ``kv_group`` (0: the first group's) counting every group."""
+        snap = super().snapshot()
+        pools = {device: {b["block_number"]: b for b in snap[f"{device}_blocks"]}
+                 for device in ("gpu", "cpu")}
+        for entries in pools.values():
+            for entry in entries.values():
+                entry["kv_group"] = 0 if entry["owners"] else None
+        groups = []
+        for index, (window, group) in enumerate(zip(self.windows[1:], self.groups), start=1):
+            for seq_id, table in group.block_tables.items():
+                for block in table:
+                    if block.block_number >= 0:  # (not a dropped marker)
+                        entry = pools[block.device.value][block.block_number]
+                        entry["owners"].append(seq_id)
+                        entry["kv_group"] = index
+            groups.append({"window": window, "block_tables": {
+                seq_id: [b.block_number for b in table]
+                for seq_id, table in group.block_tables.items()}})
+        return {**snap, "kv_groups": groups}

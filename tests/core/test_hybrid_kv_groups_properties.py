@@ -1,0 +1,129 @@
+"""KV cache groups change nothing a request sees: whole random workloads on the tiny Gemma 3
+(five sliding layers of window 8 in six, blocks of 4) give the same tokens and logprobs with
+one block table per group (``core/hybrid_block_manager.py``) as with every layer keeping every
+block, from the same memory, through copy-on-write (n = 2 sampling, beam search's forks),
+preemption by swapping or by recompute (a small pool), chunked prefill, prefix caching
+(prompts sharing their starts) and speculative decoding by prompt lookup; and the invariants
+of ``lab/invariants.py`` (every group's tables on the one pool) hold after every step."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minipaged import SamplingParams
+from minipaged.core.hybrid_block_manager import HybridBlockManager
+from minipaged.engine.llm_engine import LLMEngine
+from minipaged.lab.invariants import InvariantObserver
+from minipaged.lab.tiny_families import save_tiny
+from budgets import examples
+from workloads import params_of_kind, request_kinds, run_to_end as run
+
+pytestmark = pytest.mark.slow
+
+MODES = [  # engine settings a workload runs under (the memory of num_gpu_blocks of 6 layers)
+    dict(preemption_mode="swap", num_gpu_blocks=17),
+    dict(preemption_mode="recompute", num_gpu_blocks=17),
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=6, num_gpu_blocks=17),
+    dict(enable_chunked_prefill=False, num_gpu_blocks=24),
+    # prefix caching: every group finds its cached blocks (shared prompt starts below)
+    dict(preemption_mode="swap", num_gpu_blocks=17, enable_prefix_caching=True),
+    dict(preemption_mode="recompute", num_gpu_blocks=17, enable_prefix_caching=True),
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=6, num_gpu_blocks=17,
+         enable_prefix_caching=True),
+    # speculative decoding by prompt lookup: lookahead slots and their rollback in every group
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+         num_gpu_blocks=20),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+         num_gpu_blocks=20, enable_prefix_caching=True),
+]
+SINGLE_SEQUENCE_ONLY = (7, 8)  # the modes that run neither n = 2 nor beam search
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Per mode: (the engine with KV cache groups, the one keeping every block), made once."""
+    path = str(tmp_path_factory.mktemp("gemma3_w8"))
+    save_tiny("gemma3", path, seed=11, sliding_window=8)
+    made = {}
+
+    def get(mode: int):
+        if mode not in made:
+            settings_ = {**dict(block_size=4, num_cpu_blocks=64, max_model_len=64,
+                                dtype="float32", seed=0, enable_prefix_caching=False),
+                         **MODES[mode]}
+            hybrid = LLMEngine(path, **settings_)
+            keeping = LLMEngine(path, kv_cache_groups=False, **settings_)
+            assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
+            watch = InvariantObserver(hybrid)
+            hybrid.add_observer(watch)
+            made[mode] = hybrid, keeping, watch
+        return made[mode]
+
+    return get
+
+
+token = st.integers(2, 255)
+request = st.fixed_dictionaries({
+    "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens
+    "tokens": st.lists(token, min_size=1, max_size=30),
+    "max_tokens": st.integers(1, 16), "kind": request_kinds()})
+
+
+@given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4))
+@settings(max_examples=examples(80), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_kv_cache_groups_change_no_output(engines, mode, reqs):
+    hybrid, keeping, watch = engines(mode)
+    prompts = []
+    for i, r in enumerate(reqs):
+        start = (prompts[r["prefix_of"]][:12]
+                 if r["prefix_of"] is not None and r["prefix_of"] < i else [])
+        prompts.append((start + r["tokens"])[:30])
+    params = [params_of_kind("greedy" if mode in SINGLE_SEQUENCE_ONLY else r["kind"], i,
+                             r["max_tokens"]) for i, r in enumerate(reqs)]
+    got = run(hybrid, prompts, params)
+    want = run(keeping, prompts, params)
+    for a, b in zip(got, want):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4)
+    assert watch.first is None, watch.first
+    manager = hybrid.scheduler.block_manager
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks  # all came back
+    assert manager.get_num_free_cpu_blocks() == manager.num_total_cpu_blocks
+
+
+def test_a_busy_workload_preempts_and_drops(engines):
+    """One workload past the window and the pool: blocks did leave the window, and requests
+    were preempted (the property above is not vacuous)."""
+    for mode in (0, 1):
+        hybrid, keeping, watch = engines(mode)
+        before = hybrid.stats.num_preemptions_recompute + hybrid.stats.num_preemptions_swap
+        prompts = [list(range(3, 31)), list(range(40, 68)), list(range(80, 100)),
+                   list(range(100, 128))]
+        params = [SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=16, ignore_eos=True)
+                  for i in range(4)]
+        got, want = run(hybrid, prompts, params), run(keeping, prompts, params)
+        assert [[o.token_ids for o in r.outputs] for r in got] == \
+            [[o.token_ids for o in r.outputs] for r in want]
+        after = hybrid.stats.num_preemptions_recompute + hybrid.stats.num_preemptions_swap
+        assert after > before
+        groups = hybrid.scheduler.block_manager.groups
+        assert all(g.num_dropped_blocks > 0 for g in groups)
+        assert watch.first is None, watch.first
+
+
+def test_prefix_hits_are_found_in_every_group(engines):
+    """Two prompts with the same 24-token start, one after the other: the second takes the
+    first's cached blocks in every group (the sliding groups kept theirs named as they left
+    the window), and its tokens are the every-block engine's."""
+    hybrid, keeping, watch = engines(5)
+    manager = hybrid.scheduler.block_manager
+    start = list(range(50, 74))
+    prompts = [start + [7, 8, 9], start + [11, 12]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    before = manager.num_cached_tokens
+    got = [run(hybrid, [p], params)[0] for p in prompts]
+    want = [run(keeping, [p], params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert manager.num_cached_tokens - before == 24  # six blocks of 4, in every group
+    assert watch.first is None, watch.first
