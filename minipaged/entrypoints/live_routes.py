@@ -8,7 +8,7 @@
 The page loads nothing else; its chat goes to the server's own ``/v1/chat/completions``. With an
 API key, ``/live/events`` and ``/live/control`` need it like every ``/v1`` route (``auth.py``):
 the page and its files hold no data, and the page asks for the key once and sends it with every
-call. None of these routes are in the OpenAPI schema: they are not part of the API.
+call. Without a key, only this machine may pause or step the engine (``may_control``). None of these routes are in the OpenAPI schema: they are not part of the API.
 """
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ from minipaged.entrypoints.openai_protocol import APIError
 
 STATIC = {"live.js": "text/javascript", "live.css": "text/css"}
 CONTROLS = ("pause", "resume", "step")
+
+
+def may_control(client_host: str | None, needs_key: bool) -> bool:
+    """Whether a client may pause or step the engine. NOTE: a pause stops every client's
+    requests, so on a server without an API key only this machine may (a server listening on
+    0.0.0.0 without a key still lets anyone chat, but not stop the others)."""
+    return needs_key or client_host in ("127.0.0.1", "::1", "localhost") or \
+        (client_host or "").startswith("127.")
 
 
 def _static(name: str) -> str:
@@ -73,6 +81,10 @@ def add_live_routes(app: FastAPI, feed: LiveFeed, served_model_name: str,
             action = None
         if action not in CONTROLS:
             raise APIError(400, f"action must be one of {', '.join(CONTROLS)}", "action")
+        if not may_control(request.client.host if request.client else None, needs_key):
+            raise APIError(403, "without --api-key only this machine may pause or step the "
+                                "engine (it stops every client's requests)",
+                           type="permission_error", code="control_from_afar")
         engine = feed.async_engine
         {"pause": engine.pause, "resume": engine.resume, "step": engine.step_once}[action]()
         return {"action": action}

@@ -273,3 +273,13 @@ def test_a_page_that_paused_the_engine_and_went_away_leaves_it_running(served):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert chat(url, "still there?", max_tokens=3)["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("host,needs_key,allowed", [
+    ("127.0.0.1", False, True), ("::1", False, True), ("127.0.0.5", False, True),
+    ("10.1.2.3", False, False), ("192.168.0.9", False, False), (None, False, False),
+    ("10.1.2.3", True, True)])  # with a key, the key decides (auth.py)
+def test_without_a_key_only_this_machine_may_pause_the_engine(host, needs_key, allowed):
+    from minipaged.entrypoints.live_routes import may_control
+
+    assert may_control(host, needs_key) is allowed
