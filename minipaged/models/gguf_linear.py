@@ -166,7 +166,7 @@ def choose_routine(weight: GGUFWeight, tries: int = 5) -> str:
            build.CPU_OP.ready() is not None)
     name = choices.get(key)
     if name is None:
-        x = torch.randn(1, weight.shape[1])
+        x = torch.randn(1, weight.shape[1], device=weight.blocks.device)
         trials = {}
         for routine in ROUTINES:
             if weight.runs(routine, x):

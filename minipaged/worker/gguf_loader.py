@@ -107,7 +107,8 @@ def load_gguf_weights(model: torch.nn.Module, path: str, hf_config) -> None:
     for module in model.modules():
         if isinstance(module, FusedColumns):
             _fuse(module)
-    build.CPU_OP.load()  # (the routines are chosen with the C++ op where it can be built)
+    if device.type == "cpu":
+        build.CPU_OP.load()  # (the routines are chosen with the C++ op where it can be built)
     for w in quantized_weights(model):
         choose_routine(w)
 

@@ -114,3 +114,15 @@ def test_host_step_benchmark_prints_its_table(k):
     # per decode step: every timed step() ran k of them (else a line says how many)
     assert ("num_scheduler_steps=4" in proc.stdout) == (k == 4)
     assert "decode steps, not" not in proc.stdout
+
+
+def test_gguf_decode_benchmark_runs_on_a_tiny_gguf_file():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gguf_decode.py", "--small", "--repeats", "1",
+         "--llama-cpp"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for system in ("minipaged gguf", "minipaged float32", "transformers"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {system} |"))
+        assert row.rstrip().endswith("| yes |"), row  # the same greedy tokens
+    assert "llama.cpp: not run" in out or "| llama.cpp |" in out

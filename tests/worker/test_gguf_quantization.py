@@ -16,8 +16,8 @@ from minipaged.models.gguf_linear import GGUFWeight
 from minipaged.worker import checkpoint
 from minipaged.worker.gguf_loader import quantized_weights, tensor_bytes
 from paged_forward import teacher_forced_logits
-from tiny_gguf import save_tiny_gguf
-from tiny_models import greedy_reference, pick_prompts, save_tiny_model
+from minipaged.lab.tiny_gguf import save_tiny_gguf
+from tiny_models import greedy_reference, pick_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -38,15 +38,14 @@ def tiny_file(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny_gguf")
-    model = save_tiny_model("llama", folder / "hf", seed=3)
-    path = save_tiny_gguf(folder / "tiny.gguf", model)
+    path, _ = save_tiny_gguf(str(folder), seed=3)
     reference = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="tiny.gguf",
                                                      dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None
     return path, reference
 
 
-SETTINGS = dict(block_size=4, num_gpu_blocks=64, dtype="float32")
+SETTINGS = dict(block_size=4, num_gpu_blocks=64, max_model_len=256, dtype="float32")
 
 
 @pytest.mark.parametrize("routine", [None, "cpp", "int4pack", "dequant"])
@@ -98,8 +97,7 @@ def test_the_model_holds_blocks_not_float32(tiny_file):
 
 
 def test_a_block_format_not_read_is_named_before_any_weight_loads(tmp_path):
-    model = save_tiny_model("llama", tmp_path / "hf", seed=3)
-    path = save_tiny_gguf(tmp_path / "q5.gguf", model, layers="Q5_0")
+    path, _ = save_tiny_gguf(str(tmp_path), seed=3, layers="Q5_0")
     from minipaged.worker import gguf_loader
 
     loads = []

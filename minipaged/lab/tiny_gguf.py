@@ -1,6 +1,7 @@
-"""A tiny random LLaMA written as a GGUF file, as llama.cpp's converter writes one: q and k rows
-in llama.cpp's order, the matrices quantized by the ``gguf`` package (Q4_1 or Q8_0), the norms
-in float32. No tokenizer: tests pass token ids."""
+"""A LLaMA written as a GGUF file, as llama.cpp's converter writes one (issue 58): q and k rows in
+llama.cpp's order, the matrices quantized by the ``gguf`` package (Q4_1, Q8_0, ...), the norms in
+float32, no tokenizer (prompts are token ids). ``save_tiny_gguf`` makes a tiny random one
+(``lab/tiny_families.py``) for tests and ``benchmarks/gguf_decode.py --small``."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,23 @@ def gguf_name(name: str) -> str:
             "lm_head.weight": "output.weight"}[name]
 
 
-def save_tiny_gguf(path, model, layers: str = "Q4_1", embedding: str = "Q8_0") -> str:
-    """Write ``model`` (a transformers LlamaForCausalLM) to the GGUF file ``path``."""
+def save_tiny_gguf(folder, seed: int = 0, layers: str = "Q4_1",
+                   embedding: str = "Q8_0") -> tuple[str, object]:
+    """A tiny random LLaMA as ``folder/tiny.gguf``: (the file's path, the transformers model the
+    file was written from; its weights before quantization)."""
+    import os
+
+    from minipaged.lab.tiny_families import save_tiny
+
+    os.makedirs(os.path.join(folder, "hf"), exist_ok=True)
+    model = save_tiny("llama", os.path.join(folder, "hf"), seed=seed)
+    path = os.path.join(folder, "tiny.gguf")
+    return write_llama_gguf(path, model, layers, embedding), model
+
+
+def write_llama_gguf(path, model, layers: str = "Q4_1", embedding: str = "Q8_0") -> str:
+    """Write ``model`` (a transformers LlamaForCausalLM) to the GGUF file ``path``: its matrices
+    in the format ``layers``, its embedding and output layer in ``embedding``."""
     import gguf
 
     cfg = model.config
