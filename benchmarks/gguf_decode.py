@@ -158,6 +158,7 @@ def main() -> None:
             whole, first, outputs[name] = timed(run, tokens)
             times[name].append((tokens - 1) / (whole - first) if whole > first else
                                float("nan"))  # (a tiny model: the difference is noise)
+            print(f"  {name}: {times[name][-1]:.1f} tokens/s", flush=True)
     baseline = outputs.get("minipaged float32")
     rows = ["| system | decode tokens/s (median) | model's tensors (MB) | tokens = float32's |",
             "|---|---|---|---|"]

@@ -14,7 +14,8 @@ three routines:
   anywhere: the fallback).
 
 Which one runs is measured once per weight shape and format when the model is loaded
-(``choose_routine``), on one input row: a decode step, the step whose time is the weights' bytes.
+(``choose_routine``), on one input row: a decode step, the step whose time is the weights' bytes
+(``dequant`` only where neither other routine runs: it does their work and more).
 (Not per number of rows, as ``cpu_matmul`` does: two layouts of the weights would be held, and
 the memory saved would be lost.) A step of more than ``CPP_MAX_ROWS`` rows (a prompt) runs
 ``dequant`` where ``cpp`` was chosen: BLAS on dequantized tiles is made for many rows.
@@ -168,7 +169,10 @@ def choose_routine(weight: GGUFWeight, tries: int = 5) -> str:
     if name is None:
         x = torch.randn(1, weight.shape[1], device=weight.blocks.device)
         trials = {}
-        for routine in ROUTINES:
+        # ``dequant`` does ``cpp``'s work and more (it writes the float tile and reads it again):
+        # measured only where nothing else runs (a noisy measurement once chose it)
+        candidates = [r for r in ("cpp", "int4pack") if weight.runs(r, x)] or ["dequant"]
+        for routine in candidates:
             if weight.runs(routine, x):
                 trials[routine] = GGUFWeight(weight.blocks, weight.fmt)
                 trials[routine].use(routine)
