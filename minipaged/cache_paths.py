@@ -6,7 +6,10 @@ Everything minipaged writes outside the working tree lives under one root:
 - ``torch_ext/sanitize/``: the sanitizer programs of the CUDA kernels built for the CPU;
 - the embedded model converted from GGUF to safetensors (``worker/checkpoint.py``);
 - ``gguf/`` and ``gemma-3-270m/``: Gemma 3 270M's GGUF file assembled from its package's
-  chunks, and its safetensors copy (``worker/checkpoint.py``).
+  chunks, and its safetensors copy (``worker/checkpoint.py``);
+- ``gguf-converted/`` and ``gguf-metadata/``: a ``.gguf`` file given as the model, converted
+  to safetensors, or only its config and tokenizer for ``quantization="gguf"``, one folder per
+  file (``worker/checkpoint.py``).
 
 The root is ``~/.cache/minipaged`` unless ``$MINIPAGED_CACHE`` names another folder (tests point
 it at a temporary folder so that they never touch the user's cache).

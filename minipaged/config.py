@@ -21,6 +21,7 @@ from minipaged.validation import as_int, as_number, shown
 
 GiB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # what the KV cache holds (lesson 18)
+QUANTIZATIONS = ("gguf",)  # how the weights are held, besides dtype (issue 58)
 DEFAULT_KV_CACHE_BYTES = GiB  # the CPU pool's budget when no kv_cache_bytes is given
 logger = logging.getLogger("minipaged")
 
@@ -101,6 +102,8 @@ _RULES = {
                    "None or a file path"),
     "kv_cache_dtype": (lambda v: v if v in KV_CACHE_DTYPES else None, lambda v: True,
                        "one of " + ", ".join(map(repr, KV_CACHE_DTYPES))),
+    "quantization": (lambda v: v if v in QUANTIZATIONS else None, lambda v: True,
+                     "None or 'gguf'"),
 }
 
 # -- the settings ------------------------------------------------------------------------------
@@ -210,6 +213,12 @@ class EngineConfig:
               "chrome://tracing: a track per request, a slice per step phase, counters of "
               "the KV pool, the queues and the batched tokens (engine/step_trace.py)")
 
+    quantization: str | None = setting(
+        None, "None (the weights in dtype) or gguf: the linear layers and the embedding hold the "
+              "GGUF file's blocks as stored (Q8_0, Q4_1, Q4_K, Q6_K), dequantized inside each "
+              "matmul (models/gguf_linear.py); for the embedded model, gemma-3-270m or a path "
+              "to a .gguf file, on one CPU process", choices=QUANTIZATIONS)
+
     @classmethod
     def from_settings(cls, model: str | None = None, **settings) -> EngineConfig:
         """The config of ``LLMEngine(model, **settings)``; an unknown setting is refused by name.
@@ -242,6 +251,10 @@ class EngineConfig:
             setattr(self, f.name, converted)
         if self.distributed_executor_backend == "ray" and not _ray_installed():
             raise ValueError(RAY_MISSING)
+        if self.quantization == "gguf" and (self.tensor_parallel_size > 1
+                                            or self.load_format != "auto"):
+            raise ValueError("quantization='gguf' reads the GGUF file's weights in one process: "
+                             "it needs tensor_parallel_size=1 and load_format='auto'")
         if self.num_scheduler_steps > 1 and self.speculative_config is not None:
             raise ValueError("num_scheduler_steps > 1 and speculative_config cannot be used "
                              "together: both reserve the lookahead slots of a step; pick one")

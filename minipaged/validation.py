@@ -76,6 +76,18 @@ def as_number(value):
     return value if finite else None
 
 
+def env_choice(variable: str, allowed) -> str | None:
+    """The environment variable ``variable``'s value, one of ``allowed``, or None when unset
+    (a ValueError names the variable and what it may be)."""
+    import os
+
+    value = os.environ.get(variable, "")
+    if value and value not in allowed:
+        raise ValueError(f"{variable} must be one of {sorted(allowed)} (or unset), "
+                         f"got {value!r}")
+    return value or None
+
+
 def shown(value) -> str:
     """``repr(value)`` for an error message, with a huge integer shortened to its magnitude."""
     text = repr(value)

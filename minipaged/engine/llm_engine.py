@@ -60,11 +60,16 @@ class LLMEngine:
         start_building_ops(resolved_device)  # a first run's compile overlaps the model's loading
 
         # -- the model ---------------------------------------------------------------------------
-        source = checkpoint.resolve(cfg.model) if cfg.hf_config is None else cfg.model
+        if cfg.quantization == "gguf":  # the file's blocks as stored (issue 58)
+            source, weights = checkpoint.resolve_quantized(cfg.model)
+            load_format = "gguf"
+        else:
+            source = checkpoint.resolve(cfg.model) if cfg.hf_config is None else cfg.model
+            weights, load_format = source, cfg.load_format
         self.hf_config = cfg.hf_config or checkpoint.load_config(source)
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, resolved_device)
         self.worker: Worker = create_worker(
-            self.hf_config, source, cfg.load_format, self.dtype, resolved_device,
+            self.hf_config, weights, load_format, self.dtype, resolved_device,
             cfg.tensor_parallel_size, cfg.distributed_executor_backend, cfg.worker_timeout,
             cfg.cpu_threads)
         self.tokenizer = (checkpoint.load_tokenizer(source, cfg.tokenizer)

@@ -326,7 +326,9 @@ def _make_cpu_op(job: JitBuild) -> CpuKernels:
     module = compile_extension(
         job, name=f"minipaged_cpu_{capability.lower()}", tag=f"cpu-{capability}",
         sources=[CSRC / "cpu" / n for n in ("attention.cpp", "attention_int8.cpp",
-                                           "attention_fp8.cpp", "linear.cpp", "layers.cpp")],
+                                           "attention_fp8.cpp", "linear.cpp", "gguf_linear.cpp",
+                                           "layers.cpp")],
+        depends=[CSRC / "cpu" / "vec8.h"],
         probe=CPU_OP_PROBE,
         extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
         extra_ldflags=["-fopenmp"])

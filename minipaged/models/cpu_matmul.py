@@ -29,16 +29,19 @@ a 64-token request of SmolLM2 took 3.07 s against 4.73 s with ``F.linear``, 2026
 kernel's order: about 1e-6 of the result's size). On a GPU nothing is measured; the setting
 ``MINIPAGED_LINEAR_FORM=xw`` (or ``wx``, ``onednn``, ``cpp``) fixes the routine on the CPU too
 (``cpp`` where the C++ op is loaded and the tensors are float32; ``F.linear`` otherwise).
+A weight kept as a GGUF file's blocks (``quantization="gguf"``) runs its own routines
+(``models/gguf_linear.py``).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 from minipaged.kernels import build
+from minipaged.models.gguf_linear import GGUFWeight
+from minipaged.validation import env_choice
 
 MAX_ROWS = 1024  # larger steps share one choice, measured on this many rows
 CPP_MAX_ROWS = 256  # ``cpp`` keeps the rows in the cache: a candidate up to this many
@@ -88,11 +91,7 @@ def _bucket(rows: int) -> int:
 
 
 def _forced() -> str | None:
-    form = os.environ.get("MINIPAGED_LINEAR_FORM", "")
-    if form and form not in ROUTINES:
-        raise ValueError(f"MINIPAGED_LINEAR_FORM must be one of {sorted(ROUTINES)} (or unset), "
-                         f"got {form!r}")
-    return form or None
+    return env_choice("MINIPAGED_LINEAR_FORM", ROUTINES)
 
 
 def _fastest(x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -123,6 +122,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         weight: (out, in).
         bias: None or (out,).
     """
+    if isinstance(weight, GGUFWeight):  # a GGUF file's blocks: their own routines
+        out = weight.linear(x)
+        return out if bias is None else out + bias
     name = _forced()
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] == 0 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)  # (autograd: the routines need not all support it)

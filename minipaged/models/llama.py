@@ -29,7 +29,7 @@ from minipaged.models.parallel_layers import (ColumnParallelLinear, FusedColumns
                                               ParallelLMHead, RowParallelLinear,
                                               VocabParallelEmbedding, divide,
                                               get_tensor_parallel_state)
-from minipaged.models.rotary import RotaryEmbedding
+from minipaged.models.rotary import RotaryEmbedding, share_tables
 from minipaged.models.weights import load_checkpoint_weights
 
 
@@ -165,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        share_tables(self)  # (the layers' equal rotary tables: one copy)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
         return self.embed_tokens(input_ids)

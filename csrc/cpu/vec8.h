@@ -1,0 +1,46 @@
+// 8-float vectors and fused multiply-adds, shared by the C++ CPU op's matmul loops (linear.cpp,
+// gguf_linear.cpp).
+//
+// `v8` is a GCC/Clang vector of 8 floats: on AVX2 one register and one instruction per
+// operation, elsewhere the compiler splits it (SSE, NEON).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace minipaged_cpu {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));  // (no alignment assumed)
+  return v;
+}
+
+// a * b + c. NOTE: written out, never left to the compiler: free to fuse a multiply and an add
+// into one instruction (one rounding instead of two), it fused the k % 8 tail in one tile shape
+// and not in another on an AVX-512 Xeon, and a row's result then depended on its batch.
+inline float fma1(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;  // (no fused instruction here: nothing to choose between)
+#endif
+}
+inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#elif defined(__ARM_FEATURE_FMA)
+  v8 r;
+  for (int l = 0; l < 8; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+#else
+  return a * b + c;
+#endif
+}
+
+}  // namespace minipaged_cpu

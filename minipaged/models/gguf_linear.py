@@ -1,0 +1,188 @@
+"""A weight matrix kept as the GGUF file stores it, and its matmul (issue 58).
+
+``GGUFWeight`` holds a linear layer's weight (out, in) as the file's rows of blocks
+(``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q4_K, Q6_K), never as float32: the embedded SmolLM2's
+layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T`` by one of
+three routines:
+
+- ``cpp``: our C++ op (``csrc/cpu/gguf_linear.cpp``) reads the blocks and dequantizes each inside
+  the dot product (Q8_0 and Q4_1, float32 inputs, where the C++ CPU op is loaded);
+- ``int4pack``: torch's weight-only 4-bit kernel (``torch._weight_int4pack_mm_for_cpu``), for
+  Q4_1, whose weights ``d * q + m`` map exactly onto torch's ``(q - 8) * scale + zero`` with
+  ``scale = d`` and ``zero = m + 8 d`` (a copy of the codes in torch's packed layout is made);
+- ``dequant``: the blocks of a tile of rows dequantized in torch, then ``F.linear`` (any format,
+  anywhere: the fallback).
+
+Which one runs is measured once per weight shape and format when the model is loaded
+(``choose_routine``), on one input row: a decode step, the step whose time is the weights' bytes
+(``dequant`` only where neither other routine runs: it does their work and more).
+(Not per number of rows, as ``cpu_matmul`` does: two layouts of the weights would be held, and
+the memory saved would be lost.) A step of more than ``CPP_MAX_ROWS`` rows (a prompt) runs
+``dequant`` where ``cpp`` was chosen: BLAS on dequantized tiles is made for many rows.
+``MINIPAGED_GGUF_ROUTINE`` fixes the routine where it can run.
+
+The routines agree up to float rounding with ``F.linear(x, dequantize())``
+(tests/models/test_gguf_linear.py).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minipaged.kernels import build
+from minipaged.kernels.gguf_blocks import BlockFormat, dequantize
+from minipaged.validation import env_choice
+
+CPP_MAX_ROWS = 256  # more rows than this: BLAS on dequantized tiles
+TILE_ROWS = 512  # weight rows dequantized at once by ``dequant`` (about 1 MB of float32 for 576)
+ROUTINES = ("cpp", "int4pack", "dequant")
+
+# (out, in, format, threads, whether the C++ op is loaded) -> the routine measured fastest
+choices: dict[tuple, str] = {}
+
+
+class GGUFWeight:
+    """A weight (out, in) as rows of GGUF blocks.
+
+    Args:
+        blocks: uint8 (out, bytes per row), each row its ``in / fmt.weights`` blocks.
+        fmt: the block format.
+    """
+
+    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat) -> None:
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % fmt.bytes:
+            raise ValueError(f"{fmt.name} blocks must be uint8 (out, a multiple of {fmt.bytes}"
+                             f" bytes), got {blocks.dtype} {tuple(blocks.shape)}")
+        self.blocks = blocks.contiguous()
+        self.fmt = fmt
+        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // fmt.bytes * fmt.weights))
+        self.routine = "dequant"
+        self._int4 = None  # (packed codes, scales and zeros) once ``int4pack`` is chosen
+
+    def __repr__(self) -> str:
+        return f"GGUFWeight({self.fmt.name}, {tuple(self.shape)}, {self.routine})"
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this weight holds: its blocks, and torch's packed copy where chosen."""
+        return [self.blocks, *(self._int4 or ())]
+
+    def data_ptr(self) -> int:
+        return self.blocks.data_ptr()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 (out, in): the values transformers' GGUF loader produces."""
+        return dequantize(self.blocks, self.fmt)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` dequantized, (len(index), in): an embedding's lookup."""
+        return dequantize(self.blocks.index_select(0, index.reshape(-1)), self.fmt)
+
+    def split_rows(self, sizes: list[int]) -> list[GGUFWeight]:
+        """Consecutive row ranges as weights of their own, views of these blocks."""
+        return [GGUFWeight(part, self.fmt) for part in self.blocks.split(sizes)]
+
+    @staticmethod
+    def cat(weights: list[GGUFWeight]) -> GGUFWeight:
+        """One weight with the rows of ``weights`` in turn (a fused q/k/v or gate/up)."""
+        fmt = weights[0].fmt
+        if any(w.fmt != fmt or w.shape[1] != weights[0].shape[1] for w in weights):
+            raise ValueError("fused GGUF weights must share their format and input size: "
+                             + ", ".join(repr(w) for w in weights))
+        return GGUFWeight(torch.cat([w.blocks for w in weights]), fmt)
+
+    # -- the routines ------------------------------------------------------------------------
+    def runs(self, routine: str, x: torch.Tensor | None = None) -> bool:
+        """Whether ``routine`` can compute this weight's matmul here (for ``x``, if given)."""
+        if routine == "dequant":
+            return True
+        if x is not None and (x.dtype != torch.float32 or x.device.type != "cpu"):
+            return False
+        if routine == "cpp":
+            return self.fmt.name in ("Q8_0", "Q4_1") and build.CPU_OP.ready() is not None
+        if routine == "int4pack":
+            return (self.fmt.name == "Q4_1" and self.shape[0] % 16 == 0  # (torch's layout)
+                    and hasattr(torch, "_weight_int4pack_mm_for_cpu"))
+        return False
+
+    def use(self, routine: str) -> None:
+        """Run ``routine`` from now on (``int4pack`` packs the codes once)."""
+        if routine not in ROUTINES or not self.runs(routine):
+            raise ValueError(f"routine {routine!r} cannot run {self!r} here")
+        if routine == "int4pack" and self._int4 is None:
+            self._int4 = _int4_pack(self.blocks)
+        if routine != "int4pack":
+            self._int4 = None
+        self.routine = routine
+
+    def linear(self, x: torch.Tensor, routine: str | None = None) -> torch.Tensor:
+        """``x W^T`` for x (rows, in) (or (..., in)), float32 out for float32 in."""
+        if x.dim() != 2:
+            return self.linear(x.reshape(-1, x.shape[-1]), routine).reshape(*x.shape[:-1], -1)
+        routine = routine or self.routine
+        if routine == "cpp" and (x.shape[0] > CPP_MAX_ROWS or not self.runs("cpp", x)):
+            routine = "dequant"
+        if routine == "int4pack" and not self.runs("int4pack", x):
+            routine = "dequant"
+        if routine == "cpp":
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            return build.CPU_OP.ready().module.gguf_linear(x, self.blocks, self.fmt.ggml_type)
+        if routine == "int4pack":
+            packed, scales_zeros = self._int4 if self._int4 is not None else _int4_pack(
+                self.blocks)
+            return torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, 32, scales_zeros)
+        tiles = [F.linear(x, dequantize(part, self.fmt).to(x.dtype))
+                 for part in self.blocks.split(TILE_ROWS)]
+        return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+
+
+def _int4_pack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks in torch's 4-bit layout: the packed codes and (groups, out, 2) scales/zeros.
+
+    torch dequantizes ``(q - 8) * scale + zero``; Q4_1's ``d * q + m`` is that with ``scale = d``
+    and ``zero = m + 8 d``."""
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, 20)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # (out, groups)
+    m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    codes = b[..., 4:]
+    q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).reshape(out, -1).to(torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_zeros
+
+
+def _forced() -> str | None:
+    return env_choice("MINIPAGED_GGUF_ROUTINE", ROUTINES)
+
+
+def choose_routine(weight: GGUFWeight, tries: int = 5) -> str:
+    """The routine measured fastest for one input row of ``weight``'s shape (kept per shape)."""
+    forced = _forced()
+    if forced is not None and weight.runs(forced):
+        weight.use(forced)
+        return forced
+    key = (*weight.shape, weight.fmt.name, torch.get_num_threads(),
+           build.CPU_OP.ready() is not None)
+    name = choices.get(key)
+    if name is None:
+        x = torch.randn(1, weight.shape[1], device=weight.blocks.device)
+        trials = {}
+        # ``dequant`` does ``cpp``'s work and more (it writes the float tile and reads it again):
+        # measured only where nothing else runs (a noisy measurement once chose it)
+        candidates = [r for r in ("cpp", "int4pack") if weight.runs(r, x)] or ["dequant"]
+        for routine in candidates:
+            if weight.runs(routine, x):
+                trials[routine] = GGUFWeight(weight.blocks, weight.fmt)
+                trials[routine].use(routine)
+                trials[routine].linear(x)  # (a first run: caches, lazy set-up)
+        best = dict.fromkeys(trials, float("inf"))
+        for _ in range(tries):
+            for routine, trial in trials.items():  # in turn: a load that comes and goes hits all
+                t0 = time.perf_counter()
+                trial.linear(x)
+                best[routine] = min(best[routine], time.perf_counter() - t0)
+        name = choices[key] = min(best, key=best.get)
+    weight.use(name)
+    return name

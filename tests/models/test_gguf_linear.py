@@ -1,0 +1,100 @@
+"""A weight held as GGUF blocks (``models/gguf_linear.py``): every routine (our C++ op, torch's
+4-bit kernel, dequantized tiles) gives ``x W^T`` with W the blocks' dequantized values, up to
+float rounding; the C++ op's row does not depend on the batch; bad blocks are refused by name."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from budgets import examples
+from minipaged.kernels.gguf_blocks import FORMATS
+from minipaged.models import gguf_linear
+from minipaged.models.gguf_linear import GGUFWeight, choose_routine
+
+_HALVES = {"Q8_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # float16 scales
+
+
+def random_weight(name: str, out: int, blocks: int, seed: int) -> GGUFWeight:
+    """Random codes, with finite scales of a weight's size (random bytes would give NaNs)."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (out * blocks, fmt.bytes), dtype=np.uint8)
+    for at in _HALVES[name]:
+        scale = (rng.standard_normal(out * blocks) * 0.05).astype(np.float16)
+        raw[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return GGUFWeight(torch.from_numpy(raw.reshape(out, blocks * fmt.bytes)), fmt)
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    monkeypatch.setattr(gguf_linear, "choices", {})
+    monkeypatch.delenv("MINIPAGED_GGUF_ROUTINE", raising=False)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(name=st.sampled_from(sorted(FORMATS)), out=st.sampled_from([1, 5, 16, 48, 67]),
+       blocks=st.integers(1, 3), rows=st.sampled_from([1, 2, 5, 9, 300]),
+       seed=st.integers(0, 2**16))
+def test_every_routine_gives_the_dequantized_matmul(cpu_op, name, out, blocks, rows, seed):
+    weight = random_weight(name, out, blocks, seed)
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
+    reference = x.double() @ weight.dequantize().double().t()
+    size = (x.double().abs() @ weight.dequantize().double().abs().t()).max()  # the products'
+    ran = [r for r in gguf_linear.ROUTINES if weight.runs(r, x)]
+    assert "dequant" in ran and ("cpp" in ran) == (name in ("Q8_0", "Q4_1"))
+    for routine in ran:
+        got = weight.linear(x, routine)
+        assert got.shape == (rows, out) and got.dtype == torch.float32
+        assert ((got.double() - reference).abs().max() / size).item() < 1e-5, routine
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(name=st.sampled_from(["Q8_0", "Q4_1"]), rows=st.integers(2, 11),
+       seed=st.integers(0, 2**16))
+def test_a_row_s_result_does_not_depend_on_the_batch(cpu_op, name, rows, seed):
+    weight = random_weight(name, 37, 2, seed)
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
+    whole = weight.linear(x, "cpp")
+    for i in range(rows):
+        assert torch.equal(weight.linear(x[i:i + 1], "cpp")[0], whole[i])
+
+
+def test_the_choice_is_measured_once_per_shape_and_kept(cpu_op):
+    a, b = random_weight("Q4_1", 64, 2, 0), random_weight("Q4_1", 64, 2, 1)
+    chosen = choose_routine(a)
+    assert chosen in gguf_linear.ROUTINES and a.routine == chosen
+    assert len(gguf_linear.choices) == 1
+    assert choose_routine(b) == chosen and len(gguf_linear.choices) == 1
+
+
+def test_a_routine_can_be_fixed(cpu_op, monkeypatch):
+    monkeypatch.setenv("MINIPAGED_GGUF_ROUTINE", "dequant")
+    w = random_weight("Q8_0", 16, 1, 0)
+    assert choose_routine(w) == "dequant"
+    monkeypatch.setenv("MINIPAGED_GGUF_ROUTINE", "fast")
+    with pytest.raises(ValueError, match="MINIPAGED_GGUF_ROUTINE must be one of"):
+        choose_routine(w)
+
+
+def test_fused_rows_are_views_and_cat_checks_formats():
+    q, k = random_weight("Q4_1", 8, 2, 0), random_weight("Q4_1", 4, 2, 1)
+    whole = GGUFWeight.cat([q, k])
+    parts = whole.split_rows([8, 4])
+    assert parts[1].data_ptr() == whole.data_ptr() + 8 * whole.blocks.shape[1]
+    assert torch.equal(parts[0].dequantize(), q.dequantize())
+    assert torch.equal(whole.rows(torch.tensor([9, 0])),
+                       torch.stack([k.dequantize()[1], q.dequantize()[0]]))
+    with pytest.raises(ValueError, match="share their format"):
+        GGUFWeight.cat([q, random_weight("Q8_0", 4, 2, 0)])
+
+
+def test_the_cpp_op_refuses_bad_blocks(cpu_op):
+    x, blocks = torch.randn(2, 32), torch.zeros(3, 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="block format 12 is not one this op reads"):
+        cpu_op.module.gguf_linear(x, blocks, 12)
+    with pytest.raises(RuntimeError, match="32 features need 34 bytes of blocks per row, got 20"):
+        cpu_op.module.gguf_linear(x, blocks, 8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_op.module.gguf_linear(torch.randn(2, 31), blocks, 3)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        cpu_op.module.gguf_linear(x.double(), blocks, 3)
