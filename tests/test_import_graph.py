@@ -40,7 +40,7 @@ LAYER_DEPS = {
     "api": {"types", "engine", "entrypoints"},  # minipaged/__init__.py, __main__.py
 }
 TYPES = {"block", "sequence", "sampling_params", "outputs", "validation", "config", "cache_paths",
-         "child_process", "model_shape", "step_record"}
+         "child_process", "model_shape", "step_record", "speculative_config"}
 
 
 def modules() -> dict[str, pathlib.Path]:

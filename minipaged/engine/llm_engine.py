@@ -60,7 +60,7 @@ class LLMEngine:
         start_building_ops(resolved_device)  # a first run's compile overlaps the model's loading
 
         # -- the model ---------------------------------------------------------------------------
-        if cfg.quantization == "gguf":  # the file's blocks as stored (issue 58)
+        if cfg.quantization == "gguf":  # the file's blocks as stored
             source, weights = checkpoint.resolve_quantized(cfg.model)
             load_format = "gguf"
         else:

@@ -1,4 +1,4 @@
-"""GGUF's block formats: how a file stores a weight matrix, and its dequantization in torch (issue 58).
+"""GGUF's block formats: how a file stores a weight matrix, and its dequantization in torch.
 
 A GGUF file stores each row of a weight matrix as consecutive blocks; a block holds a few scales
 and the small integer codes of its weights. The formats minipaged reads:

@@ -1,4 +1,4 @@
-"""A LLaMA written as a GGUF file, as llama.cpp's converter writes one (issue 58): q and k rows in
+"""A LLaMA written as a GGUF file, as llama.cpp's converter writes one: q and k rows in
 llama.cpp's order, the matrices quantized by the ``gguf`` package (Q4_1, Q8_0, ...), the norms in
 float32, no tokenizer (prompts are token ids). ``save_tiny_gguf`` makes a tiny random one
 (``lab/tiny_families.py``) for tests and ``benchmarks/gguf_decode.py --small``."""

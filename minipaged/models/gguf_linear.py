@@ -1,4 +1,4 @@
-"""A weight matrix kept as the GGUF file stores it, and its matmul (issue 58).
+"""A weight matrix kept as the GGUF file stores it, and its matmul.
 
 ``GGUFWeight`` holds a linear layer's weight (out, in) as the file's rows of blocks
 (``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q4_K, Q6_K), never as float32: the embedded SmolLM2's

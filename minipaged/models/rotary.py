@@ -70,10 +70,11 @@ class RotaryEmbedding(nn.Module):
 
 def share_tables(model: nn.Module) -> None:
     """Rotary layers whose tables are equal hold one copy of them: SmolLM2's 30 layers held
-    30 equal tables of 8,192 positions, 126 MB in all, where one takes 4 MB (issue 58)."""
+    30 equal tables of 8,192 positions, 126 MB in all, where one takes 4 MB. A model built on the
+    meta device (shapes only) has no values to compare: nothing is shared."""
     kept: list[RotaryEmbedding] = []
     for module in model.modules():
-        if not isinstance(module, RotaryEmbedding):
+        if not isinstance(module, RotaryEmbedding) or module.cos_cache.is_meta:
             continue
         for first in kept:
             if (first.cos_cache.shape == module.cos_cache.shape

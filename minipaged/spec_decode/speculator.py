@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.config import SpeculativeConfig
+from minipaged.speculative_config import SpeculativeConfig
 from minipaged.core.scheduler import Scheduler
 from minipaged.core.scheduler_outputs import SchedulerOutputs
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus

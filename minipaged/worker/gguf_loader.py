@@ -1,4 +1,4 @@
-"""A LLaMA GGUF file's weights loaded as the file stores them (``quantization="gguf"``, issue 58).
+"""A LLaMA GGUF file's weights loaded as the file stores them (``quantization="gguf"``).
 
 ``load_gguf_weights`` reads the file with the ``gguf`` package's reader and puts each matrix into
 our model as a ``GGUFWeight`` (``models/gguf_linear.py``): its rows of blocks, never float32.
