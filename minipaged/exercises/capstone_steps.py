@@ -83,6 +83,8 @@ def observed(snapshot) -> dict:
     blocks, the queues and the counters."""
     data = dataclasses.asdict(snapshot)
     data["stats"] = {k: v for k, v in data["stats"].items() if not k.startswith("time_")}
+    for clock in ("times", "arrival_times"):  # the step's clock readings, the requests' arrivals
+        data.pop(clock, None)
     return data
 
 
