@@ -58,6 +58,25 @@ _EXTERN_SHARED = re.compile(
     r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([A-Za-z_][\w:]*)\s+(\w+)\s*\[\s*\]\s*;")
 
 
+# paged_attention.cu's other files (one kernel family each): pasted into it before the rewrite,
+# so that their launches and shared arrays are rewritten too
+_PART_INCLUDE = re.compile(r'^#include "(paged_attention_\w+\.cuh)"')
+
+
+def inline_kernel_parts(text: str, path: str) -> str:
+    """``text`` with each ``#include "paged_attention_<part>.cuh"`` line replaced by that file's
+    text (itself inlined), between ``#line`` directives: messages still name the real file and
+    line."""
+    lines = text.split("\n")
+    for i in reversed(range(len(lines))):
+        match = _PART_INCLUDE.match(lines[i])
+        if match:
+            part = Path(path).parent / match.group(1)
+            lines[i:i + 1] = [f'#line 1 "{part}"', inline_kernel_parts(part.read_text(), str(part)),
+                              f'#line {i + 2} "{path}"']
+    return "\n".join(lines)
+
+
 def rewrite_cuda_source(text: str, path: str, drop_barrier: str | None = None) -> str:
     """CUDA source -> host C++ for ``cuda_on_cpu.h``, with the same line numbers.
 
@@ -70,7 +89,9 @@ def rewrite_cuda_source(text: str, path: str, drop_barrier: str | None = None) -
     ``kernel<<<grid, block, smem, stream>>>(args)`` becomes
     ``kernel % ::cuda_on_cpu::LaunchConfig(grid, block, smem, stream)(args)`` and
     ``extern __shared__ T name[];`` becomes ``T* const name = ::cuda_on_cpu::dynamic_shared<T>();``.
+    The ``paged_attention_<part>.cuh`` files it includes are pasted in first (``inline_kernel_parts``).
     """
+    text = inline_kernel_parts(text, path)
     text = _LAUNCH.sub(lambda m: f" % ::cuda_on_cpu::LaunchConfig({m.group(1)})", text)
     text = _EXTERN_SHARED.sub(
         lambda m: f"{m.group(1)}* const {m.group(2)} = ::cuda_on_cpu::dynamic_shared<{m.group(1)}>();",

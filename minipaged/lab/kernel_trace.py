@@ -32,7 +32,7 @@ from __future__ import annotations
 
 WARP_SIZE, NUM_WARPS = 32, 4  # the kernel's 128 threads per CUDA block
 SECTOR_BYTES, LINE_BYTES = 32, 128
-# MP_TRACE kinds: the TraceKind enum of csrc/paged_attention.cu
+# MP_TRACE kinds: the TraceKind enum of csrc/paged_attention_common.cuh
 VISIT, KEY_LOAD, LOGIT, MAX, EXP_SUM, LANE_SUM, WARP_SUM, VALUE_LOAD = range(1, 9)
 
 
