@@ -112,9 +112,10 @@ def _param_types(params):
 
 
 def launcher_definitions():
-    """{name: parameter types} of every extern "C" function defined in csrc/*.cu."""
+    """{name: parameter types} of every extern "C" function defined in csrc/*.cu and the
+    kernel parts they include (csrc/*.cuh)."""
     found = {}
-    for source in CU_FILES:
+    for source in [*CU_FILES, *sorted(CSRC.glob("*.cuh"))]:
         text = _strip_comments(source.read_text())
         for name, params in re.findall(r'extern\s+"C"\s+int\s+(\w+)\s*\(([^)]*)\)\s*\{', text):
             found[name] = _param_types(params)
