@@ -75,7 +75,7 @@ FOUND_BY = {
     8: ("", "only live sequences hold blocks"),
     9: ("schedule.num_batched_tokens", "a shared block holds the same tokens"),
     # bugs reported against real engines (exercises/lesson19_reported.py)
-    10: ("", "a shared block holds the same tokens"),
+    10: ("", None),  # the comparison always; the invariant on about 19 seeds in 20 (below)
     11: ("error.crash", None),  # the token without a block: prepare_inputs raises
     12: ("", None),  # a crash, or the ref count the invariant names first
 }
@@ -95,7 +95,9 @@ def test_each_fault_is_found_by_the_tools_on_a_fresh_seed(tiny_llama, fresh, ind
         assert found.field.startswith(field), (seed, str(found))
         if invariant is not None:
             assert watch.first.invariant == invariant, (seed, str(watch.first))
-            assert watch.first.step == found.step or index in (0, 8, 10), (seed, watch.first)
+            assert watch.first.step == found.step or index in (0, 8), (seed, watch.first)
+    if index == 10 and watch.first is not None:  # (a stale name not yet served: none broken)
+        assert watch.first.invariant == "a shared block holds the same tokens", (seed, watch.first)
     if index == 12 and watch.first is not None:
         assert watch.first.invariant == "ref count = tables holding it", (seed, watch.first)
     if index == 2:
