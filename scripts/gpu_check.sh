@@ -49,6 +49,9 @@ mkdir -p "$LOGS"
 # room: tests-gpu 110 -> 95 (75.9 s recorded, 59.9 of them pytest; 19 s for the tests added
 # since), kernel-bench 30 -> 25 (16.0 and 15.8 s; the fused columns since add about 20 batch-1
 # measurements, ~2 s), profile-decode 40 -> 30 (14.5 and 20.1 s; multi-step decode since).
+# 2026-12-06, not yet run on a GPU: tests-gpu gained tests/gpu/test_gguf_gpu.py (quantization="gguf"
+# on CUDA, a tiny file: a few seconds); KV cache groups and the live page add no GPU path (a hybrid
+# model keeps every block on CUDA).
 THROUGHPUT="python3 benchmarks/throughput.py --device cuda --dtype float16 --trace sharegpt \
 --num-requests 200 --prompt-len 4 1024 --output-len 4 1024"
 default_stages() {
