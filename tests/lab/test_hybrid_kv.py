@@ -38,8 +38,8 @@ def test_the_formula_is_what_the_engine_holds(tmp_path):
     group holds a block per 4 tokens, each sliding group at most ``group_blocks``' 5 (4 when
     its window starts a block), as the formula counts it."""
     save_tiny("gemma3", tmp_path, seed=2)
-    engine = LLMEngine(str(tmp_path), block_size=4, num_gpu_blocks=40, max_model_len=128,
-                       dtype="float32", enable_prefix_caching=False)
+    engine = LLMEngine(str(tmp_path), kv_cache_groups=True, block_size=4, num_gpu_blocks=40,
+                       max_model_len=128, dtype="float32", enable_prefix_caching=False)
     manager = engine.scheduler.block_manager
     engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
                        prompt_token_ids=list(range(3, 43)))
