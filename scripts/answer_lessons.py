@@ -178,10 +178,18 @@ def run_lesson(path: Path, env: dict, timeout: int,
                                      resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     client.execute(env=env)
-    errors = [f"cell {i}: {out['ename']}: {out['evalue']}"
+    errors = [f"cell {i}: {out['ename']}: {out['evalue']}{where(out)}"
               for i, cell in enumerate(notebook.cells) if cell.cell_type == "code"
               for out in cell.get("outputs", []) if out.get("output_type") == "error"]
     return notebook, time.perf_counter() - start, errors
+
+
+def where(error_output, frames: int = 8) -> str:
+    """The last lines of an error cell's traceback (colours removed), so that a failure seen
+    once in CI says where it came from."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in error_output.get("traceback", [])]
+    tail = "\n".join(lines).splitlines()[-frames:]
+    return "".join(f"\n    | {line}" for line in tail)
 
 
 def printed(notebook) -> str:
