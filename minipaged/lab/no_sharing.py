@@ -66,3 +66,29 @@ class NoSharingBlockManager(BlockSpaceManager):
         if pairs:
             self._emit("unshare", seq_id=seq.seq_id, pairs=pairs)
         return pairs
+
+
+def peak_blocks(llm, prompt: str, params, manager_class) -> tuple[int, list[str]]:
+    """(the most GPU blocks in use at any step, the texts of its samples) of one request run
+    with a fresh ``manager_class`` in ``llm``'s engine: the same pool, nothing shared with an
+    earlier run. Lesson 03 compares the package's (or the learner's) manager with this file's.
+
+    Args:
+        llm: an ``LLM`` whose engine runs nothing else.
+        prompt: the request's text.
+        params: its ``SamplingParams`` (``n`` samples or beams).
+        manager_class: a ``BlockSpaceManager`` class with ``like``.
+    """
+    engine = llm.llm_engine
+    engine.scheduler.replace_block_manager(manager_class.like(engine.block_manager))
+    in_use: list[int] = []
+
+    def observer(snap) -> None:
+        in_use.append(snap.scheduler["num_gpu_blocks"] - snap.scheduler["num_free_gpu_blocks"])
+
+    engine.add_observer(observer)
+    try:
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        engine.remove_observer(observer)
+    return max(in_use), [c.text for c in out.outputs]

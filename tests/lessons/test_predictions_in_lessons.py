@@ -106,7 +106,7 @@ def predictions_of(path):
 MEASURING = {
     "01": "contiguous = kv_memory.contiguous_waste(trace, capacity)",
     "02": "report = kv_memory.paged_waste(trace, capacity=16384, block_size=block_size)",
-    "03": "shared_peak, shared_texts = peak_blocks(share=True)",
+    "03": "shared_peak, shared_texts = peak_blocks(llm, ",
     "04": 'engine = make_engine("swap")',
     "08": 'engine.add_request("france", "The capital of France is", greedy)',
     "09": "last = [(b, steps_fn(b, 8, [256] * 4)[-1]) for b in budgets]",
