@@ -70,6 +70,23 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
 
+    def serve_in_background(self, served_model_name: str = "minipaged"):
+        """Serve this engine from threads of its own (notebooks): the OpenAI API and the live
+        page at the returned ``BackgroundServer``'s ``url``, until its ``stop()``. With
+        ``learner=True`` the learner's components stay plugged in until then; while it serves,
+        talk to the server, not to ``generate``."""
+        from minipaged.engine.async_llm_engine import AsyncLLMEngine
+        from minipaged.entrypoints.api_server import BackgroundServer, build_app
+
+        plugged = self._plugged()
+        plugged.__enter__()
+        try:
+            return BackgroundServer(build_app(AsyncLLMEngine(self.llm_engine), served_model_name),
+                                    on_stop=lambda: plugged.__exit__(None, None, None))
+        except BaseException:
+            plugged.__exit__(None, None, None)
+            raise
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (``LLMEngine.reset_prefix_cache``): the next prompts are
         computed in full."""

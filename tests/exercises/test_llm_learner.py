@@ -91,3 +91,24 @@ def test_a_component_that_raises_is_named_and_the_finished_outputs_are_kept(lear
 def test_learner_must_be_a_bool(learner_dir, tiny_llama):
     with pytest.raises(TypeError, match="learner must be True or False"):
         LLM(tiny_llama[0], learner="yes", **SETTINGS)
+
+
+def test_served_in_background_the_saved_components_run_until_the_server_stops(learner_dir,
+                                                                                 tiny_llama):
+    import httpx
+
+    workbench.save_component("LLMEngine.step", step_that_counts)
+    llm = LLM(tiny_llama[0], learner=True, **SETTINGS)
+    server = llm.serve_in_background("mine")
+    try:
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "mine", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        assert llm.llm_engine.learner_steps >= 4  # the server's loop ran the saved step
+        assert LLMEngine.step.__module__ == "learner_LLMEngine.step"
+    finally:
+        server.stop()
+    assert LLMEngine.step.__module__ == "minipaged.engine.llm_engine"
+    server.stop()  # a second stop does nothing
+    assert LLMEngine.step.__module__ == "minipaged.engine.llm_engine"
