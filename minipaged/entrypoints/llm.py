@@ -36,7 +36,7 @@ class LLM:
         settings: engine settings by name; an unknown name raises TypeError.
     """
 
-    def __init__(self, model: str | None = None, learner: bool = False, **settings) -> None:
+    def __init__(self, model: str | None = None, *, learner: bool = False, **settings) -> None:
         if not isinstance(learner, bool):
             raise TypeError(f"learner must be True or False, got {learner!r}")
         self.learner_report: str | None = None
