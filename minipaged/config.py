@@ -213,7 +213,8 @@ class EngineConfig:
     trace_path: str | None = setting(
         None, "write every step to this file as Chrome trace-event JSON, for Perfetto or "
               "chrome://tracing: a track per request, a slice per step phase, counters of "
-              "the KV pool, the queues and the batched tokens (engine/step_trace.py)")
+              "the KV pool, the queues and the batched tokens (engine/step_trace.py); a path "
+              "ending in .perfetto-trace or .pftrace gets Perfetto's protobuf format")
 
     quantization: str | None = setting(
         None, "None (the weights in dtype) or gguf: the linear layers and the embedding hold the "

@@ -183,9 +183,10 @@ def test_below_the_teaching_layers_only_these_modules_import_by_name():
     """An import by name (``importlib.import_module``) is invisible to the graph above, so each
     is listed: the optional Gemma package (worker/checkpoint.py), and the two places where the
     server reaches up on purpose, found at run time (docs/ARCHITECTURE.md): the live page's
-    drawing (visualizer/live_page.py) and the learner's engine (exercises/served_learner.py)."""
+    drawing (visualizer/live_page.py) and the learner's engine (exercises/served_learner.py,
+    for ``serve --learner`` and ``LLM(learner=True)``)."""
     allowed = {"minipaged.worker.checkpoint", "minipaged.entrypoints.live_feed",
-               "minipaged.entrypoints.cli"}
+               "minipaged.entrypoints.cli", "minipaged.entrypoints.llm"}
     found = set()
     for module, path in modules().items():
         if layer(module) in ("lab", "exercises", "visualizer"):

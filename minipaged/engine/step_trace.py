@@ -13,6 +13,9 @@ array form (https://ui.perfetto.dev opens it; so does chrome://tracing):
                                        one slice), "preempted (recompute)" / "swapped" (until it
                                        runs again), and an instant "finished"
 
+A path ending in ``.perfetto-trace`` or ``.pftrace`` gets the same events in Perfetto's own
+protobuf format instead (``perfetto_trace.py``).
+
 Times are microseconds of ``time.perf_counter()``, the clock of the step's phases
 (``StepSnapshot.times``); arrivals (``time.monotonic()``) are moved onto it once, at start.
 NOTE: each step's events are written and flushed when the step ends, without the closing
@@ -25,6 +28,7 @@ import atexit
 import json
 import time
 
+from minipaged.engine.perfetto_trace import SUFFIXES, PerfettoEncoder
 from minipaged.engine.stats import StepSnapshot
 
 PHASES = ("schedule", "prepare", "model", "sample", "update")
@@ -39,15 +43,17 @@ class StepTrace:
     """An observer writing each step to ``path`` as trace events (see the module's docstring).
 
     Args:
-        path: the file to write (replaced if it exists).
+        path: the file to write (replaced if it exists): JSON, or Perfetto's protobuf format
+            when it ends in ``.perfetto-trace`` or ``.pftrace``.
 
     Raises:
         ValueError: the file cannot be opened for writing (naming ``trace_path``).
     """
 
     def __init__(self, path: str) -> None:
+        self._proto = PerfettoEncoder() if path.endswith(SUFFIXES) else None
         try:
-            self._file = open(path, "w", encoding="utf-8")
+            self._file = open(path, "wb") if self._proto else open(path, "w", encoding="utf-8")
         except OSError as e:
             raise ValueError(f"trace_path: cannot write the trace to {path!r}: {e}") from None
         self.path = path
@@ -97,7 +103,8 @@ class StepTrace:
                    for rid, (name, since) in self._paused.items()]
         self._paused.clear()
         self._write(events)
-        self._file.write("\n]\n")
+        if self._proto is None:
+            self._file.write("\n]\n")
         self._file.close()
         atexit.unregister(self.close)
 
@@ -184,6 +191,11 @@ class StepTrace:
 
     def _write(self, events: list[dict]) -> None:
         if not events:
+            return
+        if self._proto is not None:
+            self._file.write(self._proto.encode(events))
+            self._file.flush()
+            self.num_events += len(events)
             return
         sep = "[\n" if self.num_events == 0 else ",\n"
         self._file.write(sep + ",\n".join(json.dumps(e, separators=(",", ":"))

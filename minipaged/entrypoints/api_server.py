@@ -213,12 +213,15 @@ class _UnexpectedErrorsAsJSON:
 class BackgroundServer:
     """uvicorn serving ``app`` from a thread, for notebooks and tests: ``with BackgroundServer(app)``.
 
-    ``url`` is where it listens (port 0 picks a free port); ``stop()`` shuts it down."""
+    ``url`` is where it listens (port 0 picks a free port); ``stop()`` shuts it down, then calls
+    ``on_stop`` (once)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 on_stop=None) -> None:
         import uvicorn
 
         self.app = app
+        self._on_stop = on_stop
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
                                                      log_level="warning"))
         _end_live_streams_at_shutdown(app, self._server)
@@ -237,6 +240,9 @@ class BackgroundServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(30)
+        on_stop, self._on_stop = self._on_stop, None
+        if on_stop is not None:
+            on_stop()
 
     def __enter__(self) -> BackgroundServer:
         return self

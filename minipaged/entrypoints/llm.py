@@ -1,6 +1,9 @@
 """``LLM``: generate text for a list of prompts in one call (lesson 08, vLLM's offline API)."""
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import torch
 from tqdm.auto import tqdm
 
@@ -20,14 +23,40 @@ class LLM:
     Prefix caching is on by default: prompts that start like earlier ones reuse their cached KV
     blocks (lesson 11); ``enable_prefix_caching=False`` turns it off.
 
+    ``LLM(learner=True)`` is the learner's engine (lesson 16), as ``minipaged serve --learner``
+    builds it: the package's engine with every component the learner saved plugged in during
+    each call, ``learner_report`` naming each part still the package's. A learner's component
+    that raises is named in the error (``LearnerComponentError``), whose ``outputs`` keep the
+    requests of that call that had finished (None for the others, which are aborted).
+
     Args:
         model: a Hugging Face id, a local ``save_pretrained`` directory, or None for the
             embedded model.
+        learner: build the engine from the learner's saved components.
         settings: engine settings by name; an unknown name raises TypeError.
     """
 
-    def __init__(self, model: str | None = None, **settings) -> None:
-        self.llm_engine = LLMEngine(model, **settings)
+    def __init__(self, model: str | None = None, *, learner: bool = False, **settings) -> None:
+        if not isinstance(learner, bool):
+            raise TypeError(f"learner must be True or False, got {learner!r}")
+        self.learner_report: str | None = None
+        self._learner = None  # (exercises/served_learner.py, the learner's components)
+        if learner:
+            # NOTE: found by name: the build track (exercises/) sits above the entrypoints
+            # (docs/ARCHITECTURE.md)
+            served = importlib.import_module(LEARNER_MODULE)
+            found, self.learner_report = served.learner_parts()
+            self._learner = (served, found)
+            print(f"minipaged: {self.learner_report}", flush=True)
+        with self._plugged():
+            self.llm_engine = LLMEngine(model, **settings)
+
+    def _plugged(self):
+        """The learner's components in the engine for the block (``learner=True``)."""
+        if self._learner is None:
+            return contextlib.nullcontext()
+        served, found = self._learner
+        return served.plugged(found)
 
     def shutdown(self) -> None:
         """Give the engine's memory back now (model, KV pools, CUDA graphs, worker processes;
@@ -40,6 +69,23 @@ class LLM:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+    def serve_in_background(self, served_model_name: str = "minipaged"):
+        """Serve this engine from threads of its own (notebooks): the OpenAI API and the live
+        page at the returned ``BackgroundServer``'s ``url``, until its ``stop()``. With
+        ``learner=True`` the learner's components stay plugged in until then; while it serves,
+        talk to the server, not to ``generate``."""
+        from minipaged.engine.async_llm_engine import AsyncLLMEngine
+        from minipaged.entrypoints.api_server import BackgroundServer, build_app
+
+        plugged = self._plugged()
+        plugged.__enter__()
+        try:
+            return BackgroundServer(build_app(AsyncLLMEngine(self.llm_engine), served_model_name),
+                                    on_stop=lambda: plugged.__exit__(None, None, None))
+        except BaseException:
+            plugged.__exit__(None, None, None)
+            raise
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (``LLMEngine.reset_prefix_cache``): the next prompts are
@@ -58,6 +104,10 @@ class LLM:
         Every prompt is checked before any is queued, so a bad prompt raises ValueError and
         nothing else of this call has started.
         """
+        with self._plugged():
+            return self._generate(prompts, sampling_params, prompt_token_ids, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, prompt_token_ids, use_tqdm):
         if prompts is None and prompt_token_ids is None:
             raise ValueError("give prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -143,15 +193,24 @@ class LLM:
                             and output.request_id not in done:
                         done[output.request_id] = output
                         bar.update(1)
-        except BaseException:
+        except BaseException as error:
             for request_id in wanted - set(done):  # leave the engine clean for the next call
-                engine.abort_request(request_id)
+                with contextlib.suppress(Exception):  # (a learner's scheduler may raise again)
+                    engine.abort_request(request_id)
+            if self._learner is not None and isinstance(error,
+                                                        self._learner[0].LearnerComponentError):
+                error.outputs = [done.get(r) for r in request_ids]
+                error.add_note(f"{len(done)} of {len(request_ids)} requests had finished "
+                               f"before it: their outputs are in this error's .outputs")
             raise
         finally:
             bar.close()
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         return [done[r] for r in request_ids]
+
+
+LEARNER_MODULE = "minipaged.exercises.served_learner"
 
 
 def _token_id_lists(prompt_token_ids) -> list:

@@ -1,4 +1,5 @@
-"""The learner's engine, served: ``minipaged serve --learner`` (lesson 16).
+"""The learner's engine, served: ``minipaged serve --learner`` (lesson 16), and in-process as
+``LLM(learner=True)``.
 
 The engine is built as the capstone builds it: the package's ``LLMEngine`` with every component
 the learner saved plugged into its slots (``workbench.collect``, ``workbench.plugged_in``); the
@@ -8,7 +9,8 @@ components with nothing saved, or whose saved file no longer loads, stay the pac
 A learner's component that raises while serving is named: the exception becomes a
 ``LearnerComponentError`` ("your Scheduler (lesson 04) raised ..."), the engine loop stops with
 that message, and every open request, ``/health``, the log and the live page say it; the server
-never hangs.
+never hangs. ``LLM(learner=True)`` plugs the components in during each of its calls only
+(``plugged``), raises the same error, and keeps the outputs that finished before it.
 """
 from __future__ import annotations
 
@@ -82,14 +84,29 @@ def what_runs(found: dict, missing: list[str], broken: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def learner_parts() -> tuple[dict[str, object], str]:
+    """(the learner's saved components that load, by name; ``what_runs``), collected as the
+    capstone collects them."""
+    names = [n for n in capstone_runs.capstone_names() if n not in LEFT_OUT]
+    found, missing, broken = capstone.collect(names)
+    return found, what_runs(found, missing, broken)
+
+
+@contextlib.contextmanager
+def plugged(found: dict[str, object]) -> Iterator[None]:
+    """Inside the block the engine runs ``found`` (``learner_parts``), each of them named
+    when it raises; the package's own come back when the block ends."""
+    with blaming(found) as wrapped, workbench.plugged_in(objects=wrapped, quiet=True):
+        yield
+
+
 @contextlib.contextmanager
 def learner_engine(model: str | None = None, **settings) -> Iterator[tuple[LLMEngine, str]]:
     """(an ``LLMEngine`` with the learner's saved components plugged in, ``what_runs``);
     the package's own come back when the block ends."""
-    names = [n for n in capstone_runs.capstone_names() if n not in LEFT_OUT]
-    found, missing, broken = capstone.collect(names)
-    with blaming(found) as wrapped, workbench.plugged_in(objects=wrapped, quiet=True):
-        yield LLMEngine(model, **settings), what_runs(found, missing, broken)
+    found, report = learner_parts()
+    with plugged(found):
+        yield LLMEngine(model, **settings), report
 
 
 def serve(args) -> int:

@@ -1,21 +1,45 @@
-"""The step trace (``trace_path``): read back by ``trace_reader`` (written from the
-trace-event format's documented fields, never from the writer's code) and checked against the
-engine's own stats and the snapshots its observers saw (lesson 15).
+"""The step trace (``trace_path``), in both its formats, read back by readers that are not the
+writer's and checked against the engine's own stats and the snapshots its observers saw
+(lesson 15): the JSON by ``trace_reader`` (written from the trace-event format's documented
+fields), Perfetto's protobuf format by ``perfetto_reader`` (the `perfetto` package's own
+definitions), and both by Perfetto's trace processor where its binary is on the machine.
 """
+import glob
+import os
 from collections import defaultdict
 
 import pytest
 
 from minipaged import LLM, SamplingParams
+from perfetto_reader import perfetto_tracks, read_packets
 from trace_reader import read_trace, tracks
 
 PHASES = ("schedule", "prepare", "model", "sample", "update")
+COUNTERS = {"KV blocks": ("free", "used"), "sequences": ("running", "waiting", "swapped"),
+            "batched tokens": ("tokens",)}
 
 
-@pytest.fixture(scope="module")
-def traced_run(tiny_llama, tmp_path_factory):
+def read_back(path: str):
+    """(the steps' slices, each request's events, counter name -> its args at each step), from
+    either format."""
+    if path.endswith(".json"):
+        steps, per_request, counters = tracks(read_trace(path))
+        by_name = defaultdict(list)
+        for e in counters:
+            by_name[e["name"]].append(e["args"])
+        return steps, per_request, by_name
+    steps, per_request, series = perfetto_tracks(path)
+    by_name = {}  # a counter track per series ("KV blocks free"), joined back per step
+    for name, keys in COUNTERS.items():
+        columns = [series[name if len(keys) == 1 else f"{name} {key}"] for key in keys]
+        by_name[name] = [dict(zip(keys, row)) for row in zip(*columns)]
+    return steps, per_request, by_name
+
+
+@pytest.fixture(scope="module", params=["steps.json", "steps.perfetto-trace"])
+def traced_run(request, tiny_llama, tmp_path_factory):
     """A run that preempts (a tiny pool), with the trace and an observer keeping each snapshot."""
-    path = str(tmp_path_factory.mktemp("trace") / "steps.json")
+    path = str(tmp_path_factory.mktemp("trace") / request.param)
     llm = LLM(tiny_llama[0], block_size=4, num_gpu_blocks=10, watermark=0.0, max_model_len=40,
               max_num_batched_tokens=16, trace_path=path)
     snaps = []
@@ -23,15 +47,17 @@ def traced_run(tiny_llama, tmp_path_factory):
     prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10 + i] for i in range(4)]
     llm.generate(prompt_token_ids=prompts, use_tqdm=False,
                  sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    read_trace(path, closed=False)  # readable while the engine runs: no "]" yet
+    if path.endswith(".json"):
+        read_trace(path, closed=False)  # readable while the engine runs: no "]" yet
+    else:
+        read_packets(path)  # a whole trace after any step: nothing to close
     stats = llm.llm_engine.stats
     llm.shutdown()
-    return read_trace(path), stats, snaps, [str(i) for i in range(4)]
+    return read_back(path), stats, snaps, [str(i) for i in range(4)], path
 
 
 def test_a_slice_per_step_holding_its_five_phases_whose_times_are_the_stats(traced_run):
-    events, stats, snaps, _ = traced_run
-    steps, _, _ = tracks(events)
+    (steps, _, _), stats, snaps, _, _ = traced_run
     step_slices = [e for e in steps if e["name"].startswith("step ")]
     assert len(step_slices) == stats.num_steps == len(snaps)
     assert [e["name"] for e in step_slices] == [f"step {s.step}" for s in snaps]
@@ -52,11 +78,7 @@ def test_a_slice_per_step_holding_its_five_phases_whose_times_are_the_stats(trac
 
 
 def test_counters_are_the_pool_the_queues_and_the_batched_tokens(traced_run):
-    events, stats, snaps, _ = traced_run
-    _, _, counters = tracks(events)
-    by_name = defaultdict(list)
-    for e in counters:
-        by_name[e["name"]].append(e["args"])
+    (_, _, by_name), stats, snaps, _, _ = traced_run
     assert len(by_name["batched tokens"]) == stats.num_steps
     assert sum(a["tokens"] for a in by_name["batched tokens"]) == \
         stats.num_prompt_tokens + stats.num_generation_tokens
@@ -71,8 +93,7 @@ def test_counters_are_the_pool_the_queues_and_the_batched_tokens(traced_run):
 
 
 def test_a_track_per_request_waiting_prefill_decode_preempted_finished(traced_run):
-    events, stats, snaps, request_ids = traced_run
-    _, per_request, _ = tracks(events)
+    (_, per_request, _), stats, snaps, request_ids, _ = traced_run
     assert sorted(per_request) == request_ids
     assert stats.num_preemptions_recompute > 0  # the tiny pool did preempt
     preempted = [e for evs in per_request.values() for e in evs if e["name"] == "preempted"]
@@ -119,3 +140,42 @@ def test_the_server_closes_the_trace_when_it_stops(tiny_llama, tmp_path):
     assert engine.trace.closed
     _, per_request, _ = tracks(read_trace(path))  # closed: the "]" is there
     assert [e["name"] for evs in per_request.values() for e in evs][-1] == "finished"
+
+
+def trace_processor_binary() -> str | None:
+    """``$MINIPAGED_TRACE_PROCESSOR``, else the binary the `perfetto` package keeps after its
+    first download (~/.local/share/perfetto/prebuilts), else None."""
+    path = os.environ.get("MINIPAGED_TRACE_PROCESSOR")
+    if path:
+        return path
+    found = [p for p in glob.glob(os.path.expanduser(
+        "~/.local/share/perfetto/prebuilts/trace_processor_shell*")) if not p.endswith(".tmp")]
+    return found[0] if found else None
+
+
+def test_perfettos_trace_processor_counts_the_steps_slices_and_counters(traced_run):
+    binary = trace_processor_binary()
+    if binary is None:
+        pytest.skip("Perfetto's trace processor binary is not on this machine (the perfetto "
+                    "package downloads it on first use; set MINIPAGED_TRACE_PROCESSOR to a "
+                    "trace_processor_shell): the trace was read with the package's protobuf "
+                    "definitions instead")
+    from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
+
+    _, stats, snaps, request_ids, path = traced_run
+    tp = TraceProcessor(trace=path, config=TraceProcessorConfig(bin_path=binary))
+    try:
+        names = {row.name: row.n for row in tp.query(
+            "select name, count(*) as n from slice group by name")}
+        counters = {row.name: row.n for row in tp.query(
+            "select t.name as name, count(*) as n from counter c "
+            "join counter_track t on c.track_id = t.id group by t.name")}
+    finally:
+        tp.close()
+    assert sum(n for name, n in names.items() if name.startswith("step ")) == stats.num_steps
+    assert all(names[phase] == stats.num_steps for phase in PHASES)
+    assert names["finished"] == len(request_ids)
+    assert names["preempted"] == stats.num_preemptions_recompute + stats.num_preemptions_swap
+    # (a JSON counter's tracks are named by the processor after its name and each arg's key)
+    batched = next(n for name, n in counters.items() if name.startswith("batched tokens"))
+    assert batched == stats.num_steps == len(snaps)
