@@ -127,7 +127,9 @@ def _shut_down_kernels(url: str) -> None:
 
 def _run_lesson_in_jupyterlab(lab, browser, name):
     url, work = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    # Screenshots (MINIPAGED_SCREENSHOTS) in a tall window, so that a tall view fits in one
+    height = 2600 if os.environ.get("MINIPAGED_SCREENSHOTS") else 900
+    page = browser.new_page(viewport={"width": 1400, "height": height})
     try:
         # A fresh workspace per lesson: JupyterLab would otherwise reopen the previous tabs.
         page.goto(f"{url}/lab/workspaces/{name}/tree/{name}.ipynb?reset", timeout=120_000)
