@@ -184,10 +184,10 @@ class EngineConfig:
         True, "reuse the cached KV blocks a prompt starts with (lesson 11); outputs are the "
               "same either way")
     kv_cache_groups: bool = setting(
-        False, "a model with sliding and full layers (Gemma 3, lesson 20): one block table per "
-               "group of layers from one pool, the sliding groups keeping only their window "
-               "(engine/cache_setup.py says the settings that keep every block instead); off "
-               "by default while a divergence its property test found is open (README)")
+        True, "a model with sliding and full layers (Gemma 3, lesson 20): one block table per "
+              "group of layers from one pool, the sliding groups keeping only their window "
+              "(engine/cache_setup.py says the settings that keep every block instead); a "
+              "model of one kind of layer has one group either way")
     enforce_eager: bool = setting(
         False, "on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     num_scheduler_steps: int = setting(

@@ -184,6 +184,10 @@ class BlockSpaceManager:
         self.gpu_allocator.name_blocks(self.block_tables[seq.seq_id][:num_full],
                                        [b.token_ids for b in seq.logical_token_blocks[:num_full]])
 
+    def _name_own_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """``cache_blocks`` of this table only, as it grows (``HybridBlockManager`` has more)."""
+        self.cache_blocks(seq, num_tokens)
+
     def _register(self, seq: Sequence, seq_group: SequenceGroup, table: BlockTable) -> None:
         self.block_tables[seq.seq_id] = table
         self.seqs[seq.seq_id] = seq
@@ -196,11 +200,8 @@ class BlockSpaceManager:
         return self.num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
 
     def num_blocks_to_append(self, seqs: list[Sequence]) -> int:
-        """GPU blocks that ``reserve_slot`` will take for these sequences (one group's).
-
-        Args:
-            seqs: the running sequences of one group, about to decode.
-        """
+        """GPU blocks that ``reserve_slot`` will take for ``seqs``, the running sequences of one
+        group, about to decode."""
         # A sequence needs a new block when its newest token opened a new logical block, or
         # when its last block is shared (copy-on-write); otherwise the slot is already there.
         num_needed = 0
@@ -252,7 +253,7 @@ class BlockSpaceManager:
         del table[len(seq.logical_token_blocks):]
         for block in reversed(freed):
             self.gpu_allocator.free(block)
-        self.cache_blocks(seq, seq.num_computed_tokens)
+        self._name_own_blocks(seq, seq.num_computed_tokens)
         self._emit("rollback", seq_id=seq.seq_id, num_tokens=seq.get_len(),
                    blocks=[b.block_number for b in freed])
 
@@ -271,20 +272,20 @@ class BlockSpaceManager:
             return None
         last = table[-1]
         assert last.device is Device.GPU
+        copied = None
         if last.ref_count == 1:
             self._emit("append", seq_id=seq.seq_id, block=last.block_number, new_block=False)
-            if seq.get_len() % self.block_size == 0:  # this token fills the block
-                self.cache_blocks(seq, seq.get_len())
-            return None
-        # The last block is shared: writing into it would change the other sequences' cache.
-        new_block = self.gpu_allocator.allocate()
-        table[-1] = new_block
-        self.gpu_allocator.free(last)
-        self._emit("copy_on_write", seq_id=seq.seq_id, src=last.block_number,
-                   dst=new_block.block_number)
+        else:
+            # The last block is shared: writing into it would change the other sequences' cache.
+            new_block = self.gpu_allocator.allocate()
+            table[-1] = new_block
+            self.gpu_allocator.free(last)
+            self._emit("copy_on_write", seq_id=seq.seq_id, src=last.block_number,
+                       dst=new_block.block_number)
+            copied = last.block_number, new_block.block_number
         if seq.get_len() % self.block_size == 0:  # this token fills the block
-            self.cache_blocks(seq, seq.get_len())
-        return last.block_number, new_block.block_number
+            self._name_own_blocks(seq, seq.get_len())
+        return copied
 
     # -- sharing ---------------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -384,8 +385,7 @@ class BlockSpaceManager:
         table = self.block_tables.pop(seq.seq_id, None)
         if table is None:
             return  # never allocated, or already freed
-        # NOTE: freed last block first, so that with prefix caching the tail of a sequence is
-        # the least recently used and is evicted before the prefix other prompts share.
+        # NOTE: last block first: with prefix caching a tail is evicted before a shared prefix
         for block in reversed(table):
             self._allocator_of(block).free(block)
         self.seqs.pop(seq.seq_id, None)

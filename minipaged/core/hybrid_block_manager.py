@@ -26,7 +26,10 @@ a group's blocks are named with the group in their tokens (``_GroupNames``), so 
 blocks of the same tokens never stand for each other, and a prompt takes from each group only
 as many cached blocks as every group found (the tokens it skips must be in every group's
 cache). A sliding group keeps a prompt's blocks named as they leave its window, as
-``core/sliding_window.py`` does, so that later prompts find the whole chain.
+``core/sliding_window.py`` does, so that later prompts find the whole chain. Two rules keep
+the names true (``tests/core/test_hybrid_kv_groups_regressions.py``): every group's cached
+blocks for a prompt are held before any group takes a new block (which may evict one), and
+each group names a growing block only after its own copy-on-write.
 
 Admitting a prompt asks room for its whole length in every group (a sliding group's prompt cut
 into chunks takes all its blocks: ``core/sliding_window.py``), so a lone request needs as many
@@ -35,6 +38,8 @@ slides. Not used (the engine keeps every block in one table, ``engine/cache_setu
 when) with a draft model, multi-step decode, tensor parallel or CUDA.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from minipaged.block import PhysicalTokenBlock
 from minipaged.core.allocator import BlockAllocator
@@ -132,30 +137,53 @@ class HybridBlockManager(BlockSpaceManager):
                 counts[seq_id] = min(counts[seq_id], len(hits))
         return {seq_id: hits[:counts[seq_id]] for seq_id, hits in found.items()}
 
+    @contextmanager
+    def _capped(self, seq_group: SequenceGroup):
+        """Within it, every group after the first finds for each waiting sequence only as many
+        cached blocks as every group found (``cached_prefix``)."""
+        if not self.enable_prefix_caching:
+            yield
+            return
+        hits = self.cached_prefix(seq_group)
+        caps = {tuple(s.get_token_ids()): len(hits[s.seq_id])
+                for s in seq_group.get_seqs(SequenceStatus.WAITING)}
+        for group in self.groups:
+            group.gpu_allocator.cap = caps
+        try:
+            yield
+        finally:
+            for group in self.groups:
+                group.gpu_allocator.cap = None
+
     def _every_group(self, seq_group: SequenceGroup, call) -> list:
         """``call(manager)`` for every group's manager, the other groups' prefix hits cut to
         this group's (``cached_prefix``)."""
-        caps = None
-        if self.enable_prefix_caching:
-            hits = self.cached_prefix(seq_group)
-            caps = {tuple(s.get_token_ids()): len(hits[s.seq_id])
-                    for s in seq_group.get_seqs(SequenceStatus.WAITING)}
-        results = [call(super())]
-        for group in self.groups:
-            if caps is not None:
-                group.gpu_allocator.cap = caps
-            try:
-                results.append(call(group))
-            finally:
-                if caps is not None:
-                    group.gpu_allocator.cap = None
-        return results
+        with self._capped(seq_group):
+            return [call(super())] + [call(group) for group in self.groups]
 
     def num_blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
         return sum(self._every_group(seq_group, lambda m: m.num_blocks_to_allocate(seq_group)))
 
     def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
-        return self._every_group(seq_group, lambda m: m.allocate(seq_group))[0]
+        """Every group's tables for the group's prompt. With prefix caching, every group's
+        cached blocks are held first, then the groups take theirs and new blocks.
+
+        NOTE: a group's new block may evict an evictable cached block: held first, no group
+        evicts a block another group is about to take. (Not held, the first group's new
+        blocks evicted a sliding group's cached block counted as a hit; that group then took
+        a fresh block for tokens the prompt skipped, and its layers read stale keys there.)
+        """
+        with self._capped(seq_group):
+            # (self.cached_prefix: the first group's, cut to every group's)
+            held = {id(b): b for m in [self, *self.groups]
+                    for hits in m.cached_prefix(seq_group).values() for b in hits}
+            for block in held.values():
+                self.gpu_allocator.acquire(block)
+            try:
+                return [m.allocate(seq_group) for m in [super(), *self.groups]][0]
+            finally:
+                for block in held.values():
+                    self.gpu_allocator.free(block)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         # NOTE: without prefix caching nothing is named; a sliding group turns a chunked
@@ -163,6 +191,13 @@ class HybridBlockManager(BlockSpaceManager):
         super().cache_blocks(seq, num_tokens)
         for group in self.groups:
             group.cache_blocks(seq, num_tokens)
+
+    def _name_own_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        # NOTE: the first group's table only: every other group names its blocks in its own
+        # append_slot, after its copy-on-write; named here, before, a block still shared with a
+        # sibling got this sequence's tokens as its name while the sibling wrote its own token
+        # into it, and a later prompt found the sibling's keys under this sequence's name
+        BlockSpaceManager.cache_blocks(self, seq, num_tokens)
 
     # -- growing ---------------------------------------------------------------------------------
     def num_blocks_to_append(self, seqs: list[Sequence]) -> int:

@@ -71,3 +71,24 @@ def gemma3_270m_windows() -> tuple:
     """Gemma 3 270M's layers as its config names them: 18, every sixth full attention, the
     others sliding with a 512-token window (1 kv head of 256, bfloat16)."""
     return tuple(None if layer % 6 == 5 else 512 for layer in range(18))
+
+
+def group_rows(snapshot: dict, seq_id: int, groups=None) -> dict:
+    """A ``HybridBlockManager.snapshot`` as ``visualizer.render_block_tables`` draws it, one
+    row per KV cache group: the row numbered g is the sequence's block table in group g
+    (-1: a block that left the window), and a pool block is owned by its group's row.
+
+    Args:
+        snapshot: the manager's snapshot (with ``kv_groups``).
+        seq_id: the sequence whose tables are drawn.
+        groups: the groups' indices to draw (0: the full group); None: all.
+    """
+    seq = next(s for s in snapshot["sequences"] if s["seq_id"] == seq_id)
+    tables = [seq["block_table"]] + [g["block_tables"][seq_id] for g in snapshot["kv_groups"]]
+    windows = [None] + [g["window"] for g in snapshot["kv_groups"]]
+    rows = [{**seq, "seq_id": g, "block_table": tables[g],
+             "request_id": "full group" if windows[g] is None else f"window {windows[g]}"}
+            for g in (range(len(tables)) if groups is None else groups)]
+    blocks = [{**b, "owners": [b["kv_group"]] * len(b["owners"])} if b["owners"] else b
+              for b in snapshot["gpu_blocks"]]
+    return {**snapshot, "sequences": rows, "gpu_blocks": blocks}

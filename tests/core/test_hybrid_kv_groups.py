@@ -213,7 +213,9 @@ def test_tensor_parallel_and_cuda_keep_every_block(gemma3):
     on_cpu = SimpleNamespace(device=torch.device("cpu"))
     assert len(hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=True), shape,
                              on_cpu)) == 6
-    assert hybrid_groups(EngineConfig.from_settings(path), shape, on_cpu) is None  # (default)
+    assert len(hybrid_groups(EngineConfig.from_settings(path), shape, on_cpu)) == 6  # default
+    assert hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=False), shape,
+                         on_cpu) is None
     assert hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=True,
                                                     tensor_parallel_size=2), shape,
                          on_cpu) is None

@@ -52,3 +52,29 @@ def test_the_formula_is_what_the_engine_holds(tmp_path):
     assert seq.get_len() == 101 and seq.num_computed_tokens == 100
     assert len(manager.block_tables[seq_id]) == group_blocks(None, 100, 4) == 25
     assert max(sliding) == group_blocks(16, 100, 4) == 5 and sliding == {4, 5}
+
+
+def test_group_rows_draw_one_row_per_group(tmp_path):
+    """``group_rows``: lesson 20's picture of one sequence's tables, a row per group; the
+    sliding row's blocks before the window are dropped (-1), and the drawing names them."""
+    from minipaged.lab.hybrid_kv import group_rows
+    from visualizer import render_block_tables
+
+    save_tiny("gemma3", tmp_path, seed=2)
+    engine = LLMEngine(str(tmp_path), block_size=4, num_gpu_blocks=40, max_model_len=64,
+                       dtype="float32", enable_prefix_caching=False)
+    manager = engine.scheduler.block_manager
+    engine.add_request("r", None, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       prompt_token_ids=list(range(3, 11)))
+    for _ in range(21):  # 28 tokens: the window of 16 left the first three blocks
+        engine.step()
+    (seq_id,) = manager.block_tables
+    snap = group_rows(manager.snapshot(), seq_id, groups=(0, 1))
+    full, sliding = snap["sequences"]
+    assert full["block_table"] == manager.get_block_table(manager.seqs[seq_id])
+    assert sliding["block_table"][:3] == [-1, -1, -1] and min(sliding["block_table"][3:]) >= 0
+    assert (full["request_id"], sliding["request_id"]) == ("full group", "window 16")
+    owners = {b["block_number"]: b["owners"] for b in snap["gpu_blocks"] if b["owners"]}
+    assert all(owners[n] == [1] for n in sliding["block_table"][3:])
+    assert all(owners[n] == [0] for n in full["block_table"])
+    assert "window 16" in render_block_tables(snap)
