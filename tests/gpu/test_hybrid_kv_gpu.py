@@ -1,6 +1,8 @@
 """KV cache groups on a GPU (issue 57): a tiny Gemma 3 in bfloat16 with our CUDA kernels gives
 the same greedy tokens with groups (the sliding layers' blocks given back as they leave the
 window) as without them, and as transformers; and the sliding group really held fewer blocks.
+Groups are off on CUDA until this has passed there (``engine/cache_setup.GROUPS_ON_CUDA``): the
+test turns them on, eagerly and with CUDA graphs.
 
 Runs only where CUDA is present (`make gpu-check`, its tests-gpu stage); on the CPU the same
 property is tested over random workloads (tests/core/test_hybrid_kv_groups_properties.py).
@@ -40,11 +42,11 @@ def _hf_greedy(model, prompts):
     return out
 
 
-def _ours(path, prompts, groups: bool):
+def _ours(path, prompts, groups: bool, eager: bool = False):
     from minipaged import LLM, SamplingParams
 
     llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2, block_size=4,
-              kv_cache_groups=groups)
+              kv_cache_groups=groups, enforce_eager=eager)
     most_held = []
     engine = llm.llm_engine
     engine.add_observer(lambda snap: most_held.append(
@@ -59,9 +61,14 @@ def _ours(path, prompts, groups: bool):
         groups
 
 
-def test_groups_give_the_every_block_engine_s_and_transformers_tokens_on_cuda(gemma):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_groups_give_the_every_block_engine_s_and_transformers_tokens_on_cuda(gemma, eager,
+                                                                             monkeypatch):
+    from minipaged.engine import cache_setup
+
+    monkeypatch.setattr(cache_setup, "GROUPS_ON_CUDA", True)
     path, model, prompts = gemma
-    grouped, held_grouped, num_groups = _ours(path, prompts, groups=True)
+    grouped, held_grouped, num_groups = _ours(path, prompts, groups=True, eager=eager)
     every, held_every, _ = _ours(path, prompts, groups=False)
     assert grouped == every == _hf_greedy(model, prompts)
     # a grouped pool block holds one group's layers: every group keeping every block would
