@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minipaged.exercises import capstone_speed as speed
+from minipaged.exercises.capstone_coverage import in_words as _names
+from minipaged.exercises.capstone_coverage import what_happened as _what_happened
 from minipaged.exercises import cost, workbench
 from minipaged.exercises.capstone_steps import (  # noqa: F401 (the capstone's names, in one place)
     Difference, Request, Stepped, Unfinished, counters, find_culprit, first_difference,
@@ -107,16 +110,7 @@ class RunResult:
     yours: dict  # request id -> the learner's engine's last RequestOutput
     workload: list
     settings: dict = field(default_factory=dict)  # the engine settings of the run
-
-
-def _count(number: int, thing: str) -> str:
-    plural = thing[:-1] + "ies" if thing.endswith("y") else thing + "s"
-    return f"{number} {thing if number == 1 else plural}"
-
-
-def _names(names) -> str:
-    names = list(names)
-    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+    timing: speed.Speed | None = None  # both engines' time on the run's workload
 
 
 def _lesson(name: str) -> str:
@@ -182,23 +176,33 @@ def check_capstone(names: list[str], on_step=None, workload: list[Request] | Non
 
 
 def _one_run(run: Run, plugged: dict, max_steps: int, on_step) -> RunResult:
+    """Both engines on the run's workload, each timed (``capstone_speed``): LLM()'s with the
+    package's own components wrapped where the learner's are plugged in."""
     settings = {**CAPSTONE_SETTINGS, **run.settings}
-    reference = new_engine(settings)
-    workload = (run.workload or default_workload)(reference.encode)
-    expected = list(run_steps(reference, workload, max_steps))
-    reference.shutdown()
-    mismatch, ran, yours = _compare(plugged, settings, workload, expected, max_steps, on_step)
-    return RunResult(run, plugged, expected, mismatch, ran, yours, workload, settings)
+    package_clock, clock = speed.ComponentClock(), speed.ComponentClock()
+    with workbench.plugged_in(objects=speed.timed_package(package_clock, plugged), quiet=True):
+        reference = new_engine(settings)
+        package_clock.watch_model(reference)
+        workload = (run.workload or default_workload)(reference.encode)
+        expected = list(run_steps(reference, workload, max_steps, step=package_clock.step))
+        reference.shutdown()
+    mismatch, ran, yours = _compare(plugged, settings, workload, expected, max_steps, on_step,
+                                    clock)
+    tokens = [s.state["stats"]["num_prompt_tokens"] + s.state["stats"]["num_generation_tokens"]
+              for s in expected[:1] + expected[-1:]]
+    timing = speed.Speed(tokens[-1] - tokens[0] if tokens else 0, clock.steps,
+                         package_clock.steps, dict(clock.own), dict(package_clock.own))
+    return RunResult(run, plugged, expected, mismatch, ran, yours, workload, settings, timing)
 
 
-def _compare(found, settings, workload, expected, max_steps, on_step):
+def _compare(found, settings, workload, expected, max_steps, on_step, clock=None):
     """(the first (step, Difference) where the learner's engine differs, or None; the names of
     the learner's components that ran; the learner's engine's outputs by request id)."""
     ran: set[str] = set()
     outputs: dict = {}
     number = 0
     try:
-        for stepped, ran in learner_run(found, settings, workload, max_steps):
+        for stepped, ran in learner_run(found, settings, workload, max_steps, clock=clock):
             number, outputs = stepped.step, stepped.outputs
             if number > len(expected):
                 return (number, Difference("steps", "the number of steps", f"a step {number}",
@@ -221,79 +225,6 @@ def _compare(found, settings, workload, expected, max_steps, on_step):
 
 
 # -- the verdict ----------------------------------------------------------------------------------
-def _what_happened(result: RunResult) -> str:
-    """What LLM()'s run went through: the events the run exists for."""
-    snapshots = [s.snapshot for s in result.expected]
-    stats = result.expected[-1].state["stats"] if result.expected else {}
-    modes = [mode for snap in snapshots for _, mode in snap.preempted]
-    copies = sum(len(d) for snap in snapshots for d in snap.blocks_to_copy.values())
-    parts = []
-    if modes:
-        parts.append(f"{_count(len(modes), 'preemption')} ({modes.count('recompute')} by "
-                     f"recompute, {modes.count('swap')} by swap)")
-    if copies:
-        parts.append(_count(copies, "copy-on-write copy"))
-    prompts = [{rid for rid, prompt in zip(snap.scheduled, snap.prompt_run) if prompt}
-               for snap in snapshots]
-    chunked = set().union(*(a & b for a, b in zip(prompts, prompts[1:])))  # two steps running
-    if chunked:
-        parts.append(f"{_count(len(chunked), 'prompt')} run in chunks")
-    finals = result.expected[-1].outputs if result.expected else {}
-    reasons = [c.finish_reason for o in finals.values() for c in o.outputs]
-    if reasons.count("abort"):
-        parts.append(_count(reasons.count("abort"), "abort"))
-    stopped = sum(1 for i, o in finals.items() for c in o.outputs if c.finish_reason == "stop"
-                  and result.workload[int(i)].params.stop_strings)
-    if stopped:
-        parts.append(_count(stopped, "stop string"))
-    if stats.get("num_cached_prompt_tokens"):
-        parts.append(f"{stats['num_cached_prompt_tokens']} prompt tokens from the prefix cache")
-    if stats.get("num_spec_proposed_tokens"):
-        parts.append(f"{stats['num_spec_accepted_tokens']} of "
-                     f"{stats['num_spec_proposed_tokens']} drafted tokens accepted")
-    parts += _sampling_covered(result.workload)
-    held = _held_by_the_limit(result)
-    if held:
-        parts.append(f"the sequence limit ({result.settings['max_num_seqs']}) held a request "
-                     f"back at {_count(held, 'step')}")
-    if result.run.note:
-        parts.append(result.run.note)
-    return ", ".join(parts) or "nothing of note"
-
-
-def _sampling_covered(workload: list[Request]) -> list[str]:
-    """The sampling rules the run's requests use, in words."""
-    params = [r.params for r in workload]
-    rules = {"presence and frequency penalties": any(p.presence_penalty or p.frequency_penalty
-                                                     for p in params),
-             "top-k": any(p.top_k > 0 for p in params),
-             "top-p": any(p.top_p < 1 for p in params),
-             "logprobs": any(p.logprobs for p in params),
-             "n > 1": any(p.n > 1 and not p.use_beam_search for p in params),
-             "beam search": any(p.use_beam_search for p in params)}
-    used = [rule for rule, there in rules.items() if there]
-    return [f"sampling with {_names(used)}"] if used else []
-
-
-def _held_by_the_limit(result: RunResult) -> int:
-    """Steps after which the oldest waiting request did not fit beside the running sequences
-    under ``max_num_seqs`` (LLM()'s run)."""
-    limit = result.settings.get("max_num_seqs")
-    if not limit:
-        return 0
-    held = 0
-    for stepped in result.expected:
-        state = stepped.state
-        waiting = state["queues"]["waiting"]
-        if not waiting:
-            continue
-        running = sum(s["status"] == "RUNNING" for s in state["sequences"].values())
-        first = sum(s["request"] == waiting[0] and not s["status"].startswith("FINISHED")
-                    for s in state["sequences"].values())
-        held += running + first > limit
-    return held
-
-
 def _completions(result: RunResult, only_theirs: bool = False) -> str:
     """The learner's engine's text next to LLM()'s, completion by completion."""
     theirs = result.expected[-1].outputs if result.expected else {}
@@ -368,6 +299,9 @@ def _verdict(names, found, missing, broken, results: list[RunResult],
                      f"steps ({_what_happened(result)})"
                      + (f"; with your {_names(mine)}" if mine else "")
                      + ("; " + "; ".join(why) if why else ""))
+    timed = results[0] if results and results[0].mismatch is None else None
+    if timed is not None and timed.plugged and timed.timing is not None:
+        lines.append(f"  {timed.run.title}: {timed.timing.line()}")
     # correct but slow components (their checks timed them: exercises/cost.py), by name
     lines += [f"  {line}" for line in cost.recorded(workbench.learner_dir(), yours).values()]
     lines += [f"  {note}" for note in notes]

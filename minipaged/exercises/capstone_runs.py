@@ -8,7 +8,10 @@ calls the learner's verifications of lesson 12. Run 4 is short: the engine again
 attention the V1 CUDA kernel with the learner's phase 3 of lesson 06, built for the CPU
 (``capstone_steps.in_the_kernel``), where every CUDA thread is a host thread: a decode step of the
 embedded model launches 270 CUDA blocks a sequence, about 4 s on two cores, so one request of four
-tokens. ``lesson16.check_capstone`` runs them.
+tokens. Run 5 is the engine on a tiny random Mistral whose layers attend to their last 6 tokens
+(the learner's ``Attention`` keeps ``sliding_window``), the package's block manager around the
+learner's allocator (it frees the blocks that left the window). ``lesson16.check_capstone`` runs
+them.
 """
 from __future__ import annotations
 
@@ -57,6 +60,28 @@ def speculative_workload(encode) -> list[Request]:
                     SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True))]
 
 
+def window_workload(encode) -> list[Request]:
+    """Prompts of token ids (the tiny model has no tokenizer) three times the window and more,
+    greedy, parallel and sampled: every decode step attends past the window's edge."""
+    greedy = lambda n, m: SamplingParams(n=n, temperature=0, max_tokens=m, ignore_eos=True)
+    return [Request(list(range(10, 30)), greedy(1, 8)),
+            Request(list(range(40, 47)), greedy(2, 10)),
+            Request(list(range(60, 75)), SamplingParams(temperature=0.8, seed=2, max_tokens=8,
+                                                        ignore_eos=True), arrive_at_step=2)]
+
+
+def window_settings() -> dict:
+    """A tiny random Mistral (seeded weights) attending to its last 6 tokens only."""
+    from minipaged.lab.tiny_families import tiny_config
+
+    return dict(model=None, hf_config=tiny_config("mistral", sliding_window=WINDOW),
+                load_format="dummy", num_gpu_blocks=16, num_cpu_blocks=8, max_model_len=48,
+                max_num_seqs=4, enable_chunked_prefill=False, max_num_batched_tokens=256)
+
+
+WINDOW = 6  # tokens: a block and a half of 4
+
+
 def kernel_workload(encode) -> list[Request]:
     """One greedy request: its prompt runs as a prompt, its three decode steps in the kernel."""
     return [Request(encode("The CUDA kernel reads the cache"),
@@ -75,9 +100,10 @@ KERNEL_SETTINGS = dict(block_size=16, enable_chunked_prefill=False, max_num_batc
 
 
 def capstone_runs(names: list[str]) -> list[capstone.Run]:
-    """The capstone's four runs over ``names``: the engine; the prefix cache, with the
+    """The capstone's five runs over ``names``: the engine; the prefix cache, with the
     package's block manager around your allocator; speculative decoding, with the package's
-    step around your verifications; the engine with your phase 3 in its decode kernel."""
+    step around your verifications; the engine with your phase 3 in its decode kernel; the
+    engine on a sliding-window model."""
     engine = tuple(n for n in names if n in CAPSTONE_COMPONENTS or n == "LLMEngine.step")
     wider = lambda *more: tuple(n for n in more if n in names)
     return [
@@ -100,6 +126,14 @@ def capstone_runs(names: list[str]) -> list[capstone.Run]:
             engine + wider("softmax_phase_cuda"), KERNEL_SETTINGS, kernel_workload,
             note="every decode step's attention in your kernel, each call within 1e-4 of the "
                  "torch reference"),
+        capstone.Run(
+            "run 5, a sliding-window model",
+            tuple(n for n in engine if n != "BlockSpaceManager"), window_settings(),
+            window_workload,
+            {"BlockSpaceManager": "yours of lesson 03 keeps every block, a model whose every "
+                                  "layer slides gives back those that left the window: the "
+                                  "package's holds your allocator here"},
+            note=f"a tiny random Mistral whose layers attend to their last {WINDOW} tokens"),
     ]
 
 

@@ -344,19 +344,32 @@ def new_engine(settings: dict):
 
 
 def learner_run(objects: dict[str, object], settings: dict, workload: list[Request],
-                max_steps: int, until: int | None = None) -> Iterator[tuple[Stepped, set[str]]]:
+                max_steps: int, until: int | None = None,
+                clock=None) -> Iterator[tuple[Stepped, set[str]]]:
     """The package's engine with ``objects`` (component name -> object) plugged in: each step
-    and the names of the components that have run so far. Stops after step ``until``."""
-    with watched(objects) as (wrapped, ran), workbench.plugged_in(objects=wrapped, quiet=True), \
-            in_the_kernel(objects.get(PHASE3), ran):
-        engine = new_engine(settings)
-        try:
-            for stepped in run_steps(engine, workload, max_steps):
-                yield stepped, ran
-                if until is not None and stepped.step >= until:
-                    return
-        finally:
-            engine.shutdown()
+    and the names of the components that have run so far. Stops after step ``until``. A
+    ``capstone_speed.ComponentClock`` times the steps and each component's own code."""
+    with watched(objects) as (wrapped, ran), in_the_kernel(objects.get(PHASE3), ran):
+        if clock is not None:
+            from minipaged.exercises.capstone_speed import timed_learners
+
+            wrapped = timed_learners(clock, wrapped)
+        with workbench.plugged_in(objects=wrapped, quiet=True):
+            yield from _learner_steps(settings, workload, max_steps, until, clock, ran)
+
+
+def _learner_steps(settings, workload, max_steps, until, clock, ran):
+    engine = new_engine(settings)
+    if clock is not None:
+        clock.watch_model(engine)
+    try:
+        for stepped in run_steps(engine, workload, max_steps,
+                                 step=None if clock is None else clock.step):
+            yield stepped, ran
+            if until is not None and stepped.step >= until:
+                return
+    finally:
+        engine.shutdown()
 
 
 def find_culprit(objects: dict[str, object], settings: dict, workload: list[Request],

@@ -31,6 +31,7 @@ import numpy as np
 
 from minipaged.lab import emulator as emu
 from minipaged.lab import kernel_exercise
+from minipaged.exercises import softmax_phase_hints as hints
 from minipaged.exercises import workbench
 from minipaged.exercises.checking import (CheckResult, ExerciseFailed, Learner, NotDone, exercise,
                                           fail, passed, rng_for)
@@ -143,9 +144,7 @@ def _check_case(code: str, program, case_number: int, case) -> None:
     result = kernel_exercise.run(program, case)
     if "ThreadSanitizer: data race" in result.report:
         _failed(case_number, f"ThreadSanitizer reports a data race:"
-                f"{_learner_lines(code, result.report)}",
-                "threads meet through shared memory: a barrier (__syncthreads()) must separate "
-                "one warp's writes to red_smem or logits from another warp's reads of them")
+                f"{_learner_lines(code, result.report)}", hints.race_hint(code, result.report))
     if result.out is None:
         _failed(case_number, f"the kernel did not finish (exit {result.returncode}):\n"
                 f"{result.report[-1500:]}", "read the report: it names the line that failed")
@@ -155,17 +154,14 @@ def _check_case(code: str, program, case_number: int, case) -> None:
             where = (f"context_lens={lens}, CUDA block (head {head}, sequence {seq}: {n} "
                      f"tokens)")
             maxes, sums = result.thread_max[seq, head], result.thread_sum[seq, head]
-            if not bool((maxes == maxes[0]).all()) or not bool((sums == sums[0]).all()):
-                which = maxes if not bool((maxes == maxes[0]).all()) else sums
-                _failed(case_number, f"{where}: the threads end phase 3 with different "
-                        f"{'max_logit' if which is maxes else 'exp_sum'}: threads 0-5 have "
-                        f"{[round(float(v), 4) for v in which[:6]]}",
-                        "every thread needs the block's result: after a butterfly of "
-                        "__shfl_xor_sync every lane holds it, a __shfl_down_sync reduction "
-                        "leaves it in lane 0 only")
             logits = case.logits(seq, head)  # (n,) float64
             want_max = float(logits.max())
             want_sum = float(np.exp((logits - want_max).numpy()).sum())
+            for values, name, want in ((maxes, "max_logit", want_max),
+                                       (sums, "exp_sum", want_sum)):
+                if not bool((values == values[0]).all()):
+                    what, hint = hints.disagreement(values, name, want)
+                    _failed(case_number, f"{where}: {what}", hint)
             if abs(float(maxes[0]) - want_max) > 1e-5 * max(1.0, abs(want_max)):
                 _failed(case_number, f"{where}: max_logit is {float(maxes[0]):.6f}, the "
                         f"largest logit is {want_max:.6f}",
@@ -191,6 +187,9 @@ def _check_softmax_phase(code, rng, num_cases: int) -> int:
         _failed(0, f"got a {type(code).__name__}", "the component is C++ source, a string")
     if _NOT_DONE.search(code):
         raise NotDone(NAME)
+    called = hints.helpers_called(code)
+    if called:
+        raise ExerciseFailed(f"✗ {NAME}: refused before building: {hints.refusal(called)}")
     try:
         program = kernel_exercise.build(code, "thread")
     except kernel_exercise.CompileError as error:

@@ -308,6 +308,8 @@ def test_the_tick_names_every_component_and_shows_the_completions(test_component
     # the tiny model has no tokenizer: its completions are empty texts, each still listed
     assert "completions of the capstone's run, yours next to LLM()'s:" in result
     assert "request 1 #1 (length): ''  (the same in both)" in result
+    assert "the capstone's run: speed: your engine " in result and "tokens/s" in result
+    assert "your slowest component against the package's: " in result
 
 
 def test_the_capstone_draws_every_step_and_restores_the_engine(test_components):
@@ -552,6 +554,8 @@ def test_the_capstone_verdicts_all_yours_and_one_missing(learner_dir):
     for line in ("run 1, the engine: the same as LLM()", "run 2, prefix caching: the same",
                  "run 3, speculative decoding: the same", "prompt tokens from the prefix cache",
                  "run 4, your CUDA phase 3 in the kernel built for the CPU: the same",
+                 "run 5, a sliding-window model: the same", "attend to their last 6 tokens",
+                 "run 1, the engine: speed: your engine ", "your slowest component against",
                  "drafted tokens accepted", "1 abort, 1 stop string",
                  "with your FreeListAllocator, BlockSpaceManager, Scheduler, Attention, "
                  "prepare_inputs, admit_waiting, Sampler and LLMEngine.step",
@@ -675,3 +679,32 @@ def test_the_exercise_kernel_refuses_a_shape_it_was_not_built_for():
         kernel.paged_attention(*args[:4], case.context_lens[:1], args[5])
     with pytest.raises(ValueError, match="do not fit together"):
         kernel.paged_attention(case.query, case.key_cache, case.value_cache[:1], *args[3:])
+
+
+# -- run 5: a sliding-window model ---------------------------------------------------------------
+def _window_run(attention):
+    from minipaged.exercises import capstone_runs
+
+    run = next(r for r in capstone_runs.capstone_runs(["Attention"])
+               if r.title.startswith("run 5"))
+    assert run.settings["hf_config"].sliding_window == capstone_runs.WINDOW
+    return capstone_module._one_run(run, {"Attention": attention}, 100, None)
+
+
+def capstone_runs_window() -> int:
+    from minipaged.exercises import capstone_runs
+
+    return capstone_runs.WINDOW
+
+
+def test_run_5_passes_the_reference_attention_and_catches_one_that_ignores_the_window():
+    import test_mutants  # (tests/exercises is on sys.path: pytest's rootdir mode)
+
+    result = _window_run(workbench.component("Attention").solution_object())
+    assert result.mismatch is None and result.ran == {"Attention"}
+    longest = max(len(seq["token_ids"]) for s in result.expected
+                  for seq in s.state["sequences"].values())
+    assert longest >= 4 * capstone_runs_window()  # far past the window's edge
+    assert "attend to their last 6 tokens" in capstone_module._what_happened(result)
+    result = _window_run(test_mutants.IgnoresTheWindow)
+    assert result.mismatch is not None and result.mismatch[0] == 1, result.mismatch

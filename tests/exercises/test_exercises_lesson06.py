@@ -96,3 +96,24 @@ def test_the_solutions_agree_with_the_real_kernels_loop():
 def test_combining_without_one_common_maximum_fails_on_logits_past_floats_range():
     result = lesson06.check_combine_partitions(combine_without_a_common_max)
     assert result.status == "failed" and "overflow" in result
+
+
+def test_the_kernels_own_helpers_are_found_in_code_not_in_comments():
+    from minipaged.exercises import softmax_phase_hints as hints
+
+    code = ("  // block_reduce<NUM_WARPS, G>(qk_max, ...) would do it\n"
+            "  /* butterfly<16, 1>(v, op) */\n"
+            "  float m = butterfly <16, G>(qk_max, MaxOp());\n")
+    assert [name for name, _ in hints.helpers_called(code)] == ["butterfly", "MaxOp"]
+    assert hints.helpers_called("  float m = my_block_reduce(qk_max);\n") == []
+    assert "hint: this exercise asks for the two reductions written by you" in \
+        hints.refusal(hints.helpers_called(code))
+
+
+def test_calling_the_kernels_block_reduce_is_refused_before_building():
+    from minipaged.exercises import workbench
+
+    code = "  const float max_logit = block_reduce<NUM_WARPS, G>(qk_max, red_smem, -FLT_MAX, MaxOp());\n"
+    result = workbench.check_component("softmax_phase_cuda", code, save=False)
+    assert result.status == "failed" and "refused before building" in result
+    assert "block_reduce (csrc/paged_attention_common.cuh)" in result

@@ -26,6 +26,7 @@ from minipaged.exercises.answers import lesson07 as a07
 from minipaged.exercises.answers import lesson09 as a09
 from minipaged.exercises.answers import lesson10 as a10
 from minipaged.exercises.answers import lesson11 as a11
+from minipaged.exercises.answers.lesson06 import SOFTMAX_PHASE
 import test_hints_by_cause as known  # (tests/exercises is on sys.path: pytest's rootdir mode)
 
 
@@ -83,6 +84,49 @@ EvictWithoutCounted = changed(
      "        self.num_evictions += 1"))
 
 
+
+# -- lesson 06's phase 3 (C++ strings): the answer with lines changed, or the kernel's own helpers
+def cuda_changed(old: str, new: str) -> str:
+    assert old in SOFTMAX_PHASE, old
+    return SOFTMAX_PHASE.replace(old, new)
+
+
+CallsTheKernelsBlockReduce = """  const float max_logit = block_reduce<NUM_WARPS, G>(qk_max, red_smem, -FLT_MAX, MaxOp());
+  float exp_sum = 0.f;
+  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {
+    const float e = expf(logits[i] - max_logit);
+    logits[i] = e;
+    exp_sum += e;
+  }
+  exp_sum = block_reduce<NUM_WARPS, 1>(exp_sum, red_smem + NUM_WARPS, 0.f, SumOp());
+  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) logits[i] /= exp_sum;
+  __syncthreads();
+"""
+CallsTheKernelsButterfly = cuda_changed(
+    """  for (int mask = WARP_SIZE / 2; mask >= G; mask /= 2) {
+    m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, mask));  // lane l and lane l ^ mask
+  }
+""", "  m = butterfly<WARP_SIZE / 2, G>(m, [](float a, float b) { return fmaxf(a, b); });\n")
+MaxInsideEachWarpOnly = cuda_changed(
+    """  if (lane == 0) red_smem[warp] = m;  // one maximum per warp
+  __syncthreads();  // every warp's maximum (and every logit of phase 2) is written
+  m = lane < NUM_WARPS ? red_smem[lane] : -FLT_MAX;
+  for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) {
+    m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, mask));
+  }
+  const float max_logit = __shfl_sync(FULL_MASK, m, 0);  // lanes >= NUM_WARPS hold -FLT_MAX
+""", "  __syncthreads();\n  const float max_logit = m;\n")
+ExpLoopStridesByAWarp = cuda_changed(
+    "for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {\n    const float e",
+    "for (int i = threadIdx.x; i < num_tokens; i += WARP_SIZE) {\n    const float e")
+ShflDownWithoutABroadcast = cuda_changed(
+    "m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, mask));",
+    "m = fmaxf(m, __shfl_down_sync(FULL_MASK, m, mask));").replace(
+    "const float max_logit = __shfl_sync(FULL_MASK, m, 0);", "const float max_logit = m;")
+NoBarrierBetweenTheWarps = cuda_changed(
+    "  __syncthreads();  // every warp's maximum (and every logit of phase 2) is written\n", "")
+
+
 # -- the table: (component, mistake, the mutant) ---------------------------------------------------
 MUTANTS = [
     ("FreeListAllocator", "allocate without ref_count = 1", AllocateWithoutRefCount),
@@ -136,6 +180,12 @@ MUTANTS = [
     ("greedy_verify", "the draft as the correction", known.verify_with_the_draft_as_correction),
     ("rejection_sample", "no bonus token", known.NoBonusToken),
     ("rejection_sample", "acceptance flipped", known.AcceptsWhenUBelowPOverQFlipped),
+    ("softmax_phase_cuda", "calls the kernel's block_reduce", CallsTheKernelsBlockReduce),
+    ("softmax_phase_cuda", "calls the kernel's butterfly", CallsTheKernelsButterfly),
+    ("softmax_phase_cuda", "a max reduced inside each warp only", MaxInsideEachWarpOnly),
+    ("softmax_phase_cuda", "the exp loop strides by WARP_SIZE", ExpLoopStridesByAWarp),
+    ("softmax_phase_cuda", "__shfl_down_sync without a broadcast", ShflDownWithoutABroadcast),
+    ("softmax_phase_cuda", "no barrier between the warps", NoBarrierBetweenTheWarps),
 ] + [("LLMEngine.step", what, lesson16.wrong_step(what)) for what in lesson16.WRONG_STEPS]
 
 _FIRST_OF_EACH = {}
@@ -167,15 +217,15 @@ def test_every_mutant_is_rejected(name, what, mutant):
 
 
 def test_the_table(capsys):
-    """Every component the build track registers has mutants here (at least three each, the
-    CUDA phase 3 of lesson 06 aside: its mutants are C++, built in test_exercises_lesson06)."""
+    """Every component the build track registers has mutants here (at least three each but
+    two)."""
     counts = Counter(name for name, _, _ in MUTANTS)
     with capsys.disabled():
         print("\nthe mutation table (mutants per component):")
         for name, count in counts.items():
             print(f"  {name:24} {count}")
         print(f"  {'total':24} {sum(counts.values())}")
-    registered = set(workbench.components()) - {"softmax_phase_cuda"}
+    registered = set(workbench.components())
     assert registered <= set(counts), registered - set(counts)
     assert min(counts.values()) >= 2, counts
     assert sum(c >= 3 for c in counts.values()) >= len(counts) - 2, counts
@@ -223,6 +273,12 @@ HINTS = [
     ("PrefixCachingAllocator", NameBlockKeepsTheSameNameBlock,
      "an evictable block holding another prefix under the same name is evicted", "hash_fn"),
     ("PrefixCachingAllocator", EvictWithoutCounted, "counted=False", None),
+    ("softmax_phase_cuda", CallsTheKernelsBlockReduce, "the two reductions written by you",
+     None),
+    pytest.param("softmax_phase_cuda", MaxInsideEachWarpOnly, "the step across warps",
+                 "lane 0", marks=pytest.mark.slow),
+    pytest.param("softmax_phase_cuda", ExpLoopStridesByAWarp, "the loop's stride", "a barrier (",
+                 marks=pytest.mark.slow),
     ("LLMEngine.step", lesson16.wrong_step("the observers are told before the finished groups "
                                            "are freed"), "the observers see the step as it ends",
      None),
@@ -230,7 +286,8 @@ HINTS = [
 
 
 @pytest.mark.parametrize("name, mutant, gist, not_said", HINTS,
-                         ids=[f"{h[0]}: {h[2][:30]}" for h in HINTS])
+                         ids=[f"{v[0]}: {v[2][:30]}"
+                              for v in (getattr(h, "values", h) for h in HINTS)])
 def test_the_hint_names_the_cause(name, mutant, gist, not_said):
     result = str(workbench.check_component(name, mutant, save=False))
     hint = result.split("hint: ", 1)[1]
