@@ -1,9 +1,9 @@
 """A weight matrix kept as the GGUF file stores it, and its matmul.
 
 ``GGUFWeight`` holds a linear layer's weight (out, in) as the file's rows of blocks
-(``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q4_K, Q6_K), never as float32: the embedded SmolLM2's
-layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T`` by one of
-three routines:
+(``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), never as float32: the embedded
+SmolLM2's layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T``
+by one of three routines:
 
 - ``cpp``: our C++ op (``csrc/cpu/gguf_linear.cpp``) reads the blocks and dequantizes each inside
   the dot product (Q8_0 and Q4_1, float32 inputs, where the C++ CPU op is loaded);
