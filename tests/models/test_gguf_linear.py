@@ -11,7 +11,7 @@ from minipaged.kernels.gguf_blocks import FORMATS
 from minipaged.models import gguf_linear
 from minipaged.models.gguf_linear import GGUFWeight, choose_routine
 
-_HALVES = {"Q8_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # float16 scales
+_HALVES = {"Q8_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # float16
 
 
 def random_weight(name: str, out: int, blocks: int, seed: int) -> GGUFWeight:
