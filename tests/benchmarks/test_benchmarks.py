@@ -150,3 +150,12 @@ def test_gguf_decode_benchmark_runs_on_a_tiny_gguf_file():
     assert "| llama.cpp | not measured |" in out  # (no environment given: said, not guessed)
     assert "llama.cpp: not measured: no llama-cpp-python environment given" in out
     assert "vector instructions (from the CPU's flags):" in out and "date: " in out
+
+
+def test_gguf_throughput_benchmark_small():
+    proc = subprocess.run([sys.executable, "benchmarks/gguf_throughput.py", "--small",
+                           "--repeats", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "greedy tokens the same for every request: yes" in proc.stdout
+    assert "| gguf |" in proc.stdout and "| float32 |" in proc.stdout
