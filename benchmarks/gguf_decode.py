@@ -2,6 +2,7 @@
 
     python benchmarks/gguf_decode.py                 # the embedded SmolLM2, 128 tokens
     python benchmarks/gguf_decode.py --small         # a tiny random LLaMA GGUF: seconds (tests)
+    python benchmarks/gguf_decode.py --llama-cpp /path/to/env/bin/python   # and llama.cpp
     python benchmarks/gguf_decode.py --record        # and append the table to RESULTS.md
 
 One prompt, greedy, ``--tokens`` new tokens, in one process and in turn (``--repeats`` rounds,
@@ -10,9 +11,10 @@ the median kept), each system on the same GGUF file:
 - minipaged, ``quantization="gguf"``: the file's blocks, dequantized inside each matmul;
 - minipaged, float32: the file converted through transformers (the default path);
 - transformers: the file read by its GGUF loader (float32), ``generate``;
-- llama.cpp (``llama-cpp-python``): only where it is importable. It is never a dependency of
-  minipaged, and it is not installed on the machine of the first measurements; ``--llama-cpp``
-  names the slot, which says why it did not run.
+- llama.cpp (``llama-cpp-python``), in its own process with the python of another environment
+  (``--llama-cpp PYTHON`` or ``$MINIPAGED_LLAMA_CPP_PYTHON``: ``benchmarks/llama_cpp_decode.py``),
+  its rounds after ours; never a dependency of minipaged. Without one its row says "not
+  measured" and a note says why.
 
 Decode tokens/s counts the tokens after the first: ``(tokens - 1) / (time of the whole request -
 time of a request of one token)``, so the prompt's prefill is not in it. The table also gives
@@ -22,8 +24,11 @@ once) and whether the greedy tokens equal minipaged float32's.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +42,7 @@ from minipaged.worker import checkpoint  # noqa: E402
 from minipaged.worker.gguf_loader import tensor_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from machine import append_results, machine_description  # noqa: E402
+from machine import append_results, cpu_features, machine_description  # noqa: E402
 
 PROMPT = "The block manager of a paged KV cache"
 
@@ -82,25 +87,29 @@ def transformers_runner(gguf_path, prompt_ids):
     return run, size
 
 
-def llama_cpp_runner(gguf_path, prompt_ids):
-    """llama.cpp on the same file, or a ValueError saying why it cannot run here."""
-    try:
-        from llama_cpp import Llama  # type: ignore[import-not-found]
-    except ImportError:
-        raise ValueError("llama-cpp-python is not installed here (never a dependency of "
-                         "minipaged: pip install llama-cpp-python, in another environment)")
-    llm = Llama(model_path=gguf_path, n_ctx=1024, n_threads=torch.get_num_threads(),
-                verbose=False)
+LLAMA_CPP_ENV = "MINIPAGED_LLAMA_CPP_PYTHON"  # llama-cpp-python's environment's python
 
-    def run(n):
-        tokens = []
-        for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
-            tokens.append(token)
-            if len(tokens) == n:
-                break
-        return tokens
 
-    return run, os.path.getsize(gguf_path)
+def llama_cpp_rounds(python: str | None, gguf_path: str, prompt_ids: list[int], tokens: int,
+                     repeats: int, threads: int) -> tuple[list[float], list[int], str]:
+    """llama.cpp on the same file, in its own process with ``python`` (an environment that has
+    llama-cpp-python): (tokens/s of each round, the tokens, its version), or a ValueError
+    saying why it was not measured."""
+    if not python:
+        raise ValueError(f"not measured: no llama-cpp-python environment given (--llama-cpp "
+                         f"PYTHON or {LLAMA_CPP_ENV}; never a dependency of minipaged)")
+    if not os.path.isfile(python):
+        raise ValueError(f"not measured: {python} is not a file")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_decode.py")
+    command = [python, script, gguf_path, "--prompt-ids", ",".join(map(str, prompt_ids)),
+               "--tokens", str(tokens), "--repeats", str(repeats), "--threads", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise ValueError(f"not measured: {python} failed: {tail[0]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["tokens_per_s"], result["tokens"], f"llama-cpp-python {result['version']}"
 
 
 def main() -> None:
@@ -113,11 +122,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["gguf", "float32", "transformers", "llama.cpp"])
-    parser.add_argument("--llama-cpp", action="store_true",
-                        help="also run llama.cpp (llama-cpp-python) on the same file")
+    parser.add_argument("--llama-cpp", metavar="PYTHON", default=os.environ.get(LLAMA_CPP_ENV),
+                        help="the python of an environment with llama-cpp-python: llama.cpp "
+                             f"runs there on the same file (default: ${LLAMA_CPP_ENV})")
+    parser.add_argument("--threads", type=int, default=2, help="threads of every system")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
 
+    torch.set_num_threads(args.threads)
     tmp = None
     if args.small:
         from minipaged.lab.tiny_gguf import save_tiny_gguf
@@ -141,8 +153,6 @@ def main() -> None:
                "transformers": lambda: transformers_runner(gguf_path, prompt_ids)}
     skip = {"gguf": "minipaged gguf", "float32": "minipaged float32"}
     skipped = {skip.get(s, s) for s in args.skip}
-    if args.llama_cpp:
-        systems["llama.cpp"] = lambda: llama_cpp_runner(gguf_path, prompt_ids)
     runners, notes = {}, []
     for name, make in systems.items():
         if name in skipped:
@@ -159,14 +169,35 @@ def main() -> None:
             times[name].append((tokens - 1) / (whole - first) if whole > first else
                                float("nan"))  # (a tiny model: the difference is noise)
             print(f"  {name}: {times[name][-1]:.1f} tokens/s", flush=True)
+    sizes = {name: size for name, (_, size) in runners.items()}
+    llama_cpp = "not measured"
+    if "llama.cpp" not in skipped:
+        try:  # (its own process: its rounds run after ours, not in turn with them)
+            times["llama.cpp"], outputs["llama.cpp"], llama_cpp = llama_cpp_rounds(
+                args.llama_cpp, gguf_path, prompt_ids, tokens, args.repeats, args.threads)
+            sizes["llama.cpp"] = os.path.getsize(gguf_path)
+            print(f"  llama.cpp: {statistics.median(times['llama.cpp']):.1f} tokens/s",
+                  flush=True)
+        except ValueError as e:
+            notes.append(f"llama.cpp: {e}")
     baseline = outputs.get("minipaged float32")
-    rows = ["| system | decode tokens/s (median) | model's tensors (MB) | tokens = float32's |",
-            "|---|---|---|---|"]
-    for name, (run, size) in runners.items():
+    rows = ["| system | decode tokens/s (median) | llama.cpp's / this | model's tensors (MB) | "
+            "tokens = float32's |", "|---|---|---|---|---|"]
+    reference = statistics.median(times["llama.cpp"]) if "llama.cpp" in times else None
+    for name in ("llama.cpp", "minipaged gguf", "minipaged float32", "transformers"):
+        if name not in times:
+            if name not in skipped:
+                rows.append(f"| {name} | not measured | - | - | - |")
+            continue
+        rate = statistics.median(times[name])
         same = "-" if baseline is None else ("yes" if outputs[name] == baseline else "no")
-        rows.append(f"| {name} | {statistics.median(times[name]):.1f} | {size / 1e6:.1f} | "
-                    f"{same} |")
-    facts = [machine_description(), f"model: {gguf_path if not args.small else 'tiny random'}",
+        ratio = f"{reference / rate:.2f}" if reference and rate == rate else "-"
+        rows.append(f"| {name} | {rate:.1f} | {ratio} | {sizes[name] / 1e6:.1f} | {same} |")
+    features = ", ".join(cpu_features()) or "none reported"
+    facts = [f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             machine_description(), f"vector instructions (from the CPU's flags): {features}",
+             f"{args.threads} threads each; llama.cpp: {llama_cpp}",
+             f"model: {gguf_path if not args.small else 'tiny random'}",
              f"{tokens} new tokens, greedy, one prompt of {len(prompt_ids)} tokens, median of "
              f"{args.repeats} rounds"]
     body = "\n".join(rows + [""] + notes)

@@ -218,8 +218,8 @@ class EngineConfig:
 
     quantization: str | None = setting(
         None, "None (the weights in dtype) or gguf: the linear layers and the embedding hold the "
-              "GGUF file's blocks as stored (Q8_0, Q4_1, Q4_K, Q6_K), dequantized inside each "
-              "matmul (models/gguf_linear.py); for the embedded model, gemma-3-270m or a path "
+              "GGUF file's blocks as stored (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), dequantized inside "
+              "each matmul (models/gguf_linear.py); for the embedded model, gemma-3-270m or a path "
               "to a .gguf file, on one CPU process", choices=QUANTIZATIONS)
 
     @classmethod

@@ -9,10 +9,12 @@
 //   Q8_0 block (34 bytes): d (float16), then 32 int8 codes q;   w_i = d * q_i
 //   Q4_1 block (20 bytes): d, m (float16), then 16 bytes: byte j's low 4 bits are code j,
 //                          its high 4 bits code j + 16;          w_i = d * q_i + m
+//   Q5_0 block (22 bytes): d (float16), a 32-bit word whose bit i is code i's fifth bit, then
+//                          16 bytes of low 4 bits as Q4_1's;    w_i = d * (q_i - 16)
 //
 // So a block's share of a dot product with x is
-//   Q8_0:  d * sum_i q_i x_i
-//   Q4_1:  d * sum_i q_i x_i + m * sum_i x_i
+//   Q8_0, Q5_0:  d * sum_i q_i x_i   (Q5_0's q_i less 16)
+//   Q4_1:        d * sum_i q_i x_i + m * sum_i x_i
 // The codes become 8-float vectors (`v8`, vec8.h), the sums run over 8 lanes, and d (and
 // m) multiply a whole block's partial sums at once. The result equals the dequantized weights
 // times x up to float rounding (the sum is in another order): tests/models/test_gguf_linear.py.
@@ -39,11 +41,17 @@ namespace {
 typedef int8_t s8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 
-constexpr int64_t kBlock = 32;      // weights per block (both formats)
+constexpr int64_t kBlock = 32;      // weights per block (every format here)
 constexpr int64_t kQ4_1 = 3;        // ggml's numbers for the formats
+constexpr int64_t kQ5_0 = 6;
 constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kQ4_1Bytes = 20;
+constexpr int64_t kQ5_0Bytes = 22;
 constexpr int64_t kQ8_0Bytes = 34;
+
+constexpr int64_t block_bytes(int64_t format) {
+  return format == kQ8_0 ? kQ8_0Bytes : format == kQ5_0 ? kQ5_0Bytes : kQ4_1Bytes;
+}
 constexpr int kRows = 4;  // input rows that share each block's codes once they are floats
 
 inline float half_at(const uint8_t* p) {
@@ -110,17 +118,42 @@ inline void q4_1_codes(const uint8_t* block, v8 q[4]) {
 }
 #endif
 
+// Q5_0's 32 codes (less 16) as 4 vectors of 8 floats: each code's 5 bits put together in bytes
+// first (the fifth bits are spread over a word), then converted as Q4_1's are.
+inline void q5_0_codes(const uint8_t* block, v8 q[4]) {
+  uint32_t high;
+  std::memcpy(&high, block + 2, 4);
+  alignas(16) uint8_t codes[kBlock];
+  for (int i = 0; i < 16; ++i) {
+    codes[i] = (block[6 + i] & 0x0F) | (((high >> i) & 1u) << 4);
+    codes[i + 16] = (block[6 + i] >> 4) | (((high >> (i + 16)) & 1u) << 4);
+  }
+  const v8 sixteen = splat(16.f);
+  for (int c = 0; c < 4; ++c) {
+#if defined(__AVX2__)
+    q[c] = bytes_to_floats(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * c)),
+                           false) - sixteen;
+#else
+    u8x8 raw;
+    std::memcpy(&raw, codes + 8 * c, 8);
+    q[c] = __builtin_convertvector(raw, v8) - sixteen;
+#endif
+  }
+}
+
 // One weight row (its blocks) against R input rows: y[j * y_stride] for j < R.
 template <int64_t FORMAT, int R>
 void row_times_inputs(const uint8_t* w, int64_t num_blocks, const float* x, int64_t x_stride,
                       float* y, int64_t y_stride) {
-  constexpr int64_t bytes = FORMAT == kQ8_0 ? kQ8_0Bytes : kQ4_1Bytes;
+  constexpr int64_t bytes = block_bytes(FORMAT);
   v8 scaled[R], mins[R];
   for (int j = 0; j < R; ++j) scaled[j] = mins[j] = v8{};
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = w + b * bytes;
     v8 q[4];
-    if (FORMAT == kQ8_0) q8_0_codes(block, q); else q4_1_codes(block, q);
+    if (FORMAT == kQ8_0) q8_0_codes(block, q);
+    else if (FORMAT == kQ5_0) q5_0_codes(block, q);
+    else q4_1_codes(block, q);
     const v8 d = splat(half_at(block));
     for (int j = 0; j < R; ++j) {
       const float* xb = x + j * x_stride + b * kBlock;
@@ -156,8 +189,8 @@ void all_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const flo
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format) {
-  TORCH_CHECK(format == kQ4_1 || format == kQ8_0, "gguf_linear: block format ", format,
-              " is not one this op reads (Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(format == kQ4_1 || format == kQ5_0 || format == kQ8_0, "gguf_linear: block format ",
+              format, " is not one this op reads (Q4_1 = 3, Q5_0 = 6, Q8_0 = 8)");
   TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "gguf_linear: x must be (rows, in) and blocks "
               "(out, bytes per row), got x of ", x.sizes(), " and blocks of ", blocks.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32, got ",
@@ -168,7 +201,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "gguf_linear: x's rows must be contiguous");
   TORCH_CHECK(blocks.is_contiguous(), "gguf_linear: blocks must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  const int64_t bytes = format == kQ8_0 ? kQ8_0Bytes : kQ4_1Bytes;
+  const int64_t bytes = block_bytes(format);
   TORCH_CHECK(K % kBlock == 0, "gguf_linear: x's features (", K, ") must be a multiple of ",
               kBlock);
   TORCH_CHECK(blocks.size(1) == K / kBlock * bytes, "gguf_linear: ", K, " features need ",
@@ -180,6 +213,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   float* yp = y.data_ptr<float>();
   if (format == kQ8_0)
     all_rows<kQ8_0>(wp, blocks.size(1), K / kBlock, xp, x.stride(0), M, yp, N);
+  else if (format == kQ5_0)
+    all_rows<kQ5_0>(wp, blocks.size(1), K / kBlock, xp, x.stride(0), M, yp, N);
   else
     all_rows<kQ4_1>(wp, blocks.size(1), K / kBlock, xp, x.stride(0), M, yp, N);
   return y;

@@ -1,4 +1,5 @@
-"""Lesson 18 exercise: quantize one token's key (or value) vector for an 8-bit KV cache.
+"""Lesson 18 exercises: quantize one token's key (or value) vector for an 8-bit KV cache, and
+dequantize a block of 4-bit weights as a GGUF file stores them.
 
     quantize_vector(x, fmt) -> (codes, scale)
         x: a 1-D float32 tensor (one kv head's key or value of one token); fmt "int8" or "fp8".
@@ -9,12 +10,22 @@
         Returns the codes tensor and the scale as a Python float.
 
 Expected answer: ``minipaged.kernels.kv_quant.quantize`` (what the engine's cache stores).
+
+    dequantize_q4_1(blocks) -> weights                       (a build-track component)
+        blocks: uint8 (n, 20), n Q4_1 blocks: bytes 0-1 d and bytes 2-3 m (float16), then 16
+            bytes of 4-bit codes: byte i's low 4 bits are weight i's code, its high 4 bits
+            weight i + 16's.
+        Returns float32 (n, 32): weight j = d * code_j + m, computed in float32.
+
+Checked bit for bit against the ``gguf`` package's reference (``gguf.quants.dequantize``) on
+random blocks; plugged in, it is what ``quantization="gguf"`` dequantizes Q4_1 with
+(``kernels/gguf_blocks.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from minipaged.exercises import checking
+from minipaged.exercises import checking, workbench
 from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
 from minipaged.kernels import kv_quant
 
@@ -91,6 +102,84 @@ def _package_quantize_vector(x, fmt):
 def usable_quantize_vector(fn):
     """``fn`` once its check passed; until then the package's ``kv_quant.quantize``."""
     return checking.usable("quantize_vector", fn, _package_quantize_vector)
+
+
+# -- dequantize_q4_1: a GGUF weight block (the build track) ---------------------------------------
+Q4_1 = "dequantize_q4_1"
+
+
+def _q4_1_blocks(rng, case: int):
+    """Random Q4_1 blocks as numpy uint8 (n, 20): any codes, finite scales; every third case
+    blocks the ``gguf`` package quantized from random weights (as a file holds them)."""
+    import gguf
+    import numpy as np
+
+    n = rng.choice([1, 2, 3, 8])
+    seeded = np.random.default_rng(rng.randrange(2**31))
+    if case % 3 == 2:
+        weights = seeded.standard_normal((n, 32)).astype(np.float32) * 10 ** rng.uniform(-3, 1)
+        return gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_1).reshape(n, 20)
+    raw = seeded.integers(0, 256, (n, 20), dtype=np.uint8)
+    scales = (seeded.standard_normal((n, 2)) * 10 ** rng.uniform(-4, 1)).astype(np.float16)
+    raw[:, :4] = scales.view(np.uint8).reshape(n, 4)
+    return raw
+
+
+def _q4_1_mistakes(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The weights that the usual mistakes give, each with the hint that names it."""
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # (n, 1)
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    codes = blocks[:, 4:]  # (n, 16)
+    low, high = codes & 0x0F, codes >> 4
+    split = torch.cat([low, high], dim=1).float()  # the file's order
+    return {
+        "the low 4 bits of byte i are weight i, the high 4 bits weight i + 16 (yours has the "
+        "halves the other way round)": d * torch.cat([high, low], dim=1).float() + m,
+        "byte i holds weights i and i + 16, not two neighbours: the low nibbles of all 16 bytes "
+        "come first, then the high nibbles": d * torch.stack([low, high], 2).reshape(
+            -1, 32).float() + m,
+        "the min is added after the scale: d * code + m, not d * (code + m)": d * (split + m),
+        "d is the first float16 (bytes 0-1) and m the second (bytes 2-3)": m * split + d,
+        "multiply in float32: convert d and m from float16 first (float16 products round)":
+        (d.half() * split.half() + m.half()).float(),
+    }
+
+
+def _check_dequantize_q4_1(candidate, rng, num_cases: int) -> int:
+    import gguf
+
+    for case in range(num_cases):
+        raw = _q4_1_blocks(rng, case)
+        n = raw.shape[0]
+        want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
+        blocks = torch.from_numpy(raw.copy())
+        inputs = f"{n} block(s), the first: d={float(blocks[0, :2].view(torch.float16)):.4g}, "\
+                 f"m={float(blocks[0, 2:4].view(torch.float16)):.4g}, codes bytes " \
+                 f"{blocks[0, 4:8].tolist()}..."
+        got = candidate(blocks.clone())
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            fail(Q4_1, case, inputs, shape, tuple(want.shape),
+                 "a Q4_1 block is 20 bytes: d and m (2 bytes each), then 16 bytes of codes for "
+                 "32 weights; return one row of 32 weights per block")
+        if got.dtype != torch.float32:
+            fail(Q4_1, case, inputs, got.dtype, torch.float32, "the weights are float32")
+        if not torch.equal(got, want):
+            row = int((got != want).any(dim=1).nonzero()[0, 0])
+            hint = next((why for why, mistake in _q4_1_mistakes(blocks).items()
+                         if torch.equal(got, mistake)),
+                        "each weight is d * code + m, in float32, the codes in the file's order")
+            fail(Q4_1, case, inputs + f" (block {row}, first 6 weights)",
+                 [float(f"{x:.4g}") for x in got[row, :6].tolist()],
+                 [float(f"{x:.4g}") for x in want[row, :6].tolist()], hint)
+    return num_cases
+
+
+workbench.register(workbench.Component(
+    name=Q4_1, lesson="18", slots=("minipaged.kernels.gguf_blocks:dequantize_q4_1",),
+    check=_check_dequantize_q4_1, solution="minipaged.exercises.answers.lesson18:dequantize_q4_1",
+    preamble="import torch\n\nfrom minipaged.exercises.checking import not_done",
+    num_cases=60))
 
 
 __all__ = ["check_quantize_vector", "usable_quantize_vector"]

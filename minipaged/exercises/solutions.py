@@ -405,6 +405,9 @@ def quantize_vector(x, fmt):
     return y.to(dtype), float(scale)
 
 
+from minipaged.exercises.answers.lesson18 import dequantize_q4_1  # noqa: E402
+
+
 # ---- lesson 20 (a new model is a diff) ---------------------------------------
 
 from minipaged.exercises.answers.lesson20 import qwen3_queries_keys  # noqa: E402

@@ -9,6 +9,8 @@ format   weights    bytes   a weight
 Q8_0     32         34      ``d * q``, d float16, q int8
 Q4_1     32         20      ``d * q + m``, d and m float16, q 4 bits (low nibbles are
                             codes 0-15, high nibbles codes 16-31)
+Q5_0     32         22      ``d * (q - 16)``, d float16, q 5 bits: 4 in nibbles as Q4_1's,
+                            the fifth of weight j bit j of a 32-bit word
 Q4_K     256        144     8 sub-blocks of 32: ``(d * sc) * q - (dmin * mn)``, sc and mn
                             6 bits each (packed in 12 bytes), q 4 bits
 Q6_K     256        210     16 sub-blocks of 16: ``(d * sc) * q``, sc int8, q 6 bits
@@ -16,7 +18,8 @@ Q6_K     256        210     16 sub-blocks of 16: ``(d * sc) * q``, sc int8, q 6 
 =======  =========  ======  ==========================================================
 
 The embedded SmolLM2 is Q4_1 (its layers) and Q8_0 (its embedding, also its output layer);
-Gemma 3 270M's Q4_K_M mixes Q4_K, Q6_K and Q8_0. Every ``dequantize_*`` below computes, in
+Gemma 3 270M's Q4_K_M mixes Q5_0 (q, k, gate, up), Q8_0 (v, some down, the embedding),
+Q4_K and Q6_K. Every ``dequantize_*`` below computes, in
 float32, the same operations in the same order as the ``gguf`` package's reference (which
 transformers' GGUF loader uses), so its values equal the reference's bit for bit
 (tests/kernels/test_gguf_blocks.py). ``models/gguf_linear.py`` multiplies by them.
@@ -35,7 +38,13 @@ class BlockFormat:
     ggml_type: int  # the number a GGUF file writes for the format
     weights: int  # weights per block
     bytes: int  # bytes per block
-    dequantize: Callable[[torch.Tensor], torch.Tensor]  # (n, bytes) uint8 -> (n, weights)
+    function: str  # its dequantization here: (n, bytes) uint8 -> (n, weights) float32
+
+    @property
+    def dequantize(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        # looked up by name at each call: lesson 18 puts the learner's Q4_1 in its place
+        # (exercises/workbench.plugged_in)
+        return globals()[self.function]
 
 
 def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -58,6 +67,17 @@ def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m = _half(blocks, 0), _half(blocks, 2)
     q = _nibbles(blocks[:, 4:], 1).reshape(blocks.shape[0], 32).float()
     return (d * q) + m
+
+
+def dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _half(blocks, 0)
+    # bit j of the little-endian 32-bit word at byte 2 is weight j's fifth: bit j % 8 of byte j // 8
+    high = blocks[:, 2:6].repeat_interleave(8, dim=1) >> (torch.arange(32) % 8).to(torch.uint8)
+    high = high & 1  # (n, 32)
+    low = _nibbles(blocks[:, 6:], 1).reshape(n, 32)
+    q = (low | (high << 4)).view(torch.int8) - 16
+    return d * q.float()
 
 
 def _q4_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +115,11 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
-    BlockFormat("Q8_0", 8, 32, 34, dequantize_q8_0),
-    BlockFormat("Q4_1", 3, 32, 20, dequantize_q4_1),
-    BlockFormat("Q4_K", 12, 256, 144, dequantize_q4_k),
-    BlockFormat("Q6_K", 14, 256, 210, dequantize_q6_k),
+    BlockFormat("Q8_0", 8, 32, 34, "dequantize_q8_0"),
+    BlockFormat("Q4_1", 3, 32, 20, "dequantize_q4_1"),
+    BlockFormat("Q5_0", 6, 32, 22, "dequantize_q5_0"),
+    BlockFormat("Q4_K", 12, 256, 144, "dequantize_q4_k"),
+    BlockFormat("Q6_K", 14, 256, 210, "dequantize_q6_k"),
 )}
 UNQUANTIZED = ("F32", "F16")  # read as they are (norms, biases)
 

@@ -1,12 +1,12 @@
 """A weight matrix kept as the GGUF file stores it, and its matmul.
 
 ``GGUFWeight`` holds a linear layer's weight (out, in) as the file's rows of blocks
-(``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q4_K, Q6_K), never as float32: the embedded SmolLM2's
-layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T`` by one of
-three routines:
+(``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), never as float32: the embedded
+SmolLM2's layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T``
+by one of three routines:
 
 - ``cpp``: our C++ op (``csrc/cpu/gguf_linear.cpp``) reads the blocks and dequantizes each inside
-  the dot product (Q8_0 and Q4_1, float32 inputs, where the C++ CPU op is loaded);
+  the dot product (Q8_0, Q4_1 and Q5_0, float32 inputs, where the C++ CPU op is loaded);
 - ``int4pack``: torch's weight-only 4-bit kernel (``torch._weight_int4pack_mm_for_cpu``), for
   Q4_1, whose weights ``d * q + m`` map exactly onto torch's ``(q - 8) * scale + zero`` with
   ``scale = d`` and ``zero = m + 8 d`` (a copy of the codes in torch's packed layout is made);
@@ -38,6 +38,7 @@ from minipaged.validation import env_choice
 CPP_MAX_ROWS = 256  # more rows than this: BLAS on dequantized tiles
 TILE_ROWS = 512  # weight rows dequantized at once by ``dequant`` (about 1 MB of float32 for 576)
 ROUTINES = ("cpp", "int4pack", "dequant")
+CPP_FORMATS = ("Q8_0", "Q4_1", "Q5_0")  # the formats csrc/cpu/gguf_linear.cpp reads
 
 # (out, in, format, threads, whether the C++ op is loaded) -> the routine measured fastest
 choices: dict[tuple, str] = {}
@@ -100,7 +101,7 @@ class GGUFWeight:
         if x is not None and (x.dtype != torch.float32 or x.device.type != "cpu"):
             return False
         if routine == "cpp":
-            return self.fmt.name in ("Q8_0", "Q4_1") and build.CPU_OP.ready() is not None
+            return self.fmt.name in CPP_FORMATS and build.CPU_OP.ready() is not None
         if routine == "int4pack":
             return (self.fmt.name == "Q4_1" and self.shape[0] % 16 == 0  # (torch's layout)
                     and hasattr(torch, "_weight_int4pack_mm_for_cpu"))

@@ -1,4 +1,4 @@
-"""A LLaMA GGUF file's weights loaded as the file stores them (``quantization="gguf"``).
+"""A LLaMA or Gemma 3 GGUF file's weights loaded as the file stores them (``quantization="gguf"``).
 
 ``load_gguf_weights`` reads the file with the ``gguf`` package's reader and puts each matrix into
 our model as a ``GGUFWeight`` (``models/gguf_linear.py``): its rows of blocks, never float32.
@@ -29,17 +29,26 @@ _LAYER_NAMES = {  # blk.N.<gguf name> -> layers.N.<our name>
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_NAMES = {  # Gemma 3's own (its ffn_norm is the norm before the MLP, as LLaMA's)
+    **_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-ARCHITECTURES = ("llama",)
+# architecture -> (its layers' names, q/k rows in llama.cpp's order, norms stored as 1 + weight)
+_ARCHITECTURES = {"llama": (_LAYER_NAMES, True, False), "gemma3": (_GEMMA3_NAMES, False, True)}
+ARCHITECTURES = tuple(_ARCHITECTURES)
 
 
-def our_name(gguf_name: str) -> str:
+def our_name(gguf_name: str, arch: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``layers.3.self_attn.q_proj.weight`` (our module's names)."""
     stem, _, kind = gguf_name.rpartition(".")
+    layer_names = _ARCHITECTURES[arch][0]
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        if part in _LAYER_NAMES:
-            return f"layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        if part in layer_names:
+            return f"layers.{layer}.{layer_names[part]}.{kind}"
     elif stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     raise KeyError(f"unexpected tensor {gguf_name!r} in the GGUF file")
@@ -74,13 +83,15 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
 def load_gguf_weights(model: torch.nn.Module, path: str, hf_config) -> None:
     """Load ``path``'s tensors into ``model`` (a freshly built LLaMA), matrices as blocks."""
     reader = open_checked(path)
+    arch = reader.fields["general.architecture"].contents()
+    _, permuted, one_plus = _ARCHITECTURES[arch]
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     loaded = set()
     for t in reader.tensors:
-        name = our_name(t.name)
+        name = our_name(t.name, arch)
         if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
             continue
         module_name, _, kind = name.rpartition(".")
@@ -88,10 +99,13 @@ def load_gguf_weights(model: torch.nn.Module, path: str, hf_config) -> None:
         if module is None or not hasattr(module, kind):
             raise KeyError(f"unexpected weight {t.name!r} in the GGUF file")
         rows = torch.from_numpy(np.array(t.data))  # (a copy: the file's map is let go)
-        if ".attn_q." in t.name or ".attn_k." in t.name:
+        if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
             rows = _unpermute(rows, heads if ".attn_q." in t.name else kv_heads)
         if t.tensor_type.name in UNQUANTIZED:
-            _copy_into(getattr(module, kind), rows, t.name)
+            values = rows.float()
+            if one_plus and name.endswith("norm.weight"):
+                values = values - 1  # (transformers' Gemma processor: the offset from 1)
+            _copy_into(getattr(module, kind), values, t.name)
         else:
             weight = GGUFWeight(rows.to(device), block_format(t.tensor_type.name))
             expected = tuple(getattr(module, kind).shape)
@@ -127,6 +141,9 @@ def _fuse(fused: FusedColumns) -> None:
     parts = [l.weight for l in fused.linears]
     if not all(isinstance(p, GGUFWeight) for p in parts):
         return  # (float matrices in the file: the fused float tensor stays)
+    if len({p.fmt.name for p in parts}) > 1:  # (Gemma 3's Q5_0 q and k, Q8_0 v): one by one,
+        fused.weight = None  # and the float tensor made for the fusion let go
+        return
     whole = GGUFWeight.cat(parts)
     fused.use_weights(whole, whole.split_rows(fused.sizes))
 

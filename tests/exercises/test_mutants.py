@@ -27,6 +27,7 @@ from minipaged.exercises.answers import lesson09 as a09
 from minipaged.exercises.answers import lesson10 as a10
 from minipaged.exercises.answers import lesson11 as a11
 from minipaged.exercises.answers.lesson06 import SOFTMAX_PHASE
+from minipaged.exercises.answers import lesson18 as a18
 import test_hints_by_cause as known  # (tests/exercises is on sys.path: pytest's rootdir mode)
 
 
@@ -188,6 +189,23 @@ MUTANTS = [
     ("softmax_phase_cuda", "no barrier between the warps", NoBarrierBetweenTheWarps),
 ] + [("LLMEngine.step", what, lesson16.wrong_step(what)) for what in lesson16.WRONG_STEPS]
 
+# lesson 18: a GGUF Q4_1 block's 32 weights
+Q4_1NibblesSwapped = changed(
+    a18, "dequantize_q4_1", ("torch.cat([codes & 0x0F, codes >> 4], dim=1)",
+                             "torch.cat([codes >> 4, codes & 0x0F], dim=1)"))
+Q4_1MinBeforeTheScale = changed(a18, "dequantize_q4_1", ("return d * q + m", "return d * (q + m)"))
+Q4_1BlockOf18Bytes = changed(a18, "dequantize_q4_1", ("codes = blocks[:, 4:]",
+                                                      "codes = blocks[:, 2:]"))
+Q4_1NeighboursInAByte = changed(
+    a18, "dequantize_q4_1", ("torch.cat([codes & 0x0F, codes >> 4], dim=1)",
+                             "torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(-1, 32)"))
+MUTANTS += [
+    ("dequantize_q4_1", "nibble order swapped", Q4_1NibblesSwapped),
+    ("dequantize_q4_1", "the min added before the scale", Q4_1MinBeforeTheScale),
+    ("dequantize_q4_1", "a block taken for 18 bytes (codes from byte 2)", Q4_1BlockOf18Bytes),
+    ("dequantize_q4_1", "a byte's two codes as neighbours", Q4_1NeighboursInAByte),
+]
+
 _FIRST_OF_EACH = {}
 for _row in MUTANTS:
     _FIRST_OF_EACH.setdefault(_row[0], _row)
@@ -282,6 +300,14 @@ HINTS = [
     ("LLMEngine.step", lesson16.wrong_step("the observers are told before the finished groups "
                                            "are freed"), "the observers see the step as it ends",
      None),
+]
+
+
+HINTS += [
+    ("dequantize_q4_1", Q4_1NibblesSwapped, "the halves the other way round", None),
+    ("dequantize_q4_1", Q4_1MinBeforeTheScale, "the min is added after the scale", None),
+    ("dequantize_q4_1", Q4_1BlockOf18Bytes, "a Q4_1 block is 20 bytes", None),
+    ("dequantize_q4_1", Q4_1NeighboursInAByte, "byte i holds weights i and i + 16", None),
 ]
 
 

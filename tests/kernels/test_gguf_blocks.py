@@ -47,7 +47,7 @@ def test_ggml_numbers_match_the_gguf_package():
 
 def test_an_unsupported_format_is_named_with_the_supported_ones():
     with pytest.raises(ValueError, match=r"Q5_K is not supported: minipaged reads Q8_0, Q4_1, "
-                                         r"Q4_K, Q6_K"):
+                                         r"Q5_0, Q4_K, Q6_K"):
         gguf_blocks.block_format("Q5_K")
 
 

@@ -11,7 +11,7 @@ from minipaged.kernels.gguf_blocks import FORMATS
 from minipaged.models import gguf_linear
 from minipaged.models.gguf_linear import GGUFWeight, choose_routine
 
-_HALVES = {"Q8_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}  # float16 scales
+_HALVES = {"Q8_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # float16
 
 
 def random_weight(name: str, out: int, blocks: int, seed: int) -> GGUFWeight:
@@ -41,7 +41,7 @@ def test_every_routine_gives_the_dequantized_matmul(cpu_op, name, out, blocks, r
     reference = x.double() @ weight.dequantize().double().t()
     size = (x.double().abs() @ weight.dequantize().double().abs().t()).max()  # the products'
     ran = [r for r in gguf_linear.ROUTINES if weight.runs(r, x)]
-    assert "dequant" in ran and ("cpp" in ran) == (name in ("Q8_0", "Q4_1"))
+    assert "dequant" in ran and ("cpp" in ran) == (name in gguf_linear.CPP_FORMATS)
     for routine in ran:
         got = weight.linear(x, routine)
         assert got.shape == (rows, out) and got.dtype == torch.float32
@@ -49,7 +49,7 @@ def test_every_routine_gives_the_dequantized_matmul(cpu_op, name, out, blocks, r
 
 
 @settings(max_examples=examples(20), deadline=None)
-@given(name=st.sampled_from(["Q8_0", "Q4_1"]), rows=st.integers(2, 11),
+@given(name=st.sampled_from(gguf_linear.CPP_FORMATS), rows=st.integers(2, 11),
        seed=st.integers(0, 2**16))
 def test_a_row_s_result_does_not_depend_on_the_batch(cpu_op, name, rows, seed):
     weight = random_weight(name, 37, 2, seed)

@@ -1,8 +1,9 @@
-"""``quantization="gguf"``: a LLaMA GGUF file's weights held as its blocks (issue 58). A tiny random
-LLaMA written as GGUF (Q4_1 layers, Q8_0 embedding and head) gives, read as stored, the logits of
-the same file converted through transformers to float32, within float tolerance, and
-transformers' greedy tokens; a file with a block format minipaged does not read is refused by
-name before any weight loads."""
+"""``quantization="gguf"``: a LLaMA or Gemma 3 GGUF file's weights held as its blocks (issue 58). A
+tiny random LLaMA written as GGUF (Q4_1 layers, Q8_0 embedding and head), and a tiny Gemma 3 (Q5_0
+q, k, gate and up, Q8_0 v, down and embedding, as Gemma 3 270M's file mixes them), give, read as
+stored, the logits of the same file converted through transformers to float32, within float
+tolerance, and transformers' greedy tokens; a file with a block format minipaged does not read
+is refused by name before any weight loads."""
 import os
 import random
 
@@ -32,17 +33,35 @@ def own_cache(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("MINIPAGED_GGUF_ROUTINE", raising=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory):
-    """(the GGUF file, transformers' model read from it) of a tiny random LLaMA."""
+def _file_and_reference(folder, **how):
+    """(a tiny random model saved as GGUF by ``save_tiny_gguf(**how)``, transformers' model read
+    from that file)."""
     from transformers import AutoModelForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny_gguf")
-    path, _ = save_tiny_gguf(str(folder), seed=3)
+    path, _ = save_tiny_gguf(str(folder), **how)
     reference = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="tiny.gguf",
                                                      dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None
     return path, reference
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    """(the GGUF file, transformers' model read from it) of a tiny random LLaMA."""
+    return _file_and_reference(tmp_path_factory.mktemp("tiny_gguf"), seed=3)
+
+
+def _assert_logits_agree(quantized, float32, reference, prompts):
+    """Teacher-forced logits of the blocks' engine equal the float32 path's and transformers'
+    within float tolerance."""
+    ours = teacher_forced_logits(quantized, prompts, num_prefill=9, block_size=4)
+    theirs = teacher_forced_logits(float32, prompts, num_prefill=9, block_size=4)
+    for p, a, b in zip(prompts, ours, theirs):
+        with torch.no_grad():
+            ref = reference(torch.tensor([p])).logits[0]
+        assert ref.abs().max() > 1.0
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(a, ref, atol=2e-4, rtol=1e-4)
 
 
 SETTINGS = dict(block_size=4, num_gpu_blocks=64, max_model_len=256, dtype="float32")
@@ -61,14 +80,7 @@ def test_logits_equal_the_float32_path_within_float_tolerance(tiny_file, routine
         assert any(w.routine == routine for w in weights)  # (where the routine can run)
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (21, 14, 17)]
-    ours = teacher_forced_logits(quantized, prompts, num_prefill=9, block_size=4)
-    theirs = teacher_forced_logits(float32, prompts, num_prefill=9, block_size=4)
-    for p, a, b in zip(prompts, ours, theirs):
-        with torch.no_grad():
-            ref = reference(torch.tensor([p])).logits[0]
-        assert ref.abs().max() > 1.0
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
-        torch.testing.assert_close(a, ref, atol=2e-4, rtol=1e-4)
+    _assert_logits_agree(quantized, float32, reference, prompts)
 
 
 def test_greedy_tokens_equal_transformers_on_the_file(tiny_file):
@@ -96,8 +108,41 @@ def test_the_model_holds_blocks_not_float32(tiny_file):
     assert tensor_bytes(model) < tensor_bytes(float_model) / 2
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma_file(tmp_path_factory):
+    """(the GGUF file, transformers' model read from it) of a tiny random Gemma 3."""
+    return _file_and_reference(tmp_path_factory.mktemp("tiny_gemma_gguf"), seed=5,
+                               family="gemma3", layers="Q5_0",
+                               formats={"attn_v": "Q8_0", "ffn_down": "Q8_0"})
+
+
+@pytest.mark.slow  # (three engines and transformers' conversion: 20-70 s on two cores)
+def test_a_gemma3_file_gives_transformers_logits_and_tokens(tiny_gemma_file):
+    path, reference = tiny_gemma_file
+    quantized = LLMEngine(path, quantization="gguf", **SETTINGS)
+    float32 = LLMEngine(path, **SETTINGS)
+    model = quantized.worker.model
+    assert {w.fmt.name for w in quantized_weights(model)} == {"Q5_0", "Q8_0"}
+    layer = model.layers[0]
+    assert not layer.self_attn.qkv.fused and layer.self_attn.qkv.weight is None  # (Q5_0, Q8_0)
+    assert layer.mlp.gate_up.fused  # (both Q5_0: one weight of blocks)
+    # Gemma's norms: the file's 1 + weight read back as the offset, as transformers holds it
+    torch.testing.assert_close(layer.pre_feedforward_layernorm.weight,
+                               reference.model.layers[0].pre_feedforward_layernorm.weight,
+                               atol=0, rtol=0)
+    rng = random.Random(1)
+    _assert_logits_agree(quantized, float32, reference,
+                         [[rng.randrange(2, 256) for _ in range(n)] for n in (21, 14)])
+    prompts = pick_prompts(reference, [13, 18], 10, seed=4)
+    expected = [greedy_reference(reference, p, 10) for p in prompts]
+    outs = LLM(path, quantization="gguf", seed=0, **SETTINGS).generate(
+        prompt_token_ids=prompts, use_tqdm=False,
+        sampling_params=SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
 def test_a_block_format_not_read_is_named_before_any_weight_loads(tmp_path):
-    path, _ = save_tiny_gguf(str(tmp_path), seed=3, layers="Q5_0")
+    path, _ = save_tiny_gguf(str(tmp_path), seed=3, layers="Q5_1")
     from minipaged.worker import gguf_loader
 
     loads = []
@@ -105,8 +150,9 @@ def test_a_block_format_not_read_is_named_before_any_weight_loads(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_loader.GGUFWeight, "__init__",
                    lambda *a, **k: loads.append(1) or real_setattr(*a, **k))
-        with pytest.raises(ValueError, match=r"Q5_0 is not supported: minipaged reads Q8_0, "
-                                             r"Q4_1, Q4_K, Q6_K"):
+        with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight': GGUF block format "
+                                             r"Q5_1 is not supported: minipaged reads Q8_0, "
+                                             r"Q4_1, Q5_0, Q4_K, Q6_K"):
             LLM(path, quantization="gguf", **SETTINGS)
     assert loads == []
 
