@@ -201,8 +201,9 @@ def test_one_table_for_every_layer_is_refused_on_a_grouped_cache(gemma3):
                             engine.worker.cache_engine.gpu_cache, meta)
 
 
-def test_tensor_parallel_and_cuda_keep_every_block(gemma3):
-    """Without starting ranks or a GPU: the decision alone (engine/cache_setup.py)."""
+def test_cuda_and_a_draft_model_keep_every_block(gemma3):
+    """Without starting ranks or a GPU: the decision alone (engine/cache_setup.py); tensor
+    parallel has the groups (tests/models/test_families_tensor_parallel.py runs them)."""
     from types import SimpleNamespace
 
     from minipaged.config import EngineConfig
@@ -218,7 +219,7 @@ def test_tensor_parallel_and_cuda_keep_every_block(gemma3):
                          on_cpu) is None
     assert hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=True,
                                                     tensor_parallel_size=2), shape,
-                         on_cpu) is None
+                         on_cpu) is not None
     assert hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=True), shape,
                          SimpleNamespace(device=torch.device("cuda"))) is None
     draft = {"method": "draft", "model": path, "num_speculative_tokens": 2}
