@@ -113,9 +113,11 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
                   ) -> tuple[KVGroup, ...] | None:
     """The KV cache groups of a hybrid model (sliding and full layers), or None to keep every
     block in one table: for a model of one kind of layer, and (logged once, with the reason)
-    where the groups are not built yet: with ``kv_cache_groups=False``, a draft model,
-    multi-step decode, or a model on CUDA. Under tensor parallel each rank lays out its layers
-    by group (``layer_places``) and reads the step's per-group tables (``group_metas``).
+    where the groups are not built yet: with ``kv_cache_groups=False``, a draft model, or a
+    model on CUDA. Under tensor parallel each rank lays out its layers by group
+    (``layer_places``) and reads the step's per-group tables (``group_metas``); multi-step
+    decode reserves its lookahead slots in every group and lays out each group's later slots
+    (``engine/multi_step.py``).
 
     Args:
         cfg: the engine's settings.
@@ -129,7 +131,6 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
         ("kv_cache_groups=False", not cfg.kv_cache_groups),
         ("speculative decoding by a draft model", cfg.speculative_config is not None
          and cfg.speculative_config.method == "draft"),
-        ("multi-step decode", cfg.num_scheduler_steps > 1),
         ("CUDA (not measured there yet)", getattr(worker, "device", None) is not None
          and worker.device.type == "cuda" and not GROUPS_ON_CUDA),
     ) if off]

@@ -131,8 +131,6 @@ def test_a_lone_request_of_the_whole_pool_runs(gemma3):
 
 @pytest.mark.parametrize("settings", [
     dict(kv_cache_groups=False),
-
-    dict(num_scheduler_steps=2),
 ])
 def test_settings_the_groups_do_not_run_with_keep_every_block(gemma3, settings):
     path, _ = gemma3
@@ -243,6 +241,31 @@ def test_prompt_lookup_speculation_runs_with_groups(gemma3):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert hybrid.stats.num_spec_accepted_tokens > 0
     manager = hybrid.scheduler.block_manager
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+
+
+def test_multi_step_decode_runs_with_groups(gemma3):
+    """num_scheduler_steps = 4: the later steps' slots laid out from every group's table (the
+    lookahead reserved in each), prompts past the window of 16 and a prefix hit; the tokens and
+    logprobs are the every-block engine's, several steps ran per schedule, and every block came
+    back."""
+    path, _ = gemma3
+    settings = dict(SETTINGS, num_gpu_blocks=64, num_scheduler_steps=4,
+                    enable_prefix_caching=True)
+    start = list(range(30, 54))
+    prompts = [start + [3, 4], list(range(60, 79)), start + [7]]  # the third hits the first's
+    params = [SamplingParams(temperature=0, max_tokens=27, ignore_eos=True, logprobs=2)] * 3
+    hybrid = LLMEngine(path, kv_cache_groups=True, **settings)
+    assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
+    got = run(hybrid, prompts, params)
+    want = run(LLMEngine(path, kv_cache_groups=False, **settings), prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(
+            b.outputs[0].cumulative_logprob, abs=1e-4)
+    assert hybrid.multi_step.num_later_steps > 0
+    manager = hybrid.scheduler.block_manager
+    assert all(g.num_dropped_blocks > 0 for g in manager.groups)
     assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
 
 

@@ -3,8 +3,9 @@
 one block table per group (``core/hybrid_block_manager.py``) as with every layer keeping every
 block, from the same memory, through copy-on-write (n = 2 sampling, beam search's forks),
 preemption by swapping or by recompute (a small pool), chunked prefill, prefix caching
-(prompts sharing their starts) and speculative decoding by prompt lookup; and the invariants
-of ``lab/invariants.py`` (every group's tables on the one pool) hold after every step."""
+(prompts sharing their starts), speculative decoding by prompt lookup and multi-step decode;
+and the invariants of ``lab/invariants.py`` (every group's tables on the one pool) hold after
+every step."""
 import os
 
 import pytest
@@ -36,6 +37,10 @@ MODES = [  # engine settings a workload runs under (the memory of num_gpu_blocks
          num_gpu_blocks=20),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
          num_gpu_blocks=20, enable_prefix_caching=True),
+    # multi-step decode: each group's later slots (greedy batches go 3 steps at a time)
+    dict(num_scheduler_steps=3, num_gpu_blocks=20),
+    dict(num_scheduler_steps=3, num_gpu_blocks=20, enable_prefix_caching=True,
+         preemption_mode="recompute"),
 ]
 SINGLE_SEQUENCE_ONLY = (7, 8)  # the modes that run neither n = 2 nor beam search
 
