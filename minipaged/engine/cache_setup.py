@@ -113,11 +113,16 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
                   ) -> tuple[KVGroup, ...] | None:
     """The KV cache groups of a hybrid model (sliding and full layers), or None to keep every
     block in one table: for a model of one kind of layer, and (logged once, with the reason)
-    where the groups are not built yet: with ``kv_cache_groups=False``, a draft model, or a
-    model on CUDA. Under tensor parallel each rank lays out its layers by group
-    (``layer_places``) and reads the step's per-group tables (``group_metas``); multi-step
-    decode reserves its lookahead slots in every group and lays out each group's later slots
-    (``engine/multi_step.py``).
+    where the groups are not built yet: with ``kv_cache_groups=False``, or a model on CUDA.
+    Under tensor parallel each rank lays out its layers by group (``layer_places``) and reads
+    the step's per-group tables (``group_metas``); multi-step decode and speculative decoding
+    reserve their lookahead slots in every group and roll them back in every group, and
+    multi-step lays out each group's later slots (``engine/multi_step.py``). A draft model
+    reads its own KV through the full group's table, which keeps every block.
+
+    NOTE: the draft's cache has a block for every block number of the pool (the full group's
+    blocks may be any of them), so with groups it holds ``num_layers / group size`` times
+    the blocks it holds without them; its memory is outside the target's pool either way.
 
     Args:
         cfg: the engine's settings.
@@ -129,8 +134,6 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
         return None  # one kind of layer (or every layer sliding: core/sliding_window.py)
     why_not = [reason for reason, off in (
         ("kv_cache_groups=False", not cfg.kv_cache_groups),
-        ("speculative decoding by a draft model", cfg.speculative_config is not None
-         and cfg.speculative_config.method == "draft"),
         ("CUDA (not measured there yet)", getattr(worker, "device", None) is not None
          and worker.device.type == "cuda" and not GROUPS_ON_CUDA),
     ) if off]
