@@ -31,7 +31,9 @@ def test_kv_heads_that_do_not_split_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("mode", [dict(preemption_mode="swap"),
-                                  dict(preemption_mode="recompute", enable_prefix_caching=True)])
+                                  dict(preemption_mode="recompute", enable_prefix_caching=True),
+                                  # greedy batches 3 steps a schedule, on the ranks
+                                  dict(preemption_mode="recompute", num_scheduler_steps=3)])
 def test_two_ranks_with_kv_cache_groups_give_every_block_outputs(tmp_path, mode):
     """Gemma 3 (sliding and full layers) on 2 ranks with KV cache groups: prompts past the
     window (8), shared prompt starts, n = 2 sampling and beam search, a pool small enough to
@@ -60,3 +62,5 @@ def test_two_ranks_with_kv_cache_groups_give_every_block_outputs(tmp_path, mode)
     assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
     groups = grouped.llm_engine.scheduler.block_manager.groups
     assert all(g.num_dropped_blocks > 0 for g in groups)  # blocks left the window
+    if "num_scheduler_steps" in mode:
+        assert grouped.llm_engine.multi_step.num_later_steps > 0
