@@ -113,8 +113,16 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
                   ) -> tuple[KVGroup, ...] | None:
     """The KV cache groups of a hybrid model (sliding and full layers), or None to keep every
     block in one table: for a model of one kind of layer, and (logged once, with the reason)
-    where the groups are not built yet: with ``kv_cache_groups=False``, a draft model,
-    multi-step decode, tensor parallel, or a model on CUDA.
+    where the groups are not built yet: with ``kv_cache_groups=False``, or a model on CUDA.
+    Under tensor parallel each rank lays out its layers by group (``layer_places``) and reads
+    the step's per-group tables (``group_metas``); multi-step decode and speculative decoding
+    reserve their lookahead slots in every group and roll them back in every group, and
+    multi-step lays out each group's later slots (``engine/multi_step.py``). A draft model
+    reads its own KV through the full group's table, which keeps every block.
+
+    NOTE: the draft's cache has a block for every block number of the pool (the full group's
+    blocks may be any of them), so with groups it holds ``num_layers / group size`` times
+    the blocks it holds without them; its memory is outside the target's pool either way.
 
     Args:
         cfg: the engine's settings.
@@ -126,10 +134,6 @@ def hybrid_groups(cfg: EngineConfig, shape: ModelShape, worker: Worker
         return None  # one kind of layer (or every layer sliding: core/sliding_window.py)
     why_not = [reason for reason, off in (
         ("kv_cache_groups=False", not cfg.kv_cache_groups),
-        ("speculative decoding by a draft model", cfg.speculative_config is not None
-         and cfg.speculative_config.method == "draft"),
-        ("multi-step decode", cfg.num_scheduler_steps > 1),
-        ("tensor parallel", cfg.tensor_parallel_size > 1),
         ("CUDA (not measured there yet)", getattr(worker, "device", None) is not None
          and worker.device.type == "cuda" and not GROUPS_ON_CUDA),
     ) if off]
@@ -148,8 +152,9 @@ def _init_hybrid(cfg: EngineConfig, worker: Worker, shape: ModelShape, dtype: to
     size = max(len(g.layers) for g in groups)  # layers of a group: the tensors of the cache
     num_gpu_blocks = num_gpu_blocks * shape.num_layers // size
     num_cpu_blocks = num_cpu_blocks * shape.num_layers // size
-    block_bytes = cache_block_bytes(cfg.block_size, size, shape.num_kv_heads, shape.head_size,
-                                    dtype, cfg.kv_cache_dtype)
+    block_bytes = cache_block_bytes(  # per rank, as in init_kv_cache
+        cfg.block_size, size, shape.num_kv_heads // cfg.tensor_parallel_size, shape.head_size,
+        dtype, cfg.kv_cache_dtype)
     # every block of tokens takes one block in each group: the checks count whole ones
     max_len, reason = fit_max_model_len(cfg, model_max_len, num_gpu_blocks // len(groups),
                                         budget)

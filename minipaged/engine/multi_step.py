@@ -124,12 +124,17 @@ class MultiStep:
             output_processor, scheduler, stats: the engine's, as in an ordinary step.
         """
         runs = [r for r in outs.seq_runs if not r.is_prompt]  # one row each, as in inputs.rows
-        # Steps 1 .. k-1: (position, slot, context length) of every row, step by step.
-        layout = torch.tensor([later_steps(r.start, r.block_table, num_steps, self.block_size)[1:]
-                               for r in runs], dtype=torch.long)  # (rows, k - 1, 3)
-        layout = layout.view(len(runs), num_steps - 1, 3).permute(2, 1, 0)  # (3, k - 1, rows)
-        positions_t, slots_t, context_lens_t = to_device_at_once(
-            [layout[0].contiguous(), layout[1].contiguous(), layout[2].to(torch.int32)], device)
+        # Steps 1 .. k-1: (position, slot, context length) of every row, step by step, in each
+        # KV cache group's table (one for most models; a hybrid model's: lesson 20). Positions
+        # and context lengths are the same in every group, the slots are each table's own.
+        num_groups = 1 + len(runs[0].other_block_tables)
+        layout = torch.tensor([[later_steps(r.start, table, num_steps, self.block_size)[1:]
+                                for table in (r.block_table, *r.other_block_tables)]
+                               for r in runs], dtype=torch.long)  # (rows, groups, k - 1, 3)
+        layout = layout.view(len(runs), num_groups, num_steps - 1, 3).permute(3, 1, 2, 0)
+        positions_t, slots_t, context_lens_t = to_device_at_once(  # slots: (groups, k-1, rows)
+            [layout[0, 0].contiguous(), layout[1].contiguous(), layout[2, 0].to(torch.int32)],
+            device)
 
         # top-n logprobs where asked (logprobs=n), as the sampler forms them
         num_top = [r.seq_group.sampling_params.logprobs or 0 for r in runs]
@@ -137,9 +142,12 @@ class MultiStep:
         step_inputs = inputs
         for j in range(num_steps):
             if j:
-                meta = replace(inputs.meta, slot_mapping=slots_t[j - 1],
-                               context_lens=context_lens_t[j - 1],
-                               max_context_len=inputs.meta.max_context_len + j)
+                later = dict(context_lens=context_lens_t[j - 1],
+                             max_context_len=inputs.meta.max_context_len + j)
+                meta = replace(inputs.meta, slot_mapping=slots_t[0, j - 1], **later)
+                if inputs.meta.group_metas is not None:
+                    meta.group_metas = [replace(m, slot_mapping=slots_t[g, j - 1], **later)
+                                        for g, m in enumerate(inputs.meta.group_metas, 1)]
                 step_inputs = replace(inputs, input_ids=tokens, positions=positions_t[j - 1],
                                       meta=meta)
             logits = worker.execute_model(step_inputs)  # (rows, vocab) float32

@@ -14,7 +14,7 @@ A request is a plain tuple, the same for both back-ends:
 
     ("profile", max_num_batched_tokens, max_model_len, gpu_memory_utilization, block_bytes)
     ("init_cache", num_layers, kv_heads_per_rank, head_size, block_size, gpu_blocks, cpu_blocks,
-     kv_cache_dtype)
+     kv_cache_dtype, layer_places)
     ("step", cache_ops, (input_ids, positions, meta, sample_indices))
 
 and every rank answers each one; only rank 0's answer to a step carries the logits.
@@ -90,9 +90,12 @@ class WorkerSpec:
 
 
 def meta_to(meta, device):
-    """The step's ``InputMetadata`` with its tensors on ``device``."""
+    """The step's ``InputMetadata`` with its tensors on ``device``, and its other KV cache
+    groups' (``group_metas``, a hybrid model's: lesson 20) likewise."""
     moved = {f.name: getattr(meta, f.name).to(device) for f in fields(meta)
              if isinstance(getattr(meta, f.name), torch.Tensor)}
+    if meta.group_metas is not None:
+        moved["group_metas"] = [meta_to(m, device) for m in meta.group_metas]
     return replace(meta, **moved)
 
 
@@ -143,7 +146,8 @@ class RankWorker:
         if kind == "profile":
             return self.worker.profile_num_gpu_blocks(*request[1:])
         if kind == "init_cache":
-            self.worker.init_cache(*request[1:])
+            *sizes, kv_cache_dtype, layer_places = request[1:]
+            self.worker.init_cache(*sizes, kv_cache_dtype, layer_places=layer_places)
             return self.worker.memory_per_rank()[0]["kv_cache"]
         if kind == "step":
             _, cache_ops, (input_ids, positions, meta, sample_indices) = request
@@ -233,15 +237,19 @@ class TensorParallelDriver(Worker):
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
                    use_cuda_graphs: bool = False, max_num_seqs: int = 256,
-                   max_model_len: int = 2048) -> None:
-        """Allocate each rank's cache: the same blocks, ``num_kv_heads / N`` heads each.
+                   max_model_len: int = 2048, layer_places: tuple[int, ...] | None = None
+                   ) -> None:
+        """Allocate each rank's cache: the same blocks, ``num_kv_heads / N`` heads each; with
+        ``layer_places`` (a hybrid model's KV cache groups, lesson 20) every rank lays its
+        layers out by group alike, so each group's block tables (the step's ``group_metas``)
+        serve all ranks.
 
         NOTE: ``use_cuda_graphs`` is ignored: each step's inputs come from another process, so
         the ranks run their decode steps eagerly."""
         per_rank = num_kv_heads // self.world_size
         self.kv_cache_bytes = self._call(("init_cache", num_layers, per_rank, head_size,
                                           block_size, num_gpu_blocks, num_cpu_blocks,
-                                          kv_cache_dtype), "init")
+                                          kv_cache_dtype, layer_places), "init")
 
     def swap_out(self, src_to_dst: dict[int, int]) -> None:
         self._cache_ops.append(("swap_out", dict(src_to_dst)))

@@ -78,8 +78,8 @@ class Worker(ABC):
                 15); a worker that cannot (not on CUDA, several processes) runs them eagerly.
             max_num_seqs, max_model_len: size the graphs' static buffers.
             hybrid: ``layer_places`` for a hybrid model's KV cache groups (lesson 20,
-                ``worker/cache_engine.py``), given only to ``LocalWorker``: the engine keeps
-                every block in one table under tensor parallel (``engine/cache_setup.py``).
+                ``worker/cache_engine.py``); under tensor parallel each rank gets the same
+                places, and each step's ``group_metas`` (``worker/tensor_parallel.py``).
         """
 
     @abstractmethod

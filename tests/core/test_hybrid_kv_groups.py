@@ -131,8 +131,6 @@ def test_a_lone_request_of_the_whole_pool_runs(gemma3):
 
 @pytest.mark.parametrize("settings", [
     dict(kv_cache_groups=False),
-
-    dict(num_scheduler_steps=2),
 ])
 def test_settings_the_groups_do_not_run_with_keep_every_block(gemma3, settings):
     path, _ = gemma3
@@ -201,8 +199,10 @@ def test_one_table_for_every_layer_is_refused_on_a_grouped_cache(gemma3):
                             engine.worker.cache_engine.gpu_cache, meta)
 
 
-def test_tensor_parallel_and_cuda_keep_every_block(gemma3):
-    """Without starting ranks or a GPU: the decision alone (engine/cache_setup.py)."""
+def test_cuda_keeps_every_block(gemma3):
+    """Without starting ranks or a GPU: the decision alone (engine/cache_setup.py); tensor
+    parallel and a draft model have the groups (tests/models/test_families_tensor_parallel.py,
+    test_draft_model_speculation_runs_with_groups)."""
     from types import SimpleNamespace
 
     from minipaged.config import EngineConfig
@@ -218,13 +218,13 @@ def test_tensor_parallel_and_cuda_keep_every_block(gemma3):
                          on_cpu) is None
     assert hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=True,
                                                     tensor_parallel_size=2), shape,
-                         on_cpu) is None
+                         on_cpu) is not None
     assert hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=True), shape,
                          SimpleNamespace(device=torch.device("cuda"))) is None
     draft = {"method": "draft", "model": path, "num_speculative_tokens": 2}
     assert hybrid_groups(EngineConfig.from_settings(path, kv_cache_groups=True,
                                                     speculative_config=draft), shape,
-                         on_cpu) is None
+                         on_cpu) is not None
 
 
 def test_prompt_lookup_speculation_runs_with_groups(gemma3):
@@ -242,6 +242,74 @@ def test_prompt_lookup_speculation_runs_with_groups(gemma3):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert hybrid.stats.num_spec_accepted_tokens > 0
     manager = hybrid.scheduler.block_manager
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [64, 20])  # 20: preempted by recompute
+def test_draft_model_speculation_runs_with_groups(gemma3, tmp_path, num_gpu_blocks):
+    """A draft model (another tiny Gemma 3) reads its own KV through the full group's table,
+    which keeps every block; the lookahead slots are reserved and rolled back in every group.
+    Prompts past the window of 16, a prefix hit, greedy requests (and in the roomy pool an
+    n = 2 sampled one): the tokens and logprobs are the every-block engine's, drafts were accepted
+    (and, in the roomy pool, rejected), the tight pool preempted.
+
+    NOTE: sampling only where the pool is roomy: a tight pool lowers a sequence's lookahead
+    by what is free, which differs between the two engines' pools, and a seeded draw after
+    another number of drafts is another draw (the property tests run speculation greedy)."""
+    path, _ = gemma3
+    save_tiny("gemma3", tmp_path, seed=9)  # the draft: same vocabulary, other weights
+    spec = {"method": "draft", "model": str(tmp_path), "num_speculative_tokens": 3}
+    settings = dict(SETTINGS, num_gpu_blocks=num_gpu_blocks, speculative_config=spec,
+                    enable_prefix_caching=True, preemption_mode="recompute", seed=0,
+                    max_model_len=64)
+    start = list(range(30, 54))
+    prompts = [start + [3, 4], list(range(60, 79)), start + [7]]
+    prompts.append(list(range(90, 115)))
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=30, ignore_eos=True,
+                             logprobs=2)
+    params = [greedy, sampled if num_gpu_blocks == 64 else greedy, greedy, greedy]
+    hybrid = LLMEngine(path, kv_cache_groups=True, **settings)
+    assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
+    got = run(hybrid, prompts, params)
+    want = run(LLMEngine(path, kv_cache_groups=False, **settings), prompts, params)
+    for a, b in zip(got, want):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-4)
+    stats = hybrid.stats
+    assert stats.num_spec_accepted_tokens > 0
+    if num_gpu_blocks == 64:  # (the greedy paths of these random models agree throughout)
+        assert stats.num_spec_accepted_tokens < stats.num_spec_proposed_tokens
+    else:
+        assert stats.num_preemptions_recompute > 0
+    manager = hybrid.scheduler.block_manager
+    assert all(g.num_dropped_blocks > 0 for g in manager.groups)
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+
+
+def test_multi_step_decode_runs_with_groups(gemma3):
+    """num_scheduler_steps = 4: the later steps' slots laid out from every group's table (the
+    lookahead reserved in each), prompts past the window of 16 and a prefix hit; the tokens and
+    logprobs are the every-block engine's, several steps ran per schedule, and every block came
+    back."""
+    path, _ = gemma3
+    settings = dict(SETTINGS, num_gpu_blocks=64, num_scheduler_steps=4,
+                    enable_prefix_caching=True)
+    start = list(range(30, 54))
+    prompts = [start + [3, 4], list(range(60, 79)), start + [7]]  # the third hits the first's
+    params = [SamplingParams(temperature=0, max_tokens=27, ignore_eos=True, logprobs=2)] * 3
+    hybrid = LLMEngine(path, kv_cache_groups=True, **settings)
+    assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
+    got = run(hybrid, prompts, params)
+    want = run(LLMEngine(path, kv_cache_groups=False, **settings), prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(
+            b.outputs[0].cumulative_logprob, abs=1e-4)
+    assert hybrid.multi_step.num_later_steps > 0
+    manager = hybrid.scheduler.block_manager
+    assert all(g.num_dropped_blocks > 0 for g in manager.groups)
     assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
 
 

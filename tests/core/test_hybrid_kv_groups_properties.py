@@ -3,8 +3,9 @@
 one block table per group (``core/hybrid_block_manager.py``) as with every layer keeping every
 block, from the same memory, through copy-on-write (n = 2 sampling, beam search's forks),
 preemption by swapping or by recompute (a small pool), chunked prefill, prefix caching
-(prompts sharing their starts) and speculative decoding by prompt lookup; and the invariants
-of ``lab/invariants.py`` (every group's tables on the one pool) hold after every step."""
+(prompts sharing their starts), speculative decoding by prompt lookup or a draft model, and
+multi-step decode; and the invariants of ``lab/invariants.py`` (every group's tables on the one
+pool) hold after every step."""
 import os
 
 import pytest
@@ -36,8 +37,15 @@ MODES = [  # engine settings a workload runs under (the memory of num_gpu_blocks
          num_gpu_blocks=20),
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
          num_gpu_blocks=20, enable_prefix_caching=True),
+    # multi-step decode: each group's later slots (greedy batches go 3 steps at a time)
+    dict(num_scheduler_steps=3, num_gpu_blocks=20),
+    dict(num_scheduler_steps=3, num_gpu_blocks=20, enable_prefix_caching=True,
+         preemption_mode="recompute"),
+    # speculative decoding by a draft model (another tiny Gemma 3: the fixture's DRAFT)
+    dict(speculative_config={"method": "draft", "model": "DRAFT", "num_speculative_tokens": 3},
+         num_gpu_blocks=17, enable_prefix_caching=True, preemption_mode="recompute"),
 ]
-SINGLE_SEQUENCE_ONLY = (7, 8)  # the modes that run neither n = 2 nor beam search
+SINGLE_SEQUENCE_ONLY = (7, 8, 11)  # the modes that run neither n = 2 nor beam search
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +60,8 @@ def engines(tmp_path_factory):
     os.environ["MINIPAGED_LINEAR_FORM"] = "cpp"
     path = str(tmp_path_factory.mktemp("gemma3_w8"))
     save_tiny("gemma3", path, seed=11, sliding_window=8)
+    draft_path = str(tmp_path_factory.mktemp("gemma3_w8_draft"))
+    save_tiny("gemma3", draft_path, seed=12, sliding_window=8)
     made = {}
 
     def get(mode: int):
@@ -60,6 +70,9 @@ def engines(tmp_path_factory):
                                 dtype="float32", seed=0, enable_prefix_caching=False,
                                 cpu_threads=1),
                          **MODES[mode]}
+            spec = settings_.get("speculative_config")
+            if spec is not None and spec.get("model") == "DRAFT":
+                settings_["speculative_config"] = {**spec, "model": draft_path}
             hybrid = LLMEngine(path, kv_cache_groups=True, **settings_)
             keeping = LLMEngine(path, kv_cache_groups=False, **settings_)
             assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
