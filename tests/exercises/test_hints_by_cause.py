@@ -393,7 +393,7 @@ FURTHER = [
     ("Sampler", OneDrawForASharedPromptRow, "each of its sequences draws its own token", None),
     ("Sampler", TokenAsATensor, "must be plain ints", None),
     # lesson 11
-    ("PrefixCachingAllocator", EvictionsUncounted, "_evict counts an eviction", None),
+    ("PrefixCachingAllocator", EvictionsUncounted, "num_evictions counts each time", None),
     ("PrefixCachingAllocator", LookupPastMaxBlocks, "at most max_blocks", "a hash hit"),
     # lesson 12
     ("greedy_verify", verify_past_the_first_miss, "stop at the first draft the target "
