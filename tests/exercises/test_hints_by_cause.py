@@ -358,7 +358,7 @@ AcceptsWhenUBelowPOverQFlipped = changed(
 # == one test per further mistake: the gist its hint must have, and what it must not say ==========
 FURTHER = [
     # lesson 02
-    ("FreeListAllocator", AllocatesFromTheFront, "the free list is a stack", None),
+    ("FreeListAllocator", AllocatesFromTheFront, "last in, first out", None),
     ("FreeListAllocator", AcquireForgetsTheCount, "one more block table holds the block", None),
     ("FreeListAllocator", CountsAllocationsForTheFreeNumber, "get_num_free_blocks() is not",
      "free() drops ONE reference"),
