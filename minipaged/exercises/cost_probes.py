@@ -68,10 +68,11 @@ def _allocator_ops(allocator, shared) -> dict[str, Work]:
 
 def _prefix_cache_work(cls, size: int) -> dict[str, Work]:
     """A prefix cache filled with ``size`` cached blocks (chains of 8 blocks of 4 tokens, each
-    freed: evictable, least recently used first), 64 blocks truly free; then the allocator's
+    freed: evictable, least recently used first), 64 more blocks held; then the allocator's
     own work (``_allocator_work``), a prompt's lookup (``longest_cached_prefix`` of a chain,
-    and one ``lookup``), and a cached block taken back and freed again (its place in the
-    least-recently-used order moves)."""
+    and one ``lookup``), a cached block taken back and freed again (its place in the
+    least-recently-used order moves), and evictions (no block is truly free: an allocation
+    evicts the least recently used block, which is named anew and freed)."""
     from minipaged.block import Device
 
     cache = cls(Device.GPU, 4, size + 64)
@@ -85,7 +86,9 @@ def _prefix_cache_work(cls, size: int) -> dict[str, Work]:
             cache.free(block)
     blocks, token_ids = chains[len(chains) // 2]
     prompt = [t for tokens in token_ids for t in tokens] + [1]
-    held = [cache.allocate() for _ in range(32)]  # (then allocate takes a truly free block)
+    # Every truly free block held: allocate evicts (after a first eviction, allocate + free
+    # reuses the block it freed).
+    held = [cache.allocate() for _ in range(64)]
 
     def longest(times: int) -> None:
         for _ in range(times):
@@ -100,8 +103,17 @@ def _prefix_cache_work(cls, size: int) -> dict[str, Work]:
             cache.acquire(blocks[0])
             cache.free(blocks[0])
 
+    names = iter(range(1 << 20, 1 << 62))
+
+    def evict(times: int) -> None:  # the LRU block evicted, named anew, freed (now the MRU)
+        for _ in range(times):
+            block = cache.allocate()
+            cache.name_blocks([block], [[next(names), 0, 0, 0]])
+            cache.free(block)
+
     return {**_allocator_ops(cache, held[0]), "longest_cached_prefix": longest,
-            "lookup": lookup, "acquire + free of a cached block": take_back}
+            "lookup": lookup, "acquire + free of a cached block": take_back,
+            "evict + name + free": evict}
 
 
 def _block_manager_work(cls, size: int) -> dict[str, Work]:

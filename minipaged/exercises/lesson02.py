@@ -105,10 +105,12 @@ def check_grow_block_table(fn, num_cases: int = 60, seed: int | None = 0) -> Che
 
 # -- the build track: the free-list allocator --------------------------------------------------
 class MyFreeListAllocator(NoCacheAllocator):
-    """The blocks of one pool (GPU or CPU), the free ones on a free list, with ref counts.
+    """The blocks of one pool (GPU or CPU): which are free, and how many block tables hold each.
+    How you keep the free ones is yours to choose; what is checked is what the methods below
+    return, and how their cost grows with the pool (up to 100,000 blocks).
 
     ``NoCacheAllocator`` already answers the prefix cache's questions (lesson 11) with "nothing
-    cached"; what is left is the free list itself.
+    cached"; what is left is the pool itself.
 
     Args:
         device: the pool's device (``Device.GPU`` or ``Device.CPU``).
@@ -123,8 +125,8 @@ class MyFreeListAllocator(NoCacheAllocator):
         not_done()  # <- your code here
 
     def allocate(self) -> PhysicalTokenBlock:
-        """A free block, now with ref count 1: the one freed most recently (the free list is a
-        stack). ``ValueError`` when no block is free."""
+        """A free block, now with ref count 1: the one freed most recently (last in, first out;
+        in a new pool block 0, then 1, ...). ``ValueError`` when no block is free."""
         not_done()  # <- your code here
 
     def free(self, block: PhysicalTokenBlock) -> None:
@@ -152,7 +154,7 @@ def _pool_state(allocator) -> dict:
 
 
 _ALLOCATOR_HINTS = {
-    "allocate": "the free list is a stack: the block freed last is the next one out (and at "
+    "allocate": "last in, first out: the block freed last is the next one out (and at "
                 "first, block 0 comes out first)",
     "allocate's ref count": "the right block, but its ref count is not 1: allocate hands the "
                             "block to ONE block table, so it is held once (ref_count = 1), "
@@ -169,10 +171,10 @@ _ALLOCATOR_HINTS = {
     "blocks": "keep every block of the pool in self.blocks, indexed by its number: "
               "PhysicalTokenBlock(device, number, block_size), all free at first",
     # the state is right but for what one of the two reading methods says
-    "get_num_free_blocks()": "the ref counts and the free list are right, but "
+    "get_num_free_blocks()": "the ref counts and the free blocks are right, but "
                              "get_num_free_blocks() is not: it is how many blocks allocate can "
-                             "still hand out, the length of the free list (a block freed "
-                             "again counts too)",
+                             "still hand out, every free block (a block freed again counts "
+                             "too)",
     "free_block_numbers()": "the same free blocks, in another order: free_block_numbers() "
                             "lists them in the order allocate hands them out, the next one "
                             "out first",

@@ -273,9 +273,11 @@ LATER = [("Scheduler", Scheduler), ("Scheduler", MyScheduler), ("Scheduler", "le
          ("admit_waiting", None), ("admit_waiting", answer_admit_waiting),
          ("admit_waiting", "learner"),
          ("Sampler", Sampler), ("Sampler", ReferenceSampler), ("Sampler", "learner"),
-         ("Attention", PagedAttention), ("Attention", Attention), ("Attention", "learner")]
+         ("Attention", PagedAttention), ("Attention", Attention), ("Attention", "learner"),
+         ("PrefixCachingAllocator", "learner")]
 LESSON_OF = {"Scheduler": "04_scheduler", "admit_waiting": "09_continuous_batching",
-             "Sampler": "10_sampling", "Attention": "07_forward_pass"}
+             "Sampler": "10_sampling", "Attention": "07_forward_pass",
+             "PrefixCachingAllocator": "11_prefix_caching"}
 
 
 def _learners(name):

@@ -358,7 +358,7 @@ AcceptsWhenUBelowPOverQFlipped = changed(
 # == one test per further mistake: the gist its hint must have, and what it must not say ==========
 FURTHER = [
     # lesson 02
-    ("FreeListAllocator", AllocatesFromTheFront, "the free list is a stack", None),
+    ("FreeListAllocator", AllocatesFromTheFront, "last in, first out", None),
     ("FreeListAllocator", AcquireForgetsTheCount, "one more block table holds the block", None),
     ("FreeListAllocator", CountsAllocationsForTheFreeNumber, "get_num_free_blocks() is not",
      "free() drops ONE reference"),
@@ -393,7 +393,7 @@ FURTHER = [
     ("Sampler", OneDrawForASharedPromptRow, "each of its sequences draws its own token", None),
     ("Sampler", TokenAsATensor, "must be plain ints", None),
     # lesson 11
-    ("PrefixCachingAllocator", EvictionsUncounted, "_evict counts an eviction", None),
+    ("PrefixCachingAllocator", EvictionsUncounted, "num_evictions counts each time", None),
     ("PrefixCachingAllocator", LookupPastMaxBlocks, "at most max_blocks", "a hash hit"),
     # lesson 12
     ("greedy_verify", verify_past_the_first_miss, "stop at the first draft the target "

@@ -77,12 +77,36 @@ NameBlockKeepsTheSameNameBlock = changed(
     a11, "MyPrefixCachingAllocator",
     ("            self._evict(holder)  # an evictable block with another prefix under this name",
      "            pass"))
-EvictWithoutCounted = changed(
+ResetCountsEvictions = changed(
     a11, "MyPrefixCachingAllocator",
-    ("    def _evict(self, block: PhysicalTokenBlock, counted: bool = True) -> None:",
-     "    def _evict(self, block: PhysicalTokenBlock) -> None:"),
-    ("        if counted:\n            self.num_evictions += 1",
-     "        self.num_evictions += 1"))
+    ("            self._evict(block, counted=False)", "            self._evict(block)"))
+EvictsTheMostRecentlyUsed = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("            oldest = next(iter(self.evictable.values()))",
+     "            oldest = next(reversed(self.evictable.values()))"))
+EvictableNotCountedFree = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("        return len(self.free_blocks) + len(self.evictable)",
+     "        return len(self.free_blocks)"))
+EvictableListedFirst = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("        return [b.block_number for b in reversed(self.free_blocks)] + list(self.evictable)",
+     "        return list(self.evictable) + [b.block_number for b in reversed(self.free_blocks)]"))
+ResetWithBlocksHeld = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("        if self.get_num_free_blocks() != self.num_blocks:\n            return False\n",
+     ""))
+SwapInTrustsTheName = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("        if holder is None or self.contents[holder.block_number].content_id != "
+     "held.content_id:", "        if holder is None:"))
+AdoptTakesTheName = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("        self.by_hash.setdefault(held.block_hash, block)",
+     "        self.by_hash[held.block_hash] = block"))
+SwapCopyForgetsTheName = changed(
+    a11, "MyPrefixCachingAllocator",
+    ("            table[dst.block_number] = self.contents[src.block_number]", "            pass"))
 
 
 
@@ -168,8 +192,15 @@ MUTANTS = [
     ("Sampler", "penalises the prompt too", known.PenalisesThePromptToo),
     ("Sampler", "one draw for a shared prompt row", known.OneDrawForASharedPromptRow),
     ("Sampler", "a token as a tensor", known.TokenAsATensor),
-    ("PrefixCachingAllocator", "_evict without counted (reset_prefix_cache breaks)",
-     EvictWithoutCounted),
+    ("PrefixCachingAllocator", "a reset counted as evictions", ResetCountsEvictions),
+    ("PrefixCachingAllocator", "evicts the most recently used", EvictsTheMostRecentlyUsed),
+    ("PrefixCachingAllocator", "evictable blocks not counted free", EvictableNotCountedFree),
+    ("PrefixCachingAllocator", "evictable blocks listed before the truly free",
+     EvictableListedFirst),
+    ("PrefixCachingAllocator", "reset with blocks held", ResetWithBlocksHeld),
+    ("PrefixCachingAllocator", "swap-in trusts the name", SwapInTrustsTheName),
+    ("PrefixCachingAllocator", "adopt takes the name from a cached block", AdoptTakesTheName),
+    ("PrefixCachingAllocator", "a swapped-out copy has no name", SwapCopyForgetsTheName),
     ("PrefixCachingAllocator", "_name_block keeps the same-name block",
      NameBlockKeepsTheSameNameBlock),
     ("PrefixCachingAllocator", "free forgets the cache", known.FreeForgetsTheCache),
@@ -290,7 +321,9 @@ HINTS = [
     ("Sampler", NoTopLogprobs, "most likely tokens", "penalties"),
     ("PrefixCachingAllocator", NameBlockKeepsTheSameNameBlock,
      "an evictable block holding another prefix under the same name is evicted", "hash_fn"),
-    ("PrefixCachingAllocator", EvictWithoutCounted, "counted=False", None),
+    ("PrefixCachingAllocator", ResetCountsEvictions, "a reset is not an eviction for room", None),
+    ("PrefixCachingAllocator", SwapInTrustsTheName, "find_equal(copy) gives the cached block",
+     None),
     ("softmax_phase_cuda", CallsTheKernelsBlockReduce, "the two reductions written by you",
      None),
     pytest.param("softmax_phase_cuda", MaxInsideEachWarpOnly, "the step across warps",
