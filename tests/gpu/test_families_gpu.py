@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tiny_models import WINDOW, pick_prompts, save_tiny_model  # noqa: E402
+from tiny_models import (WINDOW, greedy_whole_sequence, pick_prompts,  # noqa: E402
+                         save_tiny_model)
 
 pytestmark = pytest.mark.lesson20
 
@@ -45,17 +46,7 @@ def saved(tmp_path_factory):
 
 def hf_greedy(model, prompts, dtype) -> list[list[int]]:
     """transformers in ``dtype`` on the GPU, each prompt alone, the whole sequence each step."""
-    import copy
-
-    half = copy.deepcopy(model).to("cuda", dtype).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device="cuda")
-            for _ in range(MAX_NEW):
-                ids = torch.cat([ids, half(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-            out.append(ids[0, len(prompt):].tolist())
-    return out
+    return greedy_whole_sequence(model, prompts, MAX_NEW, dtype)
 
 
 @pytest.mark.parametrize("kind, dtype", CASES)

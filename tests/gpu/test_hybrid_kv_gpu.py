@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tiny_models import WINDOW, pick_prompts, save_tiny_model  # noqa: E402
+from tiny_models import (WINDOW, greedy_whole_sequence, pick_prompts,  # noqa: E402
+                         save_tiny_model)
 
 pytestmark = pytest.mark.lesson20
 
@@ -26,20 +27,6 @@ def gemma(tmp_path_factory):
     prompts = pick_prompts(model, [5, 3 * WINDOW + 5, 6 * WINDOW + 1], MAX_NEW, seed=2,
                            min_gap=0.1, tries=200)
     return str(path), model, prompts
-
-
-def _hf_greedy(model, prompts):
-    import copy
-
-    half = copy.deepcopy(model).to("cuda", torch.bfloat16).eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device="cuda")
-            for _ in range(MAX_NEW):
-                ids = torch.cat([ids, half(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
-            out.append(ids[0, len(prompt):].tolist())
-    return out
 
 
 def _ours(path, prompts, groups: bool, eager: bool = False):
@@ -70,7 +57,7 @@ def test_groups_give_the_every_block_engine_s_and_transformers_tokens_on_cuda(ge
     path, model, prompts = gemma
     grouped, held_grouped, num_groups = _ours(path, prompts, groups=True, eager=eager)
     every, held_every, _ = _ours(path, prompts, groups=False)
-    assert grouped == every == _hf_greedy(model, prompts)
+    assert grouped == every == greedy_whole_sequence(model, prompts, MAX_NEW, torch.bfloat16)
     # a grouped pool block holds one group's layers: every group keeping every block would
     # hold num_groups times the every-block engine's blocks at its fullest step
     assert num_groups > 1 and held_grouped < num_groups * held_every

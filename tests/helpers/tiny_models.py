@@ -97,6 +97,23 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]
 
 
 @torch.no_grad()
+def greedy_whole_sequence(model, prompts: list[list[int]], max_new_tokens: int, dtype,
+                          device: str = "cuda") -> list[list[int]]:
+    """transformers in ``dtype`` on ``device``, each prompt alone, the whole sequence run at
+    every step (no cache): the GPU tests' reference in half precision."""
+    import copy
+
+    half = copy.deepcopy(model).to(device, dtype).eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        for _ in range(max_new_tokens):
+            ids = torch.cat([ids, half(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@torch.no_grad()
 def min_greedy_gap(model64, prompt: list[int], max_new_tokens: int) -> float:
     """Smallest top-1 minus top-2 logit along the float64 greedy path."""
     ids = list(prompt)
