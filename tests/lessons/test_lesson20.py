@@ -66,11 +66,12 @@ def test_mistral_window_cells_measure_and_draw_what_the_text_says(capsys, tmp_pa
                                                                  monkeypatch):
     from minipaged import LLM, SamplingParams
     from minipaged.lab.tiny_families import greedy_tokens, save_tiny
+    from minipaged.lab.window_runs import run_and_watch
     from visualizer import render_block_tables
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what the cells leave behind
     ns = dict(tempfile=tempfile, LLM=LLM, SamplingParams=SamplingParams, save_tiny=save_tiny,
-              greedy_tokens=greedy_tokens, my_prediction=None,
+              greedy_tokens=greedy_tokens, run_and_watch=run_and_watch, my_prediction=None,
               compare=lambda *a, **k: None, render_block_tables=render_block_tables,
               SVG=lambda data: SimpleNamespace(data=data))
     run_cell(LESSON, "picture_at=40)", ns)
