@@ -9,6 +9,7 @@ Nothing is downloaded: playwright drives the system browser, the page loads only
 own files. Slow: Chromium and a served tiny model, about 30 s on the 2-core machine.
 """
 import os
+import time
 
 import httpx
 import pytest
@@ -77,8 +78,19 @@ def test_two_tabs_chat_at_once_and_the_page_draws_the_steps(server, tmp_path):
             tabs = [open_tab(context, url) for _ in ASKS]
             seen = []  # (held, shared, free) as the first tab drew them
             before = tabs[0].evaluate("() => document.getElementById('blocks').dataset.held")
+            # Paused from the page while both tabs ask, so that the two chats run together
+            # however slowly a busy machine delivers the second (CI once saw the first finish
+            # alone: nothing shared, no preemption); resumed once both are waiting.
+            tabs[0].click("#pause")
+            tabs[0].wait_for_function("() => document.getElementById('pause').textContent"
+                                      " === 'Resume'", timeout=60_000)
             for tab, (text, seed) in zip(tabs, ASKS):
                 ask(tab, text, seed)
+            deadline = time.monotonic() + 120
+            while len(engine.scheduler.waiting) < len(ASKS):
+                assert time.monotonic() < deadline, "the two chats never reached the engine"
+                time.sleep(0.05)
+            tabs[0].click("#pause")  # (now labelled Resume)
             shot_taken = preemption_shot = False
             for _ in range(600):
                 pool = tabs[0].evaluate("() => Object.assign({}, "
