@@ -34,8 +34,8 @@ each group names a growing block only after its own copy-on-write.
 Admitting a prompt asks room for its whole length in every group (a sliding group's prompt cut
 into chunks takes all its blocks: ``core/sliding_window.py``), so a lone request needs as many
 bytes at admission as with every block kept, never more; the room comes back as the window
-slides. Not used (the engine keeps every block in one table, ``engine/cache_setup.py`` says
-when) with a draft model, multi-step decode, tensor parallel or CUDA.
+slides. Not used on CUDA yet (the engine keeps every block in one table there:
+``engine/cache_setup.hybrid_groups``).
 """
 from __future__ import annotations
 

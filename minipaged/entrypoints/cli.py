@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import typing
 from dataclasses import fields
 
@@ -171,11 +172,20 @@ def engine_kwargs(args) -> dict:
     return kwargs
 
 
+class _WholeWords(argparse.HelpFormatter):
+    """Help lines wrapped between words only: a file name such as ``.perfetto-trace`` is never
+    cut at its hyphen."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minipaged", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen = sub.add_parser("generate", help="generate text for one or more prompts",
+                         formatter_class=_WholeWords)
     gen.add_argument("prompts", nargs="+", help="prompt text (one or more)")
     gen.add_argument("--model", default=None,
                      help="HF id or local directory (default: embedded SmolLM2-135M-Instruct)")
@@ -195,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="a chat model (default: embedded SmolLM2-135M-Instruct; "
                            "gemma-3-270m once its package is installed)")
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
-                                       "/v1/chat/completions, /metrics)")
+                                       "/v1/chat/completions, /metrics)",
+                         formatter_class=_WholeWords)
     srv.add_argument("model", nargs="?", default=None,
                      help="HF id or local directory (default: embedded SmolLM2-135M-Instruct)")
     srv.add_argument("--host", default="127.0.0.1",
