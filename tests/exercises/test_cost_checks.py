@@ -72,6 +72,9 @@ class TakesFromTheFront(MyFreeListAllocator):
     def get_num_free_blocks(self):
         return len(self.queue)
 
+    def free_block_numbers(self):
+        return [block.block_number for block in self.queue]
+
 
 class RefCountsFromTables(MyBlockSpaceManager):
     """Correct, but frees a sequence after counting every table's references to its blocks."""
@@ -191,6 +194,8 @@ class LaysOutThePoolPerSequence(Attention):
             n = int(meta.context_lens[i])
             table = meta.block_tables[i].long()
             slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+            if self.sliding_window:  # the window's newest tokens only
+                slots = slots[-self.sliding_window:]
             kk = keys[slots].repeat_interleave(per_kv_head, dim=1)  # (n, H, D)
             vv = values[slots].repeat_interleave(per_kv_head, dim=1)
             weights = torch.softmax(torch.einsum("hd,nhd->hn", q[start + i], kk) * self.scale,

@@ -1,8 +1,12 @@
 """scripts/mistake_table.py: the table of what each check says to each known mistake."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,3 +37,19 @@ def test_every_slow_variant_of_the_cost_tests_is_in_the_table():
             "OldestByTimestamp", "LookupScansTheCache"} <= names
     assert len(variants) >= 14
     assert test_cost_checks and test_prefix_cache_design
+
+
+@pytest.mark.slow
+def test_every_slow_variant_is_correct_so_only_its_cost_can_warn(tmp_path, monkeypatch):
+    """A slow variant stands for a learner's correct but poorly built answer: its component's
+    check must pass it (otherwise the cost test measures a wrong answer)."""
+    from minipaged.exercises import workbench
+
+    monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path / "learner"))
+    failed = []
+    for name, slow in _script().slow_variants():
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = workbench.check_component(name, slow, save=False)
+        if result.status != "passed":
+            failed.append((name, slow.__name__, str(result)[:200]))
+    assert not failed, failed
