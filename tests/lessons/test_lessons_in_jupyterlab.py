@@ -10,10 +10,10 @@ solution was filled in. The lesson's kernel is then shut down, so that no two le
 in memory at once. Nothing is downloaded.
 
 This is the course's unanswered run; ``pytest --nbmake lessons`` is the answered one
-(lessons/conftest.py sets MINIPAGED_SOLUTIONS=1 there). Each lesson's time is printed.
+(lessons/conftest.py sets MINIPAGED_SOLUTIONS=1 there). Each lesson's time is printed, and the
+session ends with a table of the lessons' times and error cells (tests/lessons/conftest.py).
 
-Slow: all sixteen lessons in JupyterLab in Chromium, several minutes on the 2-core machine; not
-measured this session.
+Slow: every lesson in JupyterLab in Chromium, several minutes on the 2-core machine.
 """
 import json
 import os
@@ -32,6 +32,10 @@ from repo_paths import ROOT
 LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("*.ipynb"))
 
 pytestmark = pytest.mark.slow
+
+# (lesson, seconds of Run All, error cells) of each lesson run here: tests/lessons/conftest.py
+# prints them as a table at the end of the session, so every full run shows the course's times.
+RUN_ALL: list[tuple[str, float, list[str]]] = []
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +151,15 @@ def _run_lesson_in_jupyterlab(lab, browser, name):
         start = time.perf_counter()
         page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
         _wait_until_done(page)
-        print(f"{name}: {time.perf_counter() - start:.1f} s in JupyterLab, exercises unanswered")
+        seconds = time.perf_counter() - start
+        print(f"{name}: {seconds:.1f} s in JupyterLab, exercises unanswered")
         page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
         page.wait_for_timeout(1500)
         notebook = json.loads((work / f"{name}.ipynb").read_text())
         code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
         errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(code)
                   for o in c.get("outputs", []) if o["output_type"] == "error"]
+        RUN_ALL.append((name, seconds, [f"cell {i}: {ename}" for i, ename, _ in errors]))
         assert not errors, errors
         counts = [c.get("execution_count") for c in code]
         assert all(counts), f"some cells did not run: {counts}, in the page {page.evaluate(COUNTS)}"
