@@ -3,13 +3,14 @@
 one block table per group (``core/hybrid_block_manager.py``) as with every layer keeping every
 block, from the same memory, through copy-on-write (n = 2 sampling, beam search's forks),
 preemption by swapping or by recompute (a small pool), chunked prefill, prefix caching
-(prompts sharing their starts), speculative decoding by prompt lookup or a draft model, and
-multi-step decode; and the invariants of ``lab/invariants.py`` (every group's tables on the one
-pool) hold after every step."""
+(prompts sharing starts of up to 28 tokens, past the window: a sliding group serves a hit
+with only the blocks its window reads, ``core/group_prefix.py``), speculative decoding by
+prompt lookup or a draft model, and multi-step decode; and the invariants of
+``lab/invariants.py`` (every group's tables on the one pool) hold after every step."""
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minipaged import SamplingParams
@@ -76,6 +77,7 @@ def engines(tmp_path_factory):
             hybrid = LLMEngine(path, kv_cache_groups=True, **settings_)
             keeping = LLMEngine(path, kv_cache_groups=False, **settings_)
             assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
+            count_null_hits(hybrid.scheduler.block_manager)
             watch = InvariantObserver(hybrid)
             hybrid.add_observer(watch)
             hybrid.add_observer(lambda snap, m=hybrid.scheduler.block_manager: watch.violations
@@ -88,6 +90,26 @@ def engines(tmp_path_factory):
         os.environ.pop("MINIPAGED_LINEAR_FORM", None)
     else:
         os.environ["MINIPAGED_LINEAR_FORM"] = saved
+
+
+NULL_HITS: set[tuple[int, ...]] = set()  # prompts a sliding group served with null entries
+
+
+def count_null_hits(manager: HybridBlockManager) -> None:
+    """Record in ``NULL_HITS`` every prompt whose hit a sliding group served without some of
+    its first blocks (the sliding rule: ``core/group_prefix.py``), so that the property can
+    say how often its workloads reached it."""
+    for group in manager.groups if manager.enable_prefix_caching else []:
+        view = group.gpu_allocator
+        if view.window is None:
+            continue
+
+        def counted(token_ids, max_blocks, view=view, find=view.longest_cached_prefix):
+            hits = find(token_ids, max_blocks)
+            if view.cap is not None and any(b is view.marker for b in hits):
+                NULL_HITS.add(tuple(token_ids))
+            return hits
+        view.longest_cached_prefix = counted
 
 
 def wrong_names(manager: HybridBlockManager) -> list:
@@ -115,7 +137,8 @@ def wrong_names(manager: HybridBlockManager) -> list:
 
 token = st.integers(2, 255)
 request = st.fixed_dictionaries({
-    "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens
+    "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens:
+    "prefix_len": st.sampled_from([12, 20, 28]),  # past the window of 8, its first blocks gone
     "tokens": st.lists(token, min_size=1, max_size=30),
     "max_tokens": st.integers(1, 16), "kind": request_kinds()})
 
@@ -127,9 +150,10 @@ def test_kv_cache_groups_change_no_output(engines, mode, reqs):
     hybrid, keeping, watch = engines(mode)
     prompts = []
     for i, r in enumerate(reqs):
-        start = (prompts[r["prefix_of"]][:12]
+        start = (prompts[r["prefix_of"]][:r["prefix_len"]]
                  if r["prefix_of"] is not None and r["prefix_of"] < i else [])
-        prompts.append((start + r["tokens"])[:30])
+        prompts.append((start + r["tokens"])[:36])
+    NULL_HITS.clear()
     params = [params_of_kind("greedy" if mode in SINGLE_SEQUENCE_ONLY else r["kind"], i,
                              r["max_tokens"]) for i, r in enumerate(reqs)]
     got = run(hybrid, prompts, params)
@@ -142,6 +166,8 @@ def test_kv_cache_groups_change_no_output(engines, mode, reqs):
             # may sum them in another order (a greedy -0.00200 against -0.00136 was drawn)
             assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
     assert watch.first is None, watch.first
+    if NULL_HITS:
+        event("a sliding group served a hit without its first blocks")
     manager = hybrid.scheduler.block_manager
     assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks  # all came back
     assert manager.get_num_free_cpu_blocks() == manager.num_total_cpu_blocks

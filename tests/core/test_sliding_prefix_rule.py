@@ -1,12 +1,17 @@
 """The sliding rule of prefix caching per KV cache group (``core/group_prefix.py``): a full
 group serves the blocks it holds from the left, a sliding group only needs the blocks its
 window reads from the prompt's first computed token; the blocks before are null entries."""
+import pytest
+
 from minipaged import SamplingParams
 from minipaged.block import Device
 from minipaged.core.group_prefix import first_block_read
 from minipaged.core.hybrid_block_manager import HybridBlockManager
-from minipaged.lab.invariants import check_block_manager
+from minipaged.engine.llm_engine import LLMEngine
+from minipaged.lab.invariants import InvariantObserver, check_block_manager
+from minipaged.lab.tiny_families import save_tiny
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from workloads import run_to_end as run
 
 BS, WINDOW = 4, 8
 
@@ -126,3 +131,40 @@ def test_null_entries_survive_fork_swap_and_free():
     hm.reset()
     assert hm.get_num_free_gpu_blocks() == hm.num_total_gpu_blocks
     assert hm.get_num_free_cpu_blocks() == hm.num_total_cpu_blocks
+
+
+@pytest.mark.slow
+def test_the_engine_hits_a_repeated_prompt_whose_early_sliding_blocks_were_evicted(
+        tmp_path, monkeypatch):
+    """The tiny Gemma 3 (five sliding layers of window 8 in six), blocks of 4, the memory of
+    17 blocks of every layer: a 25-token prompt decodes 12 tokens (its sliding groups' first
+    blocks leave the window and go back first), a 40-token prompt then evicts them, and the
+    first prompt's 24-token start comes again. A scan from the left in every group found
+    nothing (0 tokens); the sliding rule serves the 24, as the every-block engine does, and
+    both engines give the same tokens and logprobs."""
+    monkeypatch.setenv("MINIPAGED_LINEAR_FORM", "cpp")  # (a row's result: not the batch's)
+    save_tiny("gemma3", str(tmp_path), seed=11, sliding_window=8)
+    start = list(range(50, 74))
+    prompts = [start + [7], list(range(120, 160)), start + [9, 10]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=2)
+              for m in (12, 4, 6)]
+    settings = dict(block_size=4, num_gpu_blocks=17, num_cpu_blocks=64, max_model_len=64,
+                    dtype="float32", seed=0, cpu_threads=1, enable_prefix_caching=True)
+    results = {}
+    for groups in (True, False):
+        engine = LLMEngine(str(tmp_path), kv_cache_groups=groups, **settings)
+        watch = InvariantObserver(engine)
+        engine.add_observer(watch)
+        manager, hits, outs = engine.scheduler.block_manager, [], []
+        for prompt, param in zip(prompts, params):
+            before = manager.num_cached_tokens
+            (result,) = run(engine, [prompt], [param])
+            hits.append(manager.num_cached_tokens - before)
+            outs.append([(o.token_ids, o.cumulative_logprob) for o in result.outputs])
+        assert watch.first is None, watch.first
+        results[groups] = hits, outs, manager.num_evicted_blocks
+    (hits, outs, evicted), (every_hits, every_outs, _) = results[True], results[False]
+    assert evicted > 0 and hits == every_hits == [0, 0, 24]
+    for got, want in zip(outs, every_outs):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-3)
