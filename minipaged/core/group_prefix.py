@@ -79,12 +79,14 @@ class GroupNames:
             num = len(self._from_left(token_ids, max_blocks))
             return [h <= num for h in range(max_blocks + 1)]
         found, linked = self._by_name(token_ids, max_blocks)
-        ok = [True]
-        for h in range(1, max_blocks + 1):
-            first = first_block_read(h, self.block_size, self.window)
-            ok.append(all(found[i] is not None for i in range(first, h))
-                      and all(linked[i] for i in range(first + 1, h))
-                      and (first > 0 or linked[0]))
+        ok, run_start = [True], 0  # the first block of the run of found blocks ending here
+        for i in range(max_blocks):
+            if found[i] is None:
+                run_start = i + 1
+            elif i > 0 and not linked[i]:
+                run_start = i  # found by its name alone: a run starts here
+            first = first_block_read(i + 1, self.block_size, self.window)
+            ok.append(found[i] is not None and run_start <= first and (first > 0 or linked[0]))
         return ok
 
     def longest_cached_prefix(self, token_ids, max_blocks: int) -> list[PhysicalTokenBlock]:

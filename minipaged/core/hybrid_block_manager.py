@@ -106,21 +106,25 @@ class HybridBlockManager(BlockSpaceManager):
     def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
         """The first group's cached blocks for each waiting sequence, cut to the longest prefix
         every group can serve: the first group's from the left, every other group's by its
-        own rule (a sliding group needs only its window's blocks: ``core/group_prefix.py``)."""
+        own rule (a sliding group needs only its window's blocks: ``core/group_prefix.py``).
+
+        NOTE: after a recompute the sequences differ: they take hits only inside the blocks
+        they share (the same prefix for all, its hits then the same). Past those, one
+        sequence's window could need a shared block another's hits hold as a null entry."""
         found = super().cached_prefix(seq_group)
         if not self.enable_prefix_caching:
             return found
-        seqs, _, identical = self.prompt_layout(seq_group)
-        counts = {}
-        for seq in seqs[:1] if identical else seqs:
-            hits = found[seq.seq_id]
-            ok = [h <= len(hits) for h in range(len(hits) + 1)]
-            for group in self.groups:
-                served = group.gpu_allocator.servable(seq.get_token_ids(), len(hits))
-                ok = [a and b for a, b in zip(ok, served)]
-            counts[seq.seq_id] = max(h for h, yes in enumerate(ok) if yes)
-        return {s.seq_id: found[s.seq_id][:counts[seqs[0].seq_id if identical else s.seq_id]]
-                for s in seqs}
+        seqs, shared_len, identical = self.prompt_layout(seq_group)
+        first = seqs[0]
+        limit = len(found[first.seq_id])
+        if not identical:
+            limit = min(limit, shared_len // self.block_size)
+        ok = [True] * (limit + 1)
+        for group in self.groups:
+            served = group.gpu_allocator.servable(first.get_token_ids(), limit)
+            ok = [a and b for a, b in zip(ok, served)]
+        num = max(h for h, yes in enumerate(ok) if yes)
+        return {s.seq_id: found[s.seq_id][:num] for s in seqs}
 
     @contextmanager
     def _capped(self, seq_group: SequenceGroup):

@@ -93,12 +93,14 @@ def engines(tmp_path_factory):
 
 
 NULL_HITS: set[tuple[int, ...]] = set()  # prompts a sliding group served with null entries
+PAST_LEFT_SCAN: set[tuple[int, ...]] = set()  # ... past the blocks it holds from the left
 
 
 def count_null_hits(manager: HybridBlockManager) -> None:
-    """Record in ``NULL_HITS`` every prompt whose hit a sliding group served without some of
-    its first blocks (the sliding rule: ``core/group_prefix.py``), so that the property can
-    say how often its workloads reached it."""
+    """Record in ``NULL_HITS`` every prompt whose hit a sliding group served with null entries
+    before its window (the sliding rule: ``core/group_prefix.py``), and in ``PAST_LEFT_SCAN``
+    those of them it served past the blocks it holds from the left (more than a scan from the
+    left finds), so that the property can say how often its workloads reached the rule."""
     for group in manager.groups if manager.enable_prefix_caching else []:
         view = group.gpu_allocator
         if view.window is None:
@@ -108,6 +110,8 @@ def count_null_hits(manager: HybridBlockManager) -> None:
             hits = find(token_ids, max_blocks)
             if view.cap is not None and any(b is view.marker for b in hits):
                 NULL_HITS.add(tuple(token_ids))
+                if len(view._from_left(token_ids, max_blocks)) < len(hits):
+                    PAST_LEFT_SCAN.add(tuple(token_ids))
             return hits
         view.longest_cached_prefix = counted
 
@@ -137,23 +141,30 @@ def wrong_names(manager: HybridBlockManager) -> list:
 
 token = st.integers(2, 255)
 request = st.fixed_dictionaries({
-    "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens:
-    "prefix_len": st.sampled_from([12, 20, 28]),  # past the window of 8, its first blocks gone
+    # start with an earlier prompt's tokens, or with the workload's long start ("long"): of
+    # prefix_len tokens, past the window of 8 (the sliding rule: core/group_prefix.py)
+    "prefix_of": st.none() | st.integers(0, 3) | st.just("long"),
+    "prefix_len": st.sampled_from([12, 20, 28]),
     "tokens": st.lists(token, min_size=1, max_size=30),
     "max_tokens": st.integers(1, 16), "kind": request_kinds()})
 
 
-@given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4))
+@given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4),
+       long_start=st.lists(token, min_size=28, max_size=28))
 @settings(max_examples=examples(80), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_kv_cache_groups_change_no_output(engines, mode, reqs):
+def test_kv_cache_groups_change_no_output(engines, mode, reqs, long_start):
     hybrid, keeping, watch = engines(mode)
     prompts = []
     for i, r in enumerate(reqs):
-        start = (prompts[r["prefix_of"]][:r["prefix_len"]]
-                 if r["prefix_of"] is not None and r["prefix_of"] < i else [])
+        start = []
+        if r["prefix_of"] == "long":
+            start = long_start[:r["prefix_len"]]
+        elif r["prefix_of"] is not None and r["prefix_of"] < i:
+            start = prompts[r["prefix_of"]][:12]
         prompts.append((start + r["tokens"])[:36])
     NULL_HITS.clear()
+    PAST_LEFT_SCAN.clear()
     params = [params_of_kind("greedy" if mode in SINGLE_SEQUENCE_ONLY else r["kind"], i,
                              r["max_tokens"]) for i, r in enumerate(reqs)]
     got = run(hybrid, prompts, params)
@@ -167,7 +178,9 @@ def test_kv_cache_groups_change_no_output(engines, mode, reqs):
             assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
     assert watch.first is None, watch.first
     if NULL_HITS:
-        event("a sliding group served a hit without its first blocks")
+        event("a sliding group served a hit with null entries before its window")
+    if PAST_LEFT_SCAN:
+        event("... a longer hit than its scan from the left finds")
     manager = hybrid.scheduler.block_manager
     assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks  # all came back
     assert manager.get_num_free_cpu_blocks() == manager.num_total_cpu_blocks
