@@ -45,6 +45,9 @@ MODES = [  # engine settings a workload runs under (the memory of num_gpu_blocks
     # speculative decoding by a draft model (another tiny Gemma 3: the fixture's DRAFT)
     dict(speculative_config={"method": "draft", "model": "DRAFT", "num_speculative_tokens": 3},
          num_gpu_blocks=17, enable_prefix_caching=True, preemption_mode="recompute"),
+    # prefix caching in the smallest pool max_model_len allows: the sliding groups' first
+    # blocks of a long start are evicted before a later request with that start comes
+    dict(num_gpu_blocks=16, enable_prefix_caching=True, preemption_mode="recompute"),
 ]
 SINGLE_SEQUENCE_ONLY = (7, 8, 11)  # the modes that run neither n = 2 nor beam search
 

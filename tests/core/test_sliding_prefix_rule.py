@@ -168,3 +168,37 @@ def test_the_engine_hits_a_repeated_prompt_whose_early_sliding_blocks_were_evict
     for got, want in zip(outs, every_outs):
         assert [t for t, _ in got] == [t for t, _ in want]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-3)
+
+
+def test_a_recomputed_group_takes_hits_only_inside_its_shared_blocks():
+    """Two sequences that differ after 24 shared tokens, preempted by recompute: both take the
+    same hits, none past the blocks they share (past them, one sequence's window could need
+    a block that the other's hits hold as a null entry)."""
+    hm = manager()
+    prompt = list(range(100, 124))
+    evict_early_sliding_blocks(hm, prompt)
+    hm.free(hm.seqs[1])  # the busy request is done: room to grow
+    group, cached = admit(hm, "again", prompt + [1, 2, 3], first_seq_id=2)
+    assert cached == 24
+    (seq,) = group.get_seqs()
+    child = Sequence(3, None, seq.get_token_ids(), BS)
+    child.status = SequenceStatus.RUNNING
+    child.num_computed_tokens = seq.num_computed_tokens
+    group.seqs.append(child)
+    hm.fork(seq, child)
+    for token in range(8):  # each fills its own blocks, named as they fill
+        decode(hm, seq, [40 + token])
+        decode(hm, child, [60 + token])
+    for s in group.get_seqs():
+        hm.free(s)
+        s.reset_for_recompute()
+    assert hm.prompt_layout(group)[1] == 24  # the shared tokens: six full blocks
+    own = hm.gpu_allocator.longest_cached_prefix(seq.get_token_ids(), 8)  # the full group's
+    assert len(own) == 8  # (its own blocks 6 and 7 are still cached)
+    got = hm.allocate(group)
+    assert got == {2: 24, 3: 24}
+    for s in group.get_seqs():
+        s.status = SequenceStatus.RUNNING
+    tables = [hm.groups[0].block_tables[s] for s in (2, 3)]
+    assert [b.block_number for b in tables[0][:6]] == [b.block_number for b in tables[1][:6]]
+    assert check_block_manager(hm) == []
