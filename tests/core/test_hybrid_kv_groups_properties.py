@@ -179,6 +179,14 @@ def test_kv_cache_groups_change_no_output(engines, mode, reqs, long_start):
             # other rows together (other pools, other preemptions), and the measured CPU matmul
             # may sum them in another order (a greedy -0.00200 against -0.00136 was drawn)
             assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
+    # the prompts with the long start once more: by now the sliding groups' first blocks of
+    # it left the window early and went back first, the first to be evicted
+    again = [p for p, r in zip(prompts, reqs) if r["prefix_of"] == "long"]
+    greedy = [params_of_kind("greedy", i, 2) for i in range(len(again))]
+    for a, b in zip(run(hybrid, again, greedy), run(keeping, again, greedy)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob,
+                                                                abs=1e-3)
     assert watch.first is None, watch.first
     if NULL_HITS:
         event("a sliding group served a hit with null entries before its window")
