@@ -42,6 +42,17 @@ def decode(hm: HybridBlockManager, seq: Sequence, tokens: list[int]) -> None:
         seq.num_computed_tokens = seq.get_len()
 
 
+def fork_child(hm: HybridBlockManager, group: SequenceGroup) -> tuple[Sequence, Sequence]:
+    """The group's one sequence forked (sequence 3, as n = 2 sampling does after a prompt)."""
+    (seq,) = group.get_seqs()
+    child = Sequence(3, None, seq.get_token_ids(), BS)
+    child.status = SequenceStatus.RUNNING
+    child.num_computed_tokens = seq.num_computed_tokens
+    group.seqs.append(child)
+    hm.fork(seq, child)
+    return seq, child
+
+
 def finish(hm: HybridBlockManager, group: SequenceGroup) -> None:
     for seq in group.get_seqs():
         seq.status = SequenceStatus.FINISHED_STOPPED
@@ -109,12 +120,7 @@ def test_null_entries_survive_fork_swap_and_free():
     evict_early_sliding_blocks(hm, prompt)
     group, cached = admit(hm, "again", prompt[:20] + [1, 2, 3], first_seq_id=2)
     assert cached == 20
-    (seq,) = group.get_seqs()
-    child = Sequence(3, None, seq.get_token_ids(), BS)
-    child.status = SequenceStatus.RUNNING
-    child.num_computed_tokens = seq.num_computed_tokens
-    group.seqs.append(child)
-    hm.fork(seq, child)
+    seq, child = fork_child(hm, group)
     decode(hm, seq, [40])  # copy-on-write of the shared last block, in every group
     decode(hm, child, [41])
     assert check_block_manager(hm) == []
@@ -180,12 +186,7 @@ def test_a_recomputed_group_takes_hits_only_inside_its_shared_blocks():
     hm.free(hm.seqs[1])  # the busy request is done: room to grow
     group, cached = admit(hm, "again", prompt + [1, 2, 3], first_seq_id=2)
     assert cached == 24
-    (seq,) = group.get_seqs()
-    child = Sequence(3, None, seq.get_token_ids(), BS)
-    child.status = SequenceStatus.RUNNING
-    child.num_computed_tokens = seq.num_computed_tokens
-    group.seqs.append(child)
-    hm.fork(seq, child)
+    seq, child = fork_child(hm, group)
     for token in range(8):  # each fills its own blocks, named as they fill
         decode(hm, seq, [40 + token])
         decode(hm, child, [60 + token])
