@@ -22,11 +22,13 @@ The first group is full attention and is this manager itself (its tables are
 one's allocators. Each operation the scheduler calls runs on every group.
 
 With prefix caching (lesson 11) every group finds its own cached blocks, in the one pool:
-a group's blocks are named with the group in their tokens (``_GroupNames``), so two groups'
-blocks of the same tokens never stand for each other, and a prompt takes from each group only
-as many cached blocks as every group found (the tokens it skips must be in every group's
-cache). A sliding group keeps a prompt's blocks named as they leave its window, as
-``core/sliding_window.py`` does, so that later prompts find the whole chain. Two rules keep
+a group's blocks are named with the group in their tokens (``core/group_prefix.py``), so two
+groups' blocks of the same tokens never stand for each other, and a prompt skips the longest
+prefix every group can serve: a full group holds all its blocks (found from the left), a
+sliding group only those its window reads from the first computed token (the blocks before
+are null entries in its table, whether they left the window, were evicted or never kept).
+A sliding group keeps a prompt's blocks named as they leave its window, as
+``core/sliding_window.py`` does, so that later prompts find them. Two rules keep
 the names true (``tests/core/test_hybrid_kv_groups_regressions.py``): every group's cached
 blocks for a prompt are held before any group takes a new block (which may evict one), and
 each group names a growing block only after its own copy-on-write.
@@ -41,37 +43,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from minipaged.block import PhysicalTokenBlock
-from minipaged.core.allocator import BlockAllocator
+from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.block_manager import BlockSpaceManager
+from minipaged.core.group_prefix import GroupNames, SlidingPrefixGroup
 from minipaged.core.sliding_window import SlidingWindowBlockManager
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-class _GroupNames:
-    """One group's view of the shared prefix-caching allocator (every other call goes to it):
-    the group is part of the tokens its blocks are named by, and ``cap`` (prompt tokens ->
-    blocks), while set, cuts the prefix a prompt finds to what every group found."""
-
-    def __init__(self, allocator: BlockAllocator, group: int) -> None:
-        self._allocator = allocator
-        self._tag = ("kv cache group", group)
-        self.cap: dict[tuple[int, ...], int] | None = None
-
-    def __getattr__(self, name: str):
-        return getattr(self._allocator, name)
-
-    def lookup(self, parent: PhysicalTokenBlock | None, token_ids) -> PhysicalTokenBlock | None:
-        return self._allocator.lookup(parent, (self._tag, *token_ids))
-
-    def name_blocks(self, blocks, token_ids) -> None:
-        self._allocator.name_blocks(blocks, [(self._tag, *t) for t in token_ids])
-
-    def longest_cached_prefix(self, token_ids, max_blocks: int) -> list[PhysicalTokenBlock]:
-        if self.cap is not None:
-            max_blocks = min(max_blocks, self.cap.get(tuple(token_ids), max_blocks))
-        # NOTE: the allocator's own loop, run on this view: its lookups take this group's names
-        return type(self._allocator).longest_cached_prefix(self, token_ids, max_blocks)
 
 
 class HybridBlockManager(BlockSpaceManager):
@@ -103,12 +79,14 @@ class HybridBlockManager(BlockSpaceManager):
         self.watermark_blocks = num * int(watermark * (num_gpu_blocks // num))
         self.groups: list[BlockSpaceManager] = []  # the groups after the first
         for index, window in enumerate(windows[1:], start=1):
+            sliding = SlidingPrefixGroup if enable_prefix_caching else SlidingWindowBlockManager
             group = (BlockSpaceManager(block_size, 0, 0, 0.0, enable_prefix_caching)
                      if window is None else
-                     SlidingWindowBlockManager(block_size, 0, 0, 0.0, enable_prefix_caching,
-                                               window=window, sink_block=sink_block))
+                     sliding(block_size, 0, 0, 0.0, enable_prefix_caching, window=window,
+                             sink_block=sink_block))
             # NOTE: one pool: every group takes and gives back the same allocators' blocks
-            group.gpu_allocator = (_GroupNames(self.gpu_allocator, index)
+            group.gpu_allocator = (GroupNames(self.gpu_allocator, index, window,
+                                              getattr(group, "dropped", {}).get(Device.GPU))
                                    if enable_prefix_caching else self.gpu_allocator)
             group.cpu_allocator = self.cpu_allocator
             self.groups.append(group)
@@ -126,16 +104,27 @@ class HybridBlockManager(BlockSpaceManager):
 
     # -- admitting a prompt ----------------------------------------------------------------------
     def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
-        """The first group's cached blocks for each waiting sequence, cut to as many as every
-        group found: the tokens a prompt skips must be cached in every group."""
+        """The first group's cached blocks for each waiting sequence, cut to the longest prefix
+        every group can serve: the first group's from the left, every other group's by its
+        own rule (a sliding group needs only its window's blocks: ``core/group_prefix.py``).
+
+        NOTE: after a recompute the sequences differ: they take hits only inside the blocks
+        they share (the same prefix for all, its hits then the same). Past those, one
+        sequence's window could need a shared block another's hits hold as a null entry."""
         found = super().cached_prefix(seq_group)
         if not self.enable_prefix_caching:
             return found
-        counts = {seq_id: len(hits) for seq_id, hits in found.items()}
+        seqs, shared_len, identical = self.prompt_layout(seq_group)
+        first = seqs[0]
+        limit = len(found[first.seq_id])
+        if not identical:
+            limit = min(limit, shared_len // self.block_size)
+        ok = [True] * (limit + 1)
         for group in self.groups:
-            for seq_id, hits in group.cached_prefix(seq_group).items():
-                counts[seq_id] = min(counts[seq_id], len(hits))
-        return {seq_id: hits[:counts[seq_id]] for seq_id, hits in found.items()}
+            served = group.gpu_allocator.servable(first.get_token_ids(), limit)
+            ok = [a and b for a, b in zip(ok, served)]
+        num = max(h for h, yes in enumerate(ok) if yes)
+        return {s.seq_id: found[s.seq_id][:num] for s in seqs}
 
     @contextmanager
     def _capped(self, seq_group: SequenceGroup):
@@ -176,7 +165,8 @@ class HybridBlockManager(BlockSpaceManager):
         with self._capped(seq_group):
             # (self.cached_prefix: the first group's, cut to every group's)
             held = {id(b): b for m in [self, *self.groups]
-                    for hits in m.cached_prefix(seq_group).values() for b in hits}
+                    for hits in m.cached_prefix(seq_group).values() for b in hits
+                    if b.block_number >= 0}  # (not a sliding group's null entry)
             for block in held.values():
                 self.gpu_allocator.acquire(block)
             try:

@@ -3,13 +3,14 @@
 one block table per group (``core/hybrid_block_manager.py``) as with every layer keeping every
 block, from the same memory, through copy-on-write (n = 2 sampling, beam search's forks),
 preemption by swapping or by recompute (a small pool), chunked prefill, prefix caching
-(prompts sharing their starts), speculative decoding by prompt lookup or a draft model, and
-multi-step decode; and the invariants of ``lab/invariants.py`` (every group's tables on the one
-pool) hold after every step."""
+(prompts sharing starts of up to 28 tokens, past the window: a sliding group serves a hit
+with only the blocks its window reads, ``core/group_prefix.py``), speculative decoding by
+prompt lookup or a draft model, and multi-step decode; and the invariants of
+``lab/invariants.py`` (every group's tables on the one pool) hold after every step."""
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minipaged import SamplingParams
@@ -44,6 +45,9 @@ MODES = [  # engine settings a workload runs under (the memory of num_gpu_blocks
     # speculative decoding by a draft model (another tiny Gemma 3: the fixture's DRAFT)
     dict(speculative_config={"method": "draft", "model": "DRAFT", "num_speculative_tokens": 3},
          num_gpu_blocks=17, enable_prefix_caching=True, preemption_mode="recompute"),
+    # prefix caching in the smallest pool max_model_len allows: the sliding groups' first
+    # blocks of a long start are evicted before a later request with that start comes
+    dict(num_gpu_blocks=16, enable_prefix_caching=True, preemption_mode="recompute"),
 ]
 SINGLE_SEQUENCE_ONLY = (7, 8, 11)  # the modes that run neither n = 2 nor beam search
 
@@ -76,6 +80,7 @@ def engines(tmp_path_factory):
             hybrid = LLMEngine(path, kv_cache_groups=True, **settings_)
             keeping = LLMEngine(path, kv_cache_groups=False, **settings_)
             assert isinstance(hybrid.scheduler.block_manager, HybridBlockManager)
+            count_null_hits(hybrid.scheduler.block_manager)
             watch = InvariantObserver(hybrid)
             hybrid.add_observer(watch)
             hybrid.add_observer(lambda snap, m=hybrid.scheduler.block_manager: watch.violations
@@ -88,6 +93,30 @@ def engines(tmp_path_factory):
         os.environ.pop("MINIPAGED_LINEAR_FORM", None)
     else:
         os.environ["MINIPAGED_LINEAR_FORM"] = saved
+
+
+NULL_HITS: set[tuple[int, ...]] = set()  # prompts a sliding group served with null entries
+PAST_LEFT_SCAN: set[tuple[int, ...]] = set()  # ... past the blocks it holds from the left
+
+
+def count_null_hits(manager: HybridBlockManager) -> None:
+    """Record in ``NULL_HITS`` every prompt whose hit a sliding group served with null entries
+    before its window (the sliding rule: ``core/group_prefix.py``), and in ``PAST_LEFT_SCAN``
+    those of them it served past the blocks it holds from the left (more than a scan from the
+    left finds), so that the property can say how often its workloads reached the rule."""
+    for group in manager.groups if manager.enable_prefix_caching else []:
+        view = group.gpu_allocator
+        if view.window is None:
+            continue
+
+        def counted(token_ids, max_blocks, view=view, find=view.longest_cached_prefix):
+            hits = find(token_ids, max_blocks)
+            if view.cap is not None and any(b is view.marker for b in hits):
+                NULL_HITS.add(tuple(token_ids))
+                if len(view._from_left(token_ids, max_blocks)) < len(hits):
+                    PAST_LEFT_SCAN.add(tuple(token_ids))
+            return hits
+        view.longest_cached_prefix = counted
 
 
 def wrong_names(manager: HybridBlockManager) -> list:
@@ -115,21 +144,30 @@ def wrong_names(manager: HybridBlockManager) -> list:
 
 token = st.integers(2, 255)
 request = st.fixed_dictionaries({
-    "prefix_of": st.none() | st.integers(0, 3),  # start with an earlier prompt's tokens
+    # start with an earlier prompt's tokens, or with the workload's long start ("long"): of
+    # prefix_len tokens, past the window of 8 (the sliding rule: core/group_prefix.py)
+    "prefix_of": st.none() | st.integers(0, 3) | st.just("long"),
+    "prefix_len": st.sampled_from([12, 20, 28]),
     "tokens": st.lists(token, min_size=1, max_size=30),
     "max_tokens": st.integers(1, 16), "kind": request_kinds()})
 
 
-@given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4))
+@given(mode=st.integers(0, len(MODES) - 1), reqs=st.lists(request, min_size=1, max_size=4),
+       long_start=st.lists(token, min_size=28, max_size=28))
 @settings(max_examples=examples(80), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_kv_cache_groups_change_no_output(engines, mode, reqs):
+def test_kv_cache_groups_change_no_output(engines, mode, reqs, long_start):
     hybrid, keeping, watch = engines(mode)
     prompts = []
     for i, r in enumerate(reqs):
-        start = (prompts[r["prefix_of"]][:12]
-                 if r["prefix_of"] is not None and r["prefix_of"] < i else [])
-        prompts.append((start + r["tokens"])[:30])
+        start = []
+        if r["prefix_of"] == "long":
+            start = long_start[:r["prefix_len"]]
+        elif r["prefix_of"] is not None and r["prefix_of"] < i:
+            start = prompts[r["prefix_of"]][:12]
+        prompts.append((start + r["tokens"])[:36])
+    NULL_HITS.clear()
+    PAST_LEFT_SCAN.clear()
     params = [params_of_kind("greedy" if mode in SINGLE_SEQUENCE_ONLY else r["kind"], i,
                              r["max_tokens"]) for i, r in enumerate(reqs)]
     got = run(hybrid, prompts, params)
@@ -141,7 +179,19 @@ def test_kv_cache_groups_change_no_output(engines, mode, reqs):
             # other rows together (other pools, other preemptions), and the measured CPU matmul
             # may sum them in another order (a greedy -0.00200 against -0.00136 was drawn)
             assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
+    # the prompts with the long start once more: by now the sliding groups' first blocks of
+    # it left the window early and went back first, the first to be evicted
+    again = [p for p, r in zip(prompts, reqs) if r["prefix_of"] == "long"]
+    greedy = [params_of_kind("greedy", i, 2) for i in range(len(again))]
+    for a, b in zip(run(hybrid, again, greedy), run(keeping, again, greedy)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob,
+                                                                abs=1e-3)
     assert watch.first is None, watch.first
+    if NULL_HITS:
+        event("a sliding group served a hit with null entries before its window")
+    if PAST_LEFT_SCAN:
+        event("... a longer hit than its scan from the left finds")
     manager = hybrid.scheduler.block_manager
     assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks  # all came back
     assert manager.get_num_free_cpu_blocks() == manager.num_total_cpu_blocks
