@@ -25,8 +25,8 @@ from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
-from minipaged.exercises.lockstep import (TOGETHER, _arrivals, _broken_invariant,  # noqa: F401
-                                          _Call, _first_wrong_call, _Lockstep, _manager_state,
+from minipaged.exercises.lockstep import (_arrivals, _broken_invariant, _Call,  # noqa: F401
+                                          _first_wrong_call, _Lockstep, _manager_state,
                                           _to_finish)
 from minipaged.exercises.workbench import Component, register
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -289,7 +289,7 @@ def _manager_hint(wrong: tuple[_Call, str, _Call | None] | None, fallback: str) 
     if wrong is None:
         return _MANAGER_HINTS[fallback]
     call, what, expected = wrong
-    if what == "broken" and TOGETHER in call.broken and call.method != "allocate":
+    if what == "broken" and _changed_another_table(call, expected):
         return _REF_COUNT_HINTS["fork"]  # one list for two sequences: given at a fork
     if what == "broken" and call.method in _REF_COUNT_HINTS:
         return _REF_COUNT_HINTS[call.method]
@@ -310,6 +310,15 @@ _BOUNDARY_HINT = ("append_slot opens a new block only when the newest token lies
                   "table's blocks (the sequence has more logical blocks than its table): a "
                   "block of block_size slots takes block_size tokens, full only once its last "
                   "slot is written; otherwise the token goes into the last block")
+
+
+def _changed_another_table(call: _Call, expected: _Call | None) -> bool:
+    """Did ``call`` (an append or a free of one sequence; every call before it matched the
+    package's) change another sequence's table too? One list serving two sequences does that."""
+    if expected is None or call.method not in ("append_slot", "free"):
+        return False
+    got, want = call.state["block tables"], expected.state["block tables"]
+    return any(got.get(i) != want.get(i) for i in set(got) | set(want) if i != call.seq_id)
 
 
 def _new_block_differs(call: _Call, expected: _Call) -> bool:

@@ -51,9 +51,9 @@ def _broken_invariant(bm) -> str | None:
             return f"get_blocks({seq_id}) gave a {type(table).__name__}, not a list"
         table.append(None)  # a caller's change to the list it got...
         again = bm.get_blocks(seq_id)
+        kept = bool(again) and again[-1] is None
         table.pop()
-        if again and again[-1] is None:  # ...shows in the table: undone, and named
-            again.pop()
+        if kept:  # ...shows in the table: undone, and named
             return (f"get_blocks({seq_id}) gave the list it keeps: a caller's change to it "
                     f"changed seq {seq_id}'s table")
     holders: dict[tuple, list[int]] = {}
@@ -71,28 +71,11 @@ def _broken_invariant(bm) -> str | None:
                 free = set(allocator.free_block_numbers())
             if block.ref_count != len(who):
                 return (f"{block.device.value} block {block.block_number} has ref count "
-                        f"{block.ref_count}, but {len(who)} block tables hold it"
-                        + _moved_together(held, who))
+                        f"{block.ref_count}, but {len(who)} block tables hold it")
             if who and block.block_number in free:
                 return (f"{block.device.value} block {block.block_number} is on the free "
                         f"list while {len(who)} block tables hold it")
     return None
-
-
-TOGETHER = "hold the very same blocks, one table changing with the other"
-
-
-def _moved_together(held: dict, who: list[int]) -> str:
-    """Two of ``who`` (the tables holding a block whose ref count is wrong) whose tables are the
-    same, block for block: a list serving two sequences (a fork that gave the child the
-    parent's own list, then a copy-on-write written into both) looks so."""
-    tables: dict[tuple, int] = {}
-    for seq_id in who:
-        key = tuple(id(b) for b in held[seq_id][2])
-        if key in tables:
-            return f"; seq {tables[key]} and seq {seq_id} {TOGETHER}"
-        tables[key] = seq_id
-    return ""
 
 
 def _call_args(method: str, args) -> str:
@@ -111,6 +94,7 @@ class _Call:
     def __init__(self, method: str, args, result, events: list[dict], bm,
                  check_invariant: bool = True) -> None:
         self.method, self.call = method, _call_args(method, args)
+        self.seq_id = getattr(args[0], "seq_id", None) if args else None
         self.result = (bool(result) if method == "can_allocate" else  # as the scheduler reads
                        tuple(result) if method == "append_slot" and result is not None else
                        dict(result) if method == "allocate" and result is not None else result)
