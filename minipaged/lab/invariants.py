@@ -118,7 +118,7 @@ def check_block_manager(bm) -> list[Violation]:
     return found
 
 
-def _check_pool(held: dict, allocator, holders) -> list[Violation]:
+def _check_pool(tables_of: dict, allocator, holders) -> list[Violation]:
     found = []
     pool = allocator.device.value.upper()
     free = allocator.free_block_numbers()
@@ -131,7 +131,7 @@ def _check_pool(held: dict, allocator, holders) -> list[Violation]:
     for block in allocator.blocks:
         who = holders.get((allocator.device, block.block_number), [])
         name, count = f"{pool} block {block.block_number}", block.ref_count
-        tables = ", ".join(_seq_label(held, s) for s, *_ in who) or "no table"
+        tables = ", ".join(_seq_label(tables_of, s) for s, *_ in who) or "no table"
         if block.block_number in free_set and (count > 0 or who):
             found.append(Violation("no block both free and held", name,
                                    f"in the free list, with ref count {count}, held by {tables}"))
