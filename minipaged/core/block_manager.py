@@ -14,6 +14,7 @@ from minipaged.block import Device, PhysicalTokenBlock
 from minipaged.core.block_snapshot import snapshot_pools
 from minipaged.core.lookahead import num_lookahead_blocks
 from minipaged.core.prefix_caching_allocator import PrefixCachingAllocator
+from minipaged.core.prompt_layout import prompt_layout
 from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]
@@ -78,27 +79,9 @@ class BlockSpaceManager:
 
     # -- admitting a prompt ----------------------------------------------------------------------
     def prompt_layout(self, seq_group: SequenceGroup) -> tuple[list[Sequence], int, bool]:
-        """How a waiting group's sequences share blocks: ``(sequences, shared_len, identical)``.
-
-        A fresh group's sequences hold the same tokens (``identical``): one block table serves
-        them all and the prompt is computed once. After a preemption by recompute they differ:
-        they share the full blocks of their common prefix (at least the prompt's full blocks),
-        ``shared_len`` tokens, and each has private blocks for the rest.
-        """
-        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        token_lists = [s.get_token_ids() for s in seqs]
-        first = token_lists[0]
-        if all(t == first for t in token_lists[1:]):
-            return seqs, len(first), True
-        common = 0
-        for column in zip(*token_lists):
-            if any(t != column[0] for t in column):
-                break
-            common += 1
-        # Each sequence's newest token is computed by its first decode after the recompute (so
-        # that all of them sample in the same step); it must not sit in a shared block.
-        common = min(common, min(len(t) for t in token_lists) - 1)
-        return seqs, common // self.block_size * self.block_size, False
+        """How a waiting group's sequences share blocks: ``(sequences, shared_len, identical)``
+        (``prompt_layout.py``)."""
+        return prompt_layout(seq_group, self.block_size)
 
     def cached_prefix(self, seq_group: SequenceGroup) -> dict[int, list[PhysicalTokenBlock]]:
         """For each waiting sequence, the cached blocks its tokens start with (lesson 11)."""
@@ -181,7 +164,7 @@ class BlockSpaceManager:
         the same layer as) anyone reads it: every layer writes all K/V before attending.
         """
         num_full = num_tokens // self.block_size
-        self.gpu_allocator.name_blocks(self.block_tables[seq.seq_id][:num_full],
+        self.gpu_allocator.name_blocks(self.get_blocks(seq.seq_id)[:num_full],
                                        [b.token_ids for b in seq.logical_token_blocks[:num_full]])
 
     def _name_own_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -210,7 +193,7 @@ class BlockSpaceManager:
         for seq in seqs:
             if seq.num_computed_tokens == 0:
                 continue  # a prefill run: its blocks were allocated for all its tokens
-            table = self.block_tables[seq.seq_id]
+            table = self.get_blocks(seq.seq_id)
             if len(table) < len(seq.logical_token_blocks):
                 num_needed += 1
             elif table[-1].ref_count > 1:
@@ -233,10 +216,10 @@ class BlockSpaceManager:
         cow = self.append_slot(seq)
         # Speculative decoding (lesson 12): fresh blocks for the lookahead slots. (A shared last
         # block was copied by append_slot already, so no write goes into a shared block.)
-        table = self.block_tables[seq.seq_id]
         new = [self.gpu_allocator.allocate()
                for _ in range(num_lookahead_blocks(seq, self.block_size))]
-        table += new
+        if new:
+            self.set_blocks(seq.seq_id, self.get_blocks(seq.seq_id) + new)
         if seq.num_lookahead_slots:
             self._emit("lookahead", seq_id=seq.seq_id, num_slots=seq.num_lookahead_slots,
                        blocks=[b.block_number for b in new])
@@ -246,11 +229,11 @@ class BlockSpaceManager:
         """Speculative decoding dropped rejected proposals (lesson 12): free the blocks after the
         sequence's last token, which hold no token now, and name the full blocks of computed
         (accepted) tokens for the prefix cache."""
-        table = self.block_tables.get(seq.seq_id)
-        if table is None:
+        table = self.get_blocks(seq.seq_id)
+        if not table:
             return  # finished (and freed) in the step
         freed = table[len(seq.logical_token_blocks):]
-        del table[len(seq.logical_token_blocks):]
+        self.set_blocks(seq.seq_id, table[:len(seq.logical_token_blocks)])
         for block in reversed(freed):
             self.gpu_allocator.free(block)
         self._name_own_blocks(seq, seq.num_computed_tokens)
@@ -303,7 +286,7 @@ class BlockSpaceManager:
     def _physical_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> list:
         blocks: dict[int, PhysicalTokenBlock] = {}  # shared blocks counted once
         for seq in seq_group.get_seqs(status):
-            for block in self.block_tables[seq.seq_id]:
+            for block in self.get_blocks(seq.seq_id):
                 blocks[id(block)] = block
         return list(blocks.values())
 
@@ -361,7 +344,7 @@ class BlockSpaceManager:
         numbers: dict[int, int] = {}  # the blocks whose data must move
         for seq in seq_group.get_seqs(status):
             new_table = []
-            for src in self.block_tables[seq.seq_id]:
+            for src in self.get_blocks(seq.seq_id):
                 if src.block_number in mapping:
                     dst = mapping[src.block_number]
                     self._allocator_of(dst).acquire(dst)  # shared inside the group: stays so
@@ -372,7 +355,7 @@ class BlockSpaceManager:
                     mapping[src.block_number] = dst
                 new_table.append(dst)
                 self._allocator_of(src).free(src)
-            self.block_tables[seq.seq_id] = new_table
+            self.set_blocks(seq.seq_id, new_table)
         self._emit(op, request_id=seq_group.request_id, mapping=numbers)
         return numbers
 
@@ -394,12 +377,26 @@ class BlockSpaceManager:
 
     def reset(self) -> None:
         """Free every sequence's blocks (vLLM v0.1's name; cached blocks stay cached)."""
-        for seq_id in list(self.block_tables):
-            self.free(self.seqs[seq_id])
+        for seq, _ in self.held_sequences():
+            self.free(seq)
 
-    # -- reading ---------------------------------------------------------------------------------
+    # -- the tables as the rest of the package reads them (a subclass may keep them any way) -----
+    def get_blocks(self, seq_id: int) -> BlockTable:
+        """Sequence ``seq_id``'s physical blocks in logical order, as a new list (changing it
+        changes nothing here); [] for a sequence that holds none."""
+        return list(self.block_tables.get(seq_id, ()))
+
+    def set_blocks(self, seq_id: int, blocks: BlockTable) -> None:
+        """Sequence ``seq_id``, which holds blocks, holds ``blocks`` now, in this order (swapping,
+        lookahead; the caller keeps the ref counts)."""
+        self.block_tables[seq_id] = list(blocks)
+
+    def held_sequences(self) -> list[tuple[Sequence, str]]:
+        """Every sequence that holds blocks, with its request id, in no particular order."""
+        return [(self.seqs[seq_id], self.seq_request[seq_id]) for seq_id in self.block_tables]
+
     def get_block_table(self, seq: Sequence) -> list[int]:
-        return [block.block_number for block in self.block_tables[seq.seq_id]]
+        return [block.block_number for block in self.get_blocks(seq.seq_id)]
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu_allocator.get_num_free_blocks()
@@ -415,6 +412,7 @@ class BlockSpaceManager:
     def snapshot(self) -> dict:
         """Every table and block as plain data, for the visualizer and tests (block_snapshot.py)."""
         return {"block_size": self.block_size, "watermark_blocks": self.watermark_blocks,
-                **snapshot_pools(self.block_tables, self.seqs, self.seq_request,
+                **snapshot_pools([(seq, request_id, self.get_blocks(seq.seq_id))
+                                  for seq, request_id in self.held_sequences()],
                                  self.gpu_allocator, self.cpu_allocator),
                 "prefix_caching": self.enable_prefix_caching}

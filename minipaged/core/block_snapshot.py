@@ -11,7 +11,7 @@ Keys of ``snapshot_pools(...)`` (``BlockSpaceManager.snapshot()`` adds ``block_s
 - ``free_gpu_blocks`` / ``free_cpu_blocks``: the free lists, next to be allocated first;
 - ``evictable_gpu_blocks``.
 
-NOTE: it reads the manager's parts, not the manager, so that this module imports nothing of the
+NOTE: it reads what the manager hands it, not the manager, so that this module imports nothing of the
 block manager's (no import circle, not even one for annotations).
 """
 from __future__ import annotations
@@ -21,24 +21,24 @@ from minipaged.core.allocator import BlockAllocator
 from minipaged.sequence import Sequence
 
 
-def snapshot_pools(block_tables: dict[int, list[PhysicalTokenBlock]], seqs: dict[int, Sequence],
-                   seq_request: dict[int, str], gpu_allocator: BlockAllocator,
-                   cpu_allocator: BlockAllocator) -> dict:
+def snapshot_pools(held: list[tuple[Sequence, str, list[PhysicalTokenBlock]]],
+                   gpu_allocator: BlockAllocator, cpu_allocator: BlockAllocator) -> dict:
     """Plain data describing every table and block (the keys are listed above).
 
     Args:
-        block_tables, seqs, seq_request: by sequence id, its physical blocks, the sequence and
-            its request id (the block manager's own dicts).
+        held: every sequence that holds blocks, with its request id and its physical blocks
+            (as the block manager's ``held_sequences`` and ``get_blocks`` give them); listed
+            by sequence id.
         gpu_allocator, cpu_allocator: the two pools.
     """
     sequences = []
     owners = {Device.GPU: {}, Device.CPU: {}}
-    for seq_id, table in block_tables.items():
-        seq = seqs[seq_id]
+    for seq, request_id, table in sorted(held, key=lambda entry: entry[0].seq_id):
+        seq_id = seq.seq_id
         device = table[0].device if table else Device.GPU
         sequences.append({
             "seq_id": seq_id,
-            "request_id": seq_request.get(seq_id),
+            "request_id": request_id,
             "status": seq.status.name,
             "device": device.value,
             "num_tokens": seq.get_len(),

@@ -117,7 +117,11 @@ def _prefix_cache_work(cls, size: int) -> dict[str, Work]:
 
 
 def _block_manager_work(cls, size: int) -> dict[str, Work]:
-    """A manager of ``size`` GPU blocks with ``size // 8`` running sequences of 2 blocks."""
+    """A manager of ``size`` GPU blocks with ``size // 8`` running sequences of 2 blocks and one
+    of ``size // 16`` blocks (many sequences, and a long table: lesson 03 leaves the structure
+    to the learner). Timed: admitting and freeing, a growing sequence's appends, forks, a
+    table looked up as the scheduler does at every step (``get_block_table`` reads the
+    learner's ``get_blocks``), and the long sequence forked and its child freed."""
     from minipaged.sampling_params import SamplingParams
     from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -130,6 +134,10 @@ def _block_manager_work(cls, size: int) -> dict[str, Work]:
         manager.allocate(SequenceGroup(str(i), [seq], params, arrival_time=float(i)))
         seq.status = SequenceStatus.RUNNING
         seqs.append(seq)
+    long_seq = Sequence(size // 8, None, [9] * (size // 16 * block_size), block_size)
+    manager.allocate(SequenceGroup("long", [long_seq], params, arrival_time=-1.0))
+    long_seq.status = SequenceStatus.RUNNING
+    middle = seqs[len(seqs) // 2]
     ids = iter(range(size, 1 << 62))
 
     def new_seq():
@@ -173,8 +181,21 @@ def _block_manager_work(cls, size: int) -> dict[str, Work]:
         for _ in range(times):
             manager.get_num_free_gpu_blocks()
 
+    def look_up(times: int) -> None:
+        for _ in range(times):
+            manager.get_block_table(middle)
+
+    def fork_free_long(times: int) -> None:
+        for _ in range(times):
+            child, _ = new_seq()
+            child.copy_state_from(long_seq)
+            child.status = SequenceStatus.RUNNING
+            manager.fork(long_seq, child)
+            manager.free(child)
+
     return {"allocate + free": allocate_free, "append_slot": append, "fork + free": fork_free,
-            "get_num_free_gpu_blocks": count}
+            "get_num_free_gpu_blocks": count, "get_block_table (get_blocks)": look_up,
+            "fork + free of a long table": fork_free_long}
 
 
 def _prepare_inputs_work(fn, size: int) -> dict[str, Work]:

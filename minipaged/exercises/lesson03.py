@@ -11,9 +11,11 @@
 Expected answers: a real ``BlockSpaceManager`` driven through random forks and appends.
 
 The build track's component (``workbench``): ``BlockSpaceManager``, whose ``can_allocate``,
-``allocate``, ``append_slot`` (copy-on-write), ``fork`` and ``free`` the learner writes from the
-stub ``MyBlockSpaceManager``; its checker runs the real scheduler on random traffic with parallel
-sampling, forks, preemption and finishes, next to the package's manager.
+``allocate``, ``append_slot`` (copy-on-write), ``fork`` and ``free``, and the three methods the
+package reads its tables through (``get_blocks``, ``set_blocks``, ``held_sequences``), the learner
+writes from the stub ``MyBlockSpaceManager``, in a data structure of their own; its checker runs
+the real scheduler on random traffic with parallel sampling, forks, preemption and finishes, next
+to the package's manager, and compares them through those methods only.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from minipaged.core.block_manager import BlockSpaceManager
 from minipaged.core.scheduler import Scheduler, SchedulerConfig
 from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
                                           rng_for)
+from minipaged.exercises.block_manager_hints import (_EVENT_METHOD, _STATE_METHOD,  # noqa: F401
+                                                     _manager_hint)
 from minipaged.exercises.lockstep import (_arrivals, _broken_invariant, _Call,  # noqa: F401
                                           _first_wrong_call, _Lockstep, _manager_state,
                                           _to_finish)
@@ -137,137 +141,107 @@ def check_append_action(fn, num_cases: int = 80, seed: int | None = 0) -> CheckR
 
 # -- the build track: the block manager ---------------------------------------------------------
 class MyBlockSpaceManager(BlockSpaceManager):
-    """The block manager's own methods; the package keeps the rest (swapping, snapshots,
-    ``can_append_slot``, ``reserve_slot``, the prefix cache of lesson 11: with it on, yours
-    simply takes no cached block).
+    """Your block manager: which physical blocks each sequence holds, and the rules of sharing.
+    How you keep that is yours to choose; the package (swapping, snapshots, ``reserve_slot``,
+    the scheduler, the pictures, the invariant checks) reads it only through the three methods
+    at the end. The prefix cache of lesson 11 stays the package's: with it on, yours simply
+    takes no cached block.
 
     What you have: ``self.gpu_allocator`` and ``self.cpu_allocator`` (lesson 02: ``allocate``,
     ``free``, ``acquire``, ``get_num_free_blocks``), ``self.block_size``,
-    ``self.watermark_blocks``, and ``self.prompt_layout(seq_group)``. What you keep up to date:
-    ``self.block_tables`` (seq_id -> list of ``PhysicalTokenBlock``), ``self.seqs`` (seq_id ->
-    sequence) and ``self.seq_request`` (seq_id -> request id), for every sequence holding blocks.
-    Each method tells the listeners what it did (the lesson's pictures replay these events):
-    the ``self._emit(...)`` line is in its docstring.
+    ``self.watermark_blocks``, ``self.prompt_layout(seq_group)`` (how a waiting group's
+    sequences share blocks) and ``self._allocator_of(block)`` (the pool a block belongs to).
+    What the listeners hear (the lesson's pictures replay it): ``self._emit(op, **details)``
+    tells them one event; each method's docstring says which.
+
+    What must hold after every call: a block's ref count is the number of sequences whose
+    table lists it, and a block on a free list is listed by nobody. The checker runs the package's scheduler on your manager and on the
+    package's and compares what the methods return, what the listeners hear, the free lists,
+    and each sequence's blocks as ``get_blocks`` gives them.
     """
 
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                         enable_prefix_caching)
+        # <- what you keep about the sequences that hold blocks (nothing holds any yet)
+
     def can_allocate(self, seq_group: SequenceGroup) -> bool:
-        """Are there enough free GPU blocks for the group's prompt, with
-        ``self.watermark_blocks`` of them still free afterwards?
+        """Would admitting the group's waiting sequences leave at least
+        ``self.watermark_blocks`` GPU blocks free?
 
         ``seqs, shared_len, identical = self.prompt_layout(seq_group)``: a fresh group's
         sequences hold the same tokens (``identical``) and share all of their blocks; after a
         preemption by recompute they differ, and share only their first ``shared_len`` tokens
-        (whole blocks).
+        (whole blocks). A block the sequences share is one block.
         """
         not_done()  # <- your code here
 
     def allocate(self, seq_group: SequenceGroup) -> dict[int, int]:
-        """Block tables for the group's waiting sequences (``prompt_layout``'s ``seqs``): the
-        shared blocks are held by every one of them (one reference each), the rest are their
-        own. Returns ``{seq_id: 0}`` for each (no token comes from a cache here).
+        """Each of the group's waiting sequences (``prompt_layout``'s ``seqs``) now holds a block
+        for each of its logical blocks: the shared ones are the same blocks for all of them,
+        the rest its own, taken from the GPU pool. Returns ``{seq_id: 0}`` for each (no token
+        comes from a cache here).
 
-        Then: ``self._emit("allocate", request_id=seq_group.request_id, seq_ids=[...the
-        sequences' ids], blocks=[...the first sequence's block numbers], cached=[])``
+        The listeners hear ``"allocate"`` with ``request_id``, ``seq_ids`` (the sequences'
+        ids), ``blocks`` (the first sequence's block numbers) and ``cached=[]``.
         """
         not_done()  # <- your code here
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make room in the cache for the sequence's newest token (copy-on-write). Returns
-        ``(src, dst)`` block numbers when a block had to be copied first, else None.
+        """The sequence's newest token gets a slot that no other sequence reads: in a new block
+        when it opens a logical block the sequence holds no block for yet, else in its last
+        block, which, if another sequence holds it too, the sequence first trades for a copy of
+        its own (copy-on-write). Returns ``(src, dst)`` block numbers for such a copy, else
+        None.
 
-        Then one of: ``self._emit("append", seq_id=seq.seq_id, block=<its block number>,
-        new_block=<True for a block just taken>)`` or ``self._emit("copy_on_write",
-        seq_id=seq.seq_id, src=<number>, dst=<number>)``
+        The listeners hear ``"append"`` with ``seq_id``, ``block`` (the block number the token
+        goes into) and ``new_block`` (True for a block just taken), or ``"copy_on_write"`` with
+        ``seq_id``, ``src`` and ``dst``.
         """
         not_done()  # <- your code here
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child continues from the parent: it holds the same blocks (no data is copied).
+        """The child continues from the parent: it holds the parent's blocks, in the same order
+        (no data is copied); from now on a change to one sequence's blocks is not a change to
+        the other's.
 
-        Then: ``self._emit("fork", parent=parent.seq_id, child=child.seq_id, blocks=[...the
-        child's block numbers])``
+        The listeners hear ``"fork"`` with ``parent``, ``child`` (their ids) and ``blocks`` (the
+        child's block numbers).
         """
         not_done()  # <- your code here
 
     def free(self, seq: Sequence) -> None:
-        """The sequence lets go of its blocks, last block first (they may be GPU or CPU blocks:
-        ``self._allocator_of(block)`` is the pool of a block). Nothing to do for a sequence
-        that holds none.
+        """The sequence holds no block afterwards; each block it held has one holder fewer, and
+        the ones nobody holds go back to their pool (GPU or CPU) last block first, so that its
+        first block is the next one out. Nothing happens for a sequence that holds none.
 
-        Then: ``self._emit("free", seq_id=seq.seq_id, blocks=[...its block numbers]))``
+        The listeners hear ``"free"`` with ``seq_id`` and ``blocks`` (the block numbers it held,
+        in its order); nothing for a sequence that held none.
         """
         not_done()  # <- your code here
 
+    # -- how the rest of the package reads your tables ------------------------------------------
+    def get_blocks(self, seq_id: int) -> list:
+        """The physical blocks sequence ``seq_id`` holds, in logical order, as a new list: the
+        caller may change it, and that changes nothing here. ``[]`` for a sequence that holds
+        none (never admitted, or freed). The scheduler calls it for every running sequence at
+        every step.
+        """
+        not_done()  # <- your code here
 
-_MANAGER_HINTS = {
-    "can_allocate": "count the blocks the prompt needs (a block the sequences share counts "
-                    "once) and keep watermark_blocks free: the scheduler admits exactly when "
-                    "can_allocate says yes",
-    "allocate": "every waiting sequence of the group gets a table; the blocks they share are "
-                "held once per sequence (ref counts), the others are private; prompt_layout "
-                "says how many tokens they share",
-    "append_slot": "before writing the newest token into the last block: who else holds that "
-                   "block? writing into a shared block would change the other sequences' "
-                   "cache, so the writer needs a block of its own first",
-    "fork": "fork copies the block TABLE, not the blocks: the child's list is its own, and "
-            "every block in it is held by one table more",
-    "free": "each block of the table loses one reference; only the ones nobody else holds go "
-            "back to the free list; and the sequence holds nothing afterwards",
-}
-# sharper hints for a method that left a block's ref count wrong (the invariant broke there)
-_REF_COUNT_HINTS = {
-    "allocate": "allocate left a shared block's ref count short of the tables holding it: a "
-                "block the group's sequences share is held once per sequence, so its ref "
-                "count counts every one of them (prompt_layout says which blocks they share)",
-    "append_slot": "append_slot left a ref count wrong: a copy-on-write gives the writer a "
-                   "block of its own AND lets go of its reference to the shared one",
-    "fork": "fork gave the child the parent's own list: the child's table must be a list of "
-            "its own (a copy of the numbers), or the parent's next block or copy lands in the "
-            "child's table too; and every block in it is held by one table more",
-    "free": "free left a ref count wrong: each block of the table loses one reference (the "
-            "others holding it keep theirs); only a block nobody holds is free again",
-}
-# which of the learner's methods made an event
-_EVENT_METHOD = {"allocate": "allocate", "append": "append_slot",
-                 "copy_on_write": "append_slot", "fork": "fork", "free": "free"}
-def _manager_hint(wrong: tuple[_Call, str, _Call | None] | None, fallback: str) -> str:
-    """The hint of the method whose call first went wrong (``fallback``: the method the
-    step's events point at, when no single call differs)."""
-    if wrong is None:
-        return _MANAGER_HINTS[fallback]
-    call, what, expected = wrong
-    if what == "broken" and call.method in _REF_COUNT_HINTS:
-        return _REF_COUNT_HINTS[call.method]
-    if call.method == "append_slot" and expected is not None and _new_block_differs(
-            call, expected):
-        return _BOUNDARY_HINT
-    if call.method == "free" and what == "state" and _only_order_differs(call, expected):
-        return ("free lets go of the blocks last block first: the first block of the table "
-                "is freed last, so it is the next one out of the free list")
-    return _MANAGER_HINTS[call.method]
+    def set_blocks(self, seq_id: int, blocks: list) -> None:
+        """Sequence ``seq_id``, which holds blocks, holds ``blocks`` (in this order) from now on,
+        in place of what it held; the caller has already set their ref counts (swapping moves a
+        sequence to the other pool this way, and speculative decoding grows and cuts tables).
+        """
+        not_done()  # <- your code here
 
-
-_BOUNDARY_HINT = ("append_slot opens a new block only when the newest token lies past the "
-                  "table's blocks (the sequence has more logical blocks than its table): a "
-                  "block of block_size slots takes block_size tokens, full only once its last "
-                  "slot is written; otherwise the token goes into the last block")
-
-
-def _new_block_differs(call: _Call, expected: _Call) -> bool:
-    """Did ``call`` open a new block where the package's wrote into the last one, or the
-    other way round?"""
-    new = lambda c: [e.get("new_block") for e in c.events if e["op"] == "append"]
-    return bool(new(call) and new(expected)) and new(call) != new(expected)
-
-
-def _only_order_differs(call: _Call, expected: _Call | None) -> bool:
-    """Does ``call`` leave the same free blocks as ``expected``, only in another order?"""
-    if expected is None:
-        return False
-    got, want = call.state, expected.state
-    return (sorted(got["free GPU blocks"]) == sorted(want["free GPU blocks"])
-            and {k: v for k, v in got.items() if k != "free GPU blocks"}
-            == {k: v for k, v in want.items() if k != "free GPU blocks"})
+    def held_sequences(self) -> list:
+        """``(sequence, request_id)`` for every sequence that holds blocks, in any order: the
+        ``Sequence`` objects themselves, as ``allocate`` and ``fork`` were given them.
+        """
+        not_done()  # <- your code here
 
 
 def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
@@ -319,6 +293,8 @@ def _check_block_space_manager(candidate, rng, num_cases: int) -> int:
                 got["blocks_to_copy"], want["blocks_to_copy"] = outs
             if got != want:
                 differs = [k for k in want if got[k] != want[k]]
+                if set(differs) <= set(_STATE_METHOD):
+                    method = _STATE_METHOD[differs[0]]
                 fail(name, case, inputs, {k: got[k] for k in differs},
                      {k: want[k] for k in differs}, _manager_hint(wrong, method))
             for lock in (theirs, mine):

@@ -55,7 +55,7 @@ def _state(traffic: RandomTraffic):
 
     def group_state(group):
         [seq] = group.get_seqs()
-        table = bm.block_tables[seq.seq_id]
+        table = bm.get_blocks(seq.seq_id)
         return GroupState(group.request_id, len(table),
                           len(table) < len(seq.logical_token_blocks))
 

@@ -100,7 +100,7 @@ def _running_cases(rng):
             before = []
             for g in sorted(run.scheduler.running, key=lambda g: g.arrival_time):
                 seqs = g.get_seqs(SequenceStatus.RUNNING)
-                held = len({id(b) for s in seqs for b in bm.block_tables[s.seq_id]})
+                held = len({id(b) for s in seqs for b in bm.get_blocks(s.seq_id)})
                 before.append(RunningGroup(g.request_id, held, bm.num_blocks_to_append(seqs)))
             free = bm.get_num_free_gpu_blocks()
         elif before:

@@ -18,44 +18,63 @@ from minipaged.sequence import SequenceStatus
 _LEARNER_METHODS = ("can_allocate", "allocate", "append_slot", "fork", "free")
 
 
+def _held(bm) -> dict[int, tuple]:
+    """seq_id -> (sequence, request id, blocks), through the manager's interface only
+    (``held_sequences``, ``get_blocks``): the learner keeps the tables in any structure."""
+    return {seq.seq_id: (seq, request_id, bm.get_blocks(seq.seq_id))
+            for seq, request_id in bm.held_sequences()}
+
+
 def _manager_state(bm) -> dict:
-    """What must be the same in the learner's manager and the package's after every call."""
-    return {"block tables": {i: [b.block_number for b in t] for i, t in
-                             sorted(bm.block_tables.items())},
+    """What must be the same in the learner's manager and the package's after every call, as
+    the rest of the package reads it; a sequence that holds nothing (never admitted, freed)
+    has no blocks."""
+    held = _held(bm)
+    top = max(held, default=-1) + 3  # and a few ids that hold nothing: freed or never held
+    return {"block tables": {i: [b.block_number for b in held[i][2]] for i in sorted(held)},
             "free GPU blocks": bm.gpu_allocator.free_block_numbers(),
             "free CPU blocks": bm.cpu_allocator.free_block_numbers(),
-            "sequences held": sorted(bm.seqs), "their requests": dict(sorted(
-                bm.seq_request.items()))}
+            "sequences held": sorted(held),
+            "their requests": {i: held[i][1] for i in sorted(held)},
+            "their lengths": {i: held[i][0].get_len() for i in sorted(held)},
+            "held by no sequence": [i for i in range(top) if i not in held
+                                    and bm.get_blocks(i)]}
 
 
 def _broken_invariant(bm) -> str | None:
-    """The package's invariants: a block's ref count is the number of tables holding it, and a
-    free block is held by nobody."""
-    lists: dict[int, int] = {}  # id of a table's list -> the first sequence holding it
-    for seq_id, table in sorted(bm.block_tables.items()):
-        if id(table) in lists:
-            return (f"seq {seq_id}'s block table is the same list object as seq "
-                    f"{lists[id(table)]}'s: a change to one table changes the other")
-        lists[id(table)] = seq_id
-    holders: dict[tuple, int] = {}
-    for table in bm.block_tables.values():
+    """The package's invariants, read through the interface: a block's ref count is the number
+    of tables holding it, a free block is held by nobody, and ``get_blocks`` gives a list of
+    the caller's own (changing it changes no table)."""
+    held = _held(bm)
+    for seq_id, (_, _, table) in sorted(held.items()):
+        if type(table) is not list:
+            return f"get_blocks({seq_id}) gave a {type(table).__name__}, not a list"
+        table.append(None)  # a caller's change to the list it got...
+        again = bm.get_blocks(seq_id)
+        kept = bool(again) and again[-1] is None
+        table.pop()
+        if kept:  # ...shows in the table: undone, and named
+            return (f"get_blocks({seq_id}) gave the list it keeps: a caller's change to it "
+                    f"changed seq {seq_id}'s table")
+    holders: dict[tuple, list[int]] = {}
+    for seq_id, (_, _, table) in held.items():
         for block in table:
             key = (block.device is Device.GPU, block.block_number)  # (no enum hashing: fast)
-            holders[key] = holders.get(key, 0) + 1
+            holders.setdefault(key, []).append(seq_id)
     for allocator in (bm.gpu_allocator, bm.cpu_allocator):
         free = None
         for block in allocator.blocks:
-            held = holders.get((block.device is Device.GPU, block.block_number), 0)
-            if block.ref_count == held and not held:
+            who = holders.get((block.device is Device.GPU, block.block_number), [])
+            if block.ref_count == len(who) and not who:
                 continue
             if free is None:
                 free = set(allocator.free_block_numbers())
-            if block.ref_count != held:
+            if block.ref_count != len(who):
                 return (f"{block.device.value} block {block.block_number} has ref count "
-                        f"{block.ref_count}, but {held} block tables hold it")
-            if held and block.block_number in free:
+                        f"{block.ref_count}, but {len(who)} block tables hold it")
+            if who and block.block_number in free:
                 return (f"{block.device.value} block {block.block_number} is on the free "
-                        f"list while {held} block tables hold it")
+                        f"list while {len(who)} block tables hold it")
     return None
 
 
@@ -75,6 +94,7 @@ class _Call:
     def __init__(self, method: str, args, result, events: list[dict], bm,
                  check_invariant: bool = True) -> None:
         self.method, self.call = method, _call_args(method, args)
+        self.seq_id = getattr(args[0], "seq_id", None) if args else None
         self.result = (bool(result) if method == "can_allocate" else  # as the scheduler reads
                        tuple(result) if method == "append_slot" and result is not None else
                        dict(result) if method == "allocate" and result is not None else result)

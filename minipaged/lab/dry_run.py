@@ -151,7 +151,7 @@ def replay_trace_paged(trace, capacity: int, block_size: int = 16,
         cells: list[str] = []
         for seq in running:
             used = seq.get_len()
-            tail = len(bm.block_tables[seq.seq_id]) * block_size - used
+            tail = len(bm.get_blocks(seq.seq_id)) * block_size - used
             report.slot_steps["used"] += used
             report.slot_steps["internal"] += tail
             if report.num_steps == layout_step:

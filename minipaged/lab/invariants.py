@@ -9,9 +9,9 @@ A ``Violation`` names the invariant broken (one of ``INVARIANTS``), what breaks 
 sequence, a request) and how. The invariants hold after every step of a correct engine, whatever
 the workload; the first step that breaks one is usually the step where the bug acted.
 
-They read the block manager's tables and allocators and the scheduler's queues, as any engine of
-the package's design has them (``block_tables``, ``seqs``, ``gpu_allocator``, ``cpu_allocator``;
-``waiting``, ``running``, ``swapped``); nothing is changed.
+They read the block manager through its interface (``held_sequences``, ``get_blocks``,
+``gpu_allocator``, ``cpu_allocator``: however it keeps its tables, lesson 03) and the
+scheduler's queues (``waiting``, ``running``, ``swapped``); nothing is changed.
 """
 from __future__ import annotations
 
@@ -66,9 +66,16 @@ class Violation:
         return f"{when}{self.invariant!r} broken by {self.subject}: {self.detail}"
 
 
-def _seq_label(bm, seq_id: int) -> str:
-    request = getattr(bm, "seq_request", {}).get(seq_id)
+def _seq_label(held: dict, seq_id: int) -> str:
+    request = held[seq_id][1] if seq_id in held else None
     return f"sequence {seq_id}" + (f" (request {request})" if request is not None else "")
+
+
+def held_tables(bm) -> dict[int, tuple]:
+    """seq_id -> (sequence, request id, its physical blocks) for every sequence holding blocks,
+    read through the manager's interface."""
+    return {seq.seq_id: (seq, request_id, bm.get_blocks(seq.seq_id))
+            for seq, request_id in bm.held_sequences()}
 
 
 def check_block_manager(bm) -> list[Violation]:
@@ -79,25 +86,26 @@ def check_block_manager(bm) -> list[Violation]:
     tables of every group holding it, and one group only may hold it.
 
     Args:
-        bm: a ``BlockSpaceManager`` (or one with its ``block_size``, ``block_tables``, ``seqs``,
-            ``gpu_allocator`` and ``cpu_allocator``).
+        bm: a ``BlockSpaceManager`` (or one with its ``block_size``, ``held_sequences``,
+            ``get_blocks``, ``gpu_allocator`` and ``cpu_allocator``).
     """
     found: list[Violation] = []
     managers = [bm] + list(getattr(bm, "groups", []))  # the KV cache groups: one, or more
     # block -> (seq id, index, group)
     holders: dict[tuple[Device, int], list[tuple[int, int, int]]] = {}
-    for group, manager in enumerate(managers):
-        for seq_id, table in manager.block_tables.items():
+    held = [held_tables(manager) for manager in managers]
+    for group, tables in enumerate(held):
+        for seq_id, (_, _, table) in tables.items():
             for index, block in enumerate(table):
                 if block.block_number < 0:
                     continue  # a sliding window's dropped marker (core/sliding_window.py)
                 holders.setdefault((block.device, block.block_number), []).append(
                     (seq_id, index, group))
     for allocator in (bm.gpu_allocator, bm.cpu_allocator):
-        found += _check_pool(bm, allocator, holders)
-    for manager in managers:
-        for seq_id, table in manager.block_tables.items():
-            found += _check_table(manager, seq_id, table)
+        found += _check_pool(held[0], allocator, holders)
+    for manager, tables in zip(managers, held):
+        for seq_id, (seq, _, table) in tables.items():
+            found += _check_table(manager.block_size, _seq_label(tables, seq_id), seq, table)
     for (device, number), who in holders.items():
         name = f"{device.value.upper()} block {number}"
         groups = sorted({group for _, _, group in who})
@@ -105,11 +113,12 @@ def check_block_manager(bm) -> list[Violation]:
             found.append(Violation("a block serves one KV cache group", name,
                                    f"held by the tables of groups {groups}"))
         elif len(who) > 1:
-            found += _check_shared(managers[groups[0]], name, [(s, i) for s, i, _ in who])
+            found += _check_shared(managers[groups[0]].block_size, held[groups[0]], name,
+                                   [(s, i) for s, i, _ in who])
     return found
 
 
-def _check_pool(bm, allocator, holders) -> list[Violation]:
+def _check_pool(tables_of: dict, allocator, holders) -> list[Violation]:
     found = []
     pool = allocator.device.value.upper()
     free = allocator.free_block_numbers()
@@ -122,7 +131,7 @@ def _check_pool(bm, allocator, holders) -> list[Violation]:
     for block in allocator.blocks:
         who = holders.get((allocator.device, block.block_number), [])
         name, count = f"{pool} block {block.block_number}", block.ref_count
-        tables = ", ".join(_seq_label(bm, s) for s, *_ in who) or "no table"
+        tables = ", ".join(_seq_label(tables_of, s) for s, *_ in who) or "no table"
         if block.block_number in free_set and (count > 0 or who):
             found.append(Violation("no block both free and held", name,
                                    f"in the free list, with ref count {count}, held by {tables}"))
@@ -142,12 +151,7 @@ def _check_pool(bm, allocator, holders) -> list[Violation]:
     return found
 
 
-def _check_table(bm, seq_id: int, table) -> list[Violation]:
-    seq = bm.seqs.get(seq_id)
-    label = _seq_label(bm, seq_id)
-    if seq is None:
-        return [Violation("only live sequences hold blocks", label,
-                          "its table is kept, but the block manager knows no such sequence")]
+def _check_table(block_size: int, label: str, seq, table) -> list[Violation]:
     found = []
     if seq.status not in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
         found.append(Violation("only live sequences hold blocks", label,
@@ -160,7 +164,7 @@ def _check_table(bm, seq_id: int, table) -> list[Violation]:
     if wrong:
         found.append(Violation("blocks on the sequence's device", label,
                                f"it is {seq.status.name}, yet holds {', '.join(wrong)}"))
-    needed = math.ceil(seq.num_computed_tokens / bm.block_size)
+    needed = math.ceil(seq.num_computed_tokens / block_size)
     if len(table) < needed or len(table) > len(seq.logical_token_blocks):
         found.append(Violation("block table covers the tokens", label,
                                f"{len(table)} blocks for {seq.num_computed_tokens} computed of "
@@ -169,14 +173,15 @@ def _check_table(bm, seq_id: int, table) -> list[Violation]:
     return found
 
 
-def _check_shared(bm, name: str, who: list[tuple[int, int]]) -> list[Violation]:
+def _check_shared(block_size: int, held: dict, name: str,
+                  who: list[tuple[int, int]]) -> list[Violation]:
     places = sorted({index for _, index in who})
-    labels = " and ".join(_seq_label(bm, s) for s, _ in who)
+    labels = " and ".join(_seq_label(held, s) for s, _ in who)
     if len(places) > 1:
         return [Violation("a shared block holds the same tokens", name,
                           f"held by {labels} as logical blocks {places}")]
-    end = (places[0] + 1) * bm.block_size
-    seqs = [bm.seqs[s] for s, _ in who if s in bm.seqs]
+    end = (places[0] + 1) * block_size
+    seqs = [held[s][0] for s, _ in who if s in held]
     limit = min([end] + [s.num_computed_tokens for s in seqs])
     tokens = [s.get_token_ids()[:limit] for s in seqs]
     for position in range(limit):
@@ -198,6 +203,7 @@ def check_scheduler(scheduler) -> list[Violation]:
     """
     bm = scheduler.block_manager
     found = check_block_manager(bm)
+    holding = {seq.seq_id for seq, _ in bm.held_sequences()}
     expected = {"waiting": SequenceStatus.WAITING, "running": SequenceStatus.RUNNING,
                 "swapped": SequenceStatus.SWAPPED}
     seen: dict[str, str] = {}
@@ -215,7 +221,7 @@ def check_scheduler(scheduler) -> list[Violation]:
                 if seq.status is not status:
                     found.append(Violation("queue matches status", label,
                                            f"{seq.status.name} in the {queue} queue"))
-                elif queue != "waiting" and seq.seq_id not in bm.block_tables:
+                elif queue != "waiting" and seq.seq_id not in holding:
                     found.append(Violation("live sequences hold blocks", label,
                                            f"{seq.status.name}, but it has no block table"))
     return found

@@ -186,7 +186,7 @@ def minipaged_steps(requests: list[TraceRequest], token_budget: int, block_size:
                     finished.append(name)
         held = {}
         for name, group in run.groups.items():
-            blocks = sum(len(run.block_manager.block_tables.get(s.seq_id, []))
+            blocks = sum(len(run.block_manager.get_blocks(s.seq_id))
                          for s in group.get_seqs() if not s.is_finished())
             if blocks:
                 held[name] = blocks

@@ -1,4 +1,5 @@
-"""Lesson 03 as a learner answers it: two small helpers in cells of their own."""
+"""Lesson 03 as a learner answers it: two small helpers in cells of their own, and the tables
+kept as one record per sequence id: (sequence, request id, a tuple of its blocks)."""
 
 # %%
 def numbers(blocks):
@@ -15,6 +16,12 @@ def hold(allocator, block, times):
 
 # %%
 class MyBlockSpaceManager(BlockSpaceManager):
+    def __init__(self, block_size, num_gpu_blocks, num_cpu_blocks, watermark=0.01,
+                 enable_prefix_caching=False):
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                         enable_prefix_caching)
+        self.records = {}  # seq id -> (seq, request id, tuple of blocks)
+
     def _num_shared(self, seqs, shared_len, identical):
         return len(seqs[0].logical_token_blocks) if identical else shared_len // self.block_size
 
@@ -35,26 +42,24 @@ class MyBlockSpaceManager(BlockSpaceManager):
         for seq in seqs:
             own = [self.gpu_allocator.allocate()
                    for _ in range(len(seq.logical_token_blocks) - n_shared)]
-            self.block_tables[seq.seq_id] = common + own
-            self.seqs[seq.seq_id] = seq
-            self.seq_request[seq.seq_id] = seq_group.request_id
-        first = self.block_tables[seqs[0].seq_id]
+            self.records[seq.seq_id] = (seq, seq_group.request_id, tuple(common + own))
+        first = self.records[seqs[0].seq_id][2]
         self._emit("allocate", request_id=seq_group.request_id,
                    seq_ids=[s.seq_id for s in seqs], blocks=numbers(first), cached=[])
         return {s.seq_id: 0 for s in seqs}
 
     def append_slot(self, seq):
-        table = self.block_tables[seq.seq_id]
+        _, request, table = self.records[seq.seq_id]
         if len(seq.logical_token_blocks) > len(table):
             block = self.gpu_allocator.allocate()
-            table.append(block)
+            self.records[seq.seq_id] = (seq, request, table + (block,))
             self._emit("append", seq_id=seq.seq_id, block=block.block_number, new_block=True)
             return None
         last = table[-1]
         if last.ref_count > 1:  # shared: copy before writing
             fresh = self.gpu_allocator.allocate()
             self.gpu_allocator.free(last)
-            table[-1] = fresh
+            self.records[seq.seq_id] = (seq, request, table[:-1] + (fresh,))
             self._emit("copy_on_write", seq_id=seq.seq_id, src=last.block_number,
                        dst=fresh.block_number)
             return last.block_number, fresh.block_number
@@ -62,20 +67,27 @@ class MyBlockSpaceManager(BlockSpaceManager):
         return None
 
     def fork(self, parent, child):
-        table = list(self.block_tables[parent.seq_id])
+        _, request, table = self.records[parent.seq_id]
         for block in table:
             hold(self._allocator_of(block), block, 1)
-        self.block_tables[child.seq_id] = table
-        self.seqs[child.seq_id] = child
-        self.seq_request[child.seq_id] = self.seq_request[parent.seq_id]
+        self.records[child.seq_id] = (child, request, table)  # a tuple: nobody changes it
         self._emit("fork", parent=parent.seq_id, child=child.seq_id, blocks=numbers(table))
 
     def free(self, seq):
-        table = self.block_tables.pop(seq.seq_id, None)
-        if table is None:
+        record = self.records.pop(seq.seq_id, None)
+        if record is None:
             return
-        for block in reversed(table):
+        for block in reversed(record[2]):
             self._allocator_of(block).free(block)
-        self.seqs.pop(seq.seq_id, None)
-        self.seq_request.pop(seq.seq_id, None)
-        self._emit("free", seq_id=seq.seq_id, blocks=numbers(table))
+        self._emit("free", seq_id=seq.seq_id, blocks=numbers(record[2]))
+
+    def get_blocks(self, seq_id):
+        record = self.records.get(seq_id)
+        return list(record[2]) if record else []
+
+    def set_blocks(self, seq_id, blocks):
+        seq, request, _ = self.records[seq_id]
+        self.records[seq_id] = (seq, request, tuple(blocks))
+
+    def held_sequences(self):
+        return [(seq, request) for seq, request, _ in self.records.values()]

@@ -102,7 +102,7 @@ class AllocatorThatFreesAnything(a02.MyFreeListAllocator):
 
 class ManagerWritingIntoSharedBlocks(a03.MyBlockSpaceManager):
     def append_slot(self, seq):
-        table = self.block_tables[seq.seq_id]
+        table = self.tables[seq.seq_id]
         if len(table) < len(seq.logical_token_blocks):
             return super().append_slot(seq)
         self._emit("append", seq_id=seq.seq_id, block=table[-1].block_number, new_block=False)
@@ -111,18 +111,16 @@ class ManagerWritingIntoSharedBlocks(a03.MyBlockSpaceManager):
 
 class ManagerThatKeepsRefCounts(a03.MyBlockSpaceManager):
     def free(self, seq):
-        table = self.block_tables.pop(seq.seq_id, None)
+        table = self.tables.pop(seq.seq_id, None)
         if table is not None:
-            self.seqs.pop(seq.seq_id)
-            self.seq_request.pop(seq.seq_id)
+            self.holders.pop(seq.seq_id)
             self._emit("free", seq_id=seq.seq_id, blocks=[b.block_number for b in table])
 
 
 class ManagerForkingWithoutReferences(a03.MyBlockSpaceManager):
     def fork(self, parent, child):
-        self.block_tables[child.seq_id] = list(self.block_tables[parent.seq_id])
-        self.seqs[child.seq_id] = child
-        self.seq_request[child.seq_id] = self.seq_request[parent.seq_id]
+        self.tables[child.seq_id] = list(self.tables[parent.seq_id])
+        self.holders[child.seq_id] = (child, self.holders[parent.seq_id][1])
         self._emit("fork", parent=parent.seq_id, child=child.seq_id,
                    blocks=self.get_block_table(child))
 

@@ -80,9 +80,9 @@ class RefCountsFromTables(MyBlockSpaceManager):
     """Correct, but frees a sequence after counting every table's references to its blocks."""
 
     def free(self, seq):
-        table = self.block_tables.get(seq.seq_id, [])
+        table = self.tables.get(seq.seq_id, [])
         for block in table:
-            sum(block in other for other in self.block_tables.values())
+            sum(block in other for other in self.tables.values())
         super().free(seq)
 
 
@@ -279,8 +279,8 @@ LATER = [("Scheduler", Scheduler), ("Scheduler", MyScheduler), ("Scheduler", "le
          ("admit_waiting", "learner"),
          ("Sampler", Sampler), ("Sampler", ReferenceSampler), ("Sampler", "learner"),
          ("Attention", PagedAttention), ("Attention", Attention), ("Attention", "learner"),
-         ("PrefixCachingAllocator", "learner")]
-LESSON_OF = {"Scheduler": "04_scheduler", "admit_waiting": "09_continuous_batching",
+         ("PrefixCachingAllocator", "learner"), ("BlockSpaceManager", "learner")]
+LESSON_OF = {"BlockSpaceManager": "03_copy_on_write", "Scheduler": "04_scheduler", "admit_waiting": "09_continuous_batching",
              "Sampler": "10_sampling", "Attention": "07_forward_pass",
              "PrefixCachingAllocator": "11_prefix_caching"}
 

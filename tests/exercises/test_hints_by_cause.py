@@ -200,8 +200,8 @@ FreeFirstBlockFirst = changed(
 
 ForkSharesTheParentsList = changed(
     a03, "MyBlockSpaceManager",
-    ("        table = self.block_tables[parent.seq_id][:]\n",
-     "        table = self.block_tables[parent.seq_id]\n"))
+    ("        table = self.tables[parent.seq_id][:]\n",
+     "        table = self.tables[parent.seq_id]\n"))
 
 
 # -- lesson 04: Scheduler ------------------------------------------------------------------------

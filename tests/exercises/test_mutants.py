@@ -47,6 +47,18 @@ AppendSlotOpensABlockEarly = changed(
     a03, "MyBlockSpaceManager",
     ("        if len(table) < len(seq.logical_token_blocks):\n",
      "        if len(table) * self.block_size <= seq.get_len():\n"))
+GetBlocksGivesItsOwnList = changed(
+    a03, "MyBlockSpaceManager",
+    ("        return list(self.tables.get(seq_id, ()))\n",
+     "        return self.tables.get(seq_id, [])\n"))
+SetBlocksKeepsTheOldTable = changed(
+    a03, "MyBlockSpaceManager",
+    ("        self.tables[seq_id] = list(blocks)\n",
+     "        self.tables.setdefault(seq_id, list(blocks))\n"))
+ForkedChildGetsARequestOfItsOwn = changed(
+    a03, "MyBlockSpaceManager",
+    ("        self.holders[child.seq_id] = (child, self.holders[parent.seq_id][1])\n",
+     "        self.holders[child.seq_id] = (child, str(child.seq_id))\n"))
 RecomputeToTheBack = changed(
     a04, "MyScheduler",
     ("            self.waiting.insert(0, seq_group)  # first in line again\n",
@@ -168,6 +180,11 @@ MUTANTS = [
      known.CopyOnWriteKeepsTheOldReference),
     ("BlockSpaceManager", "free releases the first block first", known.FreeFirstBlockFirst),
     ("BlockSpaceManager", "fork shares the parent's list", known.ForkSharesTheParentsList),
+    ("BlockSpaceManager", "get_blocks gives the list it keeps", GetBlocksGivesItsOwnList),
+    ("BlockSpaceManager", "set_blocks keeps the old table (swapping)",
+     SetBlocksKeepsTheOldTable),
+    ("BlockSpaceManager", "a forked child's request is its own",
+     ForkedChildGetsARequestOfItsOwn),
     ("Scheduler", "a recomputed group goes to the back of waiting", RecomputeToTheBack),
     ("Scheduler", "resume ignores max_num_seqs", ResumesPastTheLimit),
     ("Scheduler", "swap-out forgets SWAPPED", SwapOutForgetsSwapped),

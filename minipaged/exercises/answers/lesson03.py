@@ -13,7 +13,15 @@ from minipaged.sequence import Sequence, SequenceGroup
 
 class MyBlockSpaceManager(BlockSpaceManager):
     """Block tables over a pool without a prefix cache: sharing by reference counts, and a
-    private copy of a shared block before the first write into it."""
+    private copy of a shared block before the first write into it. A table is a list per
+    sequence id, found by the id at once; each sequence is kept with its request id."""
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                         enable_prefix_caching)
+        self.tables: dict[int, list] = {}  # seq_id -> its blocks, in logical order
+        self.holders: dict[int, tuple[Sequence, str]] = {}  # seq_id -> (sequence, request)
 
     def can_allocate(self, seq_group: SequenceGroup) -> bool:
         """Room for the group's prompt blocks, with ``watermark_blocks`` still free after."""
@@ -40,9 +48,8 @@ class MyBlockSpaceManager(BlockSpaceManager):
         for seq in seqs:
             private = [self.gpu_allocator.allocate()
                        for _ in seq.logical_token_blocks[num_shared:]]
-            self.block_tables[seq.seq_id] = shared + private
-            self.seqs[seq.seq_id] = seq
-            self.seq_request[seq.seq_id] = seq_group.request_id
+            self.tables[seq.seq_id] = shared + private
+            self.holders[seq.seq_id] = (seq, seq_group.request_id)
         self._emit("allocate", request_id=seq_group.request_id,
                    seq_ids=[s.seq_id for s in seqs],
                    blocks=self.get_block_table(seqs[0]), cached=[])
@@ -52,7 +59,7 @@ class MyBlockSpaceManager(BlockSpaceManager):
         """A slot for the newest token: a fresh block if it opens a logical block, else the
         last block, copied first when another table holds it too. Returns ``(src, dst)`` for
         a copy, else None."""
-        table = self.block_tables[seq.seq_id]
+        table = self.tables[seq.seq_id]
         if len(table) < len(seq.logical_token_blocks):
             fresh = self.gpu_allocator.allocate()
             table.append(fresh)
@@ -72,23 +79,33 @@ class MyBlockSpaceManager(BlockSpaceManager):
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child gets its own table listing the parent's blocks, each held once more."""
-        table = self.block_tables[parent.seq_id][:]
+        table = self.tables[parent.seq_id][:]
         for block in table:
             self._allocator_of(block).acquire(block)
-        self.block_tables[child.seq_id] = table
-        self.seqs[child.seq_id] = child
-        self.seq_request[child.seq_id] = self.seq_request[parent.seq_id]
+        self.tables[child.seq_id] = table
+        self.holders[child.seq_id] = (child, self.holders[parent.seq_id][1])
         self._emit("fork", parent=parent.seq_id, child=child.seq_id,
                    blocks=[block.block_number for block in table])
 
     def free(self, seq: Sequence) -> None:
         """The sequence lets go of its blocks, last first; its table is gone."""
-        if seq.seq_id not in self.block_tables:
+        if seq.seq_id not in self.tables:
             return  # never given blocks, or freed already
-        table = self.block_tables.pop(seq.seq_id)
+        table = self.tables.pop(seq.seq_id)
         for block in table[::-1]:
             allocator = self.gpu_allocator if block.device is Device.GPU else self.cpu_allocator
             allocator.free(block)
-        self.seqs.pop(seq.seq_id, None)
-        self.seq_request.pop(seq.seq_id, None)
+        del self.holders[seq.seq_id]
         self._emit("free", seq_id=seq.seq_id, blocks=[block.block_number for block in table])
+
+    def get_blocks(self, seq_id: int) -> list:
+        """A copy of the sequence's table ([] when it holds none)."""
+        return list(self.tables.get(seq_id, ()))
+
+    def set_blocks(self, seq_id: int, blocks: list) -> None:
+        """The sequence's table is now (a copy of) ``blocks``."""
+        self.tables[seq_id] = list(blocks)
+
+    def held_sequences(self) -> list:
+        """Every sequence holding blocks, with its request id."""
+        return list(self.holders.values())
