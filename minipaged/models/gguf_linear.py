@@ -72,6 +72,10 @@ class GGUFWeight:
     def data_ptr(self) -> int:
         return self.blocks.data_ptr()
 
+    def numel(self) -> int:
+        """The weights it holds (as a float tensor's ``numel``: lab/step_breakdown counts them)."""
+        return self.shape.numel()
+
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 (out, in): the values transformers' GGUF loader produces."""
         return dequantize(self.blocks, self.fmt)
