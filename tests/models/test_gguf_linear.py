@@ -98,3 +98,10 @@ def test_the_cpp_op_refuses_bad_blocks(cpu_op):
         cpu_op.module.gguf_linear(torch.randn(2, 31), blocks, 3)
     with pytest.raises(RuntimeError, match="x must be float32"):
         cpu_op.module.gguf_linear(x.double(), blocks, 3)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_a_weight_counts_its_weights_as_a_float_tensor_does(name):
+    """lab/step_breakdown counts a linear layer's weights with ``numel()``."""
+    weight = random_weight(name, out=3, blocks=2, seed=0)
+    assert weight.numel() == weight.dequantize().numel() == 3 * 2 * FORMATS[name].weights
