@@ -72,7 +72,8 @@ def test_bad_arguments_are_refused_by_name(cpu_op):
     x, blocks = torch.randn(2, 256), torch.zeros(3, 144, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="block format 3 is not one this op reads"):
         op(x, blocks, 3)
-    with pytest.raises(RuntimeError, match="256 features need 210 bytes of blocks per row, got 144"):
+    with pytest.raises(RuntimeError, match="256 features need 210 bytes of blocks per row, "
+                                           "got 144"):
         op(x, blocks, 14)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         op(torch.randn(2, 32), blocks, 12)
