@@ -776,6 +776,8 @@ void reshape_and_cache_8bit(at::Tensor key, at::Tensor value, at::Tensor key_cac
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
 // y = x W^T with W's GGUF blocks dequantized inside the dot product (gguf_linear.cpp, issue 58)
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format);
+// the same for GGUF's blocks of 256 weights, Q4_K and Q6_K (gguf_kquants.cpp)
+at::Tensor gguf_kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format);
 // a LLaMA block's element-wise layers in float32 (layers.cpp)
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -818,6 +820,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"));
   m.def("gguf_linear", &minipaged_cpu::gguf_linear,
         "x W^T in float32, W as GGUF blocks (Q4_1 = 3, Q8_0 = 8) dequantized in the dot product",
+        py::arg("x"), py::arg("blocks"), py::arg("format"));
+  m.def("gguf_kquant_linear", &minipaged_cpu::gguf_kquant_linear,
+        "x W^T in float32, W as GGUF blocks (Q4_K = 12, Q6_K = 14) dequantized in the dot product",
         py::arg("x"), py::arg("blocks"), py::arg("format"));
   m.def("silu_and_mul", &minipaged_cpu::silu_and_mul, "silu(gate) * up, float32");
   m.def("rms_norm", &minipaged_cpu::rms_norm, "weight * x / sqrt(mean(x^2) + eps), float32");

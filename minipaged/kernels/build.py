@@ -327,7 +327,7 @@ def _make_cpu_op(job: JitBuild) -> CpuKernels:
         job, name=f"minipaged_cpu_{capability.lower()}", tag=f"cpu-{capability}",
         sources=[CSRC / "cpu" / n for n in ("attention.cpp", "attention_int8.cpp",
                                            "attention_fp8.cpp", "linear.cpp", "gguf_linear.cpp",
-                                           "layers.cpp")],
+                                           "gguf_kquants.cpp", "layers.cpp")],
         depends=[CSRC / "cpu" / "vec8.h"],
         probe=CPU_OP_PROBE,
         extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],

@@ -244,6 +244,44 @@ def decode_sweep(llm, batch_sizes: list[int], prompt_len: int = 4,
     return results
 
 
+def weight_bytes_read(model) -> int:
+    """Bytes of weights one decode step of ``model`` (a LLaMA-family model) reads: every linear
+    layer's weight and the LM head (a tied embedding once), as the model holds them: float32
+    (4 bytes a weight) or GGUF blocks (``models/gguf_linear.py``; torch's packed 4-bit copy where
+    that routine runs). An embedding only looked up (a few rows a step) and norms are left out."""
+    from minipaged.models.gguf_linear import GGUFWeight
+    from minipaged.models.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+
+    tied = getattr(model, "tie_word_embeddings", False)
+    storages = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Embedding) or (
+                isinstance(module, VocabParallelEmbedding)
+                and not isinstance(module, ParallelLMHead) and not tied):
+            continue  # (looked up, not read whole)
+        if isinstance(weight, GGUFWeight):
+            tensors = weight.tensors()[1:] if weight.routine == "int4pack" else [weight.blocks]
+        elif isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            tensors = [weight]
+        else:
+            continue
+        for t in tensors:  # (fused and tied weights share storage: counted once)
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def single_stream_decode(llm, new_tokens: int = 9, repeats: int = 2) -> dict:
+    """One sequence's decode on ``llm``: its weights' bytes read per token, seconds per token
+    (the best of ``repeats`` runs of ``decode_run``), FLOPs per token (2 per weight) and what
+    they make: intensity (FLOP/byte) and reached FLOP/s and bytes/s."""
+    moved = weight_bytes_read(llm.llm_engine.worker.model)
+    flops = 2 * llm.llm_engine.model_shape.weight_params
+    seconds = min(decode_run(llm, 1, new_tokens)["step_s"] for _ in range(repeats))
+    return {"bytes": moved, "flops": flops, "step_s": seconds, "intensity": flops / moved,
+            "flops_per_s": flops / seconds, "bytes_per_s": moved / seconds}
+
+
 def saturation_batch(batch_sizes: list[int], tokens_per_s: list[float],
                      fraction: float = 0.9) -> int:
     """The smallest batch size whose tokens/s reached ``fraction`` of the best measured: where

@@ -5,8 +5,9 @@
 SmolLM2's layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T``
 by one of three routines:
 
-- ``cpp``: our C++ op (``csrc/cpu/gguf_linear.cpp``) reads the blocks and dequantizes each inside
-  the dot product (Q8_0, Q4_1 and Q5_0, float32 inputs, where the C++ CPU op is loaded);
+- ``cpp``: our C++ op reads the blocks and dequantizes each inside the dot product (float32
+  inputs, where the C++ CPU op is loaded): ``csrc/cpu/gguf_linear.cpp`` for Q8_0, Q4_1 and Q5_0,
+  ``csrc/cpu/gguf_kquants.cpp`` for Q4_K and Q6_K;
 - ``int4pack``: torch's weight-only 4-bit kernel (``torch._weight_int4pack_mm_for_cpu``), for
   Q4_1, whose weights ``d * q + m`` map exactly onto torch's ``(q - 8) * scale + zero`` with
   ``scale = d`` and ``zero = m + 8 d`` (a copy of the codes in torch's packed layout is made);
@@ -38,7 +39,8 @@ from minipaged.validation import env_choice
 CPP_MAX_ROWS = 256  # more rows than this: BLAS on dequantized tiles
 TILE_ROWS = 512  # weight rows dequantized at once by ``dequant`` (about 1 MB of float32 for 576)
 ROUTINES = ("cpp", "int4pack", "dequant")
-CPP_FORMATS = ("Q8_0", "Q4_1", "Q5_0")  # the formats csrc/cpu/gguf_linear.cpp reads
+CPP_FORMATS = ("Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")  # the formats the C++ op reads
+KQUANTS = ("Q4_K", "Q6_K")  # ... of them, those of csrc/cpu/gguf_kquants.cpp (256 weights a block)
 
 # (out, in, format, threads, whether the C++ op is loaded) -> the routine measured fastest
 choices: dict[tuple, str] = {}
@@ -132,7 +134,9 @@ class GGUFWeight:
             routine = "dequant"
         if routine == "cpp":
             x = x if x.stride(-1) == 1 else x.contiguous()
-            return build.CPU_OP.ready().module.gguf_linear(x, self.blocks, self.fmt.ggml_type)
+            module = build.CPU_OP.ready().module
+            op = module.gguf_kquant_linear if self.fmt.name in KQUANTS else module.gguf_linear
+            return op(x, self.blocks, self.fmt.ggml_type)
         if routine == "int4pack":
             packed, scales_zeros = self._int4 if self._int4 is not None else _int4_pack(
                 self.blocks)

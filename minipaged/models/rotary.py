@@ -44,17 +44,32 @@ def rope_inv_freq(config, head_size: int,
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates query and key vectors by their position (rotate-half layout, as in HF LLaMA)."""
+    """Rotates query and key vectors by their position (rotate-half layout, as in HF LLaMA).
+
+    Its cos/sin tables hold ``max_position`` rows when built; ``fit_positions`` cuts them to the
+    positions an engine can use (its ``max_model_len``)."""
 
     def __init__(self, config, head_size: int, max_position: int,
                  layer_type: str | None = None) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(config, head_size, layer_type)  # (D/2,)
-        positions = torch.arange(max_position, dtype=torch.float)  # (P,)
-        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+        self.max_position = max_position
+        self.scaling = scaling
+        self.inv_freq = inv_freq  # (kept for tables longer than the fitted ones)
+        cos, sin = self._tables(max_position)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def _tables(self, num_positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(num_positions, dtype=torch.float, device=device)  # (P,)
+        freqs = positions[:, None] * self.inv_freq[None, :].to(positions.device)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    @property
+    def num_positions(self) -> int:
+        """The positions its tables hold now."""
+        return self.cos_cache.shape[0]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: (T, H, D), k: (T, KVH, D), positions: (T,)
@@ -84,3 +99,27 @@ def share_tables(model: nn.Module) -> None:
                 break
         else:
             kept.append(module)
+
+
+def fit_positions(model: nn.Module, num_positions: int) -> None:
+    """Every rotary table of ``model`` holds ``num_positions`` rows (at most its model's
+    ``max_position``): the engine's ``max_model_len``, the positions it can use. Gemma 3 270M's
+    two tables of 32,768 positions (head size 256, float32) took 134 MB for a model whose weights
+    take 241 MB as stored. A shorter table is the first rows of the longer one, copied (so that the
+    longer one's memory goes back); a longer one is computed again. Tables shared between layers
+    stay shared."""
+    fitted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a table -> its new pair
+    for module in model.modules():
+        if not isinstance(module, RotaryEmbedding) or module.cos_cache.is_meta:
+            continue
+        key = id(module.cos_cache)
+        if key not in fitted:
+            n = max(1, min(num_positions, module.max_position))
+            cos, sin = module.cos_cache, module.sin_cache
+            if n < cos.shape[0]:
+                cos, sin = cos[:n].clone(), sin[:n].clone()
+            elif n > cos.shape[0]:
+                cos, sin = module._tables(n, cos.device)
+                cos, sin = cos.to(module.cos_cache.dtype), sin.to(module.sin_cache.dtype)
+            fitted[key] = cos, sin
+        module.cos_cache, module.sin_cache = fitted[key]

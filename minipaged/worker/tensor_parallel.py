@@ -146,8 +146,9 @@ class RankWorker:
         if kind == "profile":
             return self.worker.profile_num_gpu_blocks(*request[1:])
         if kind == "init_cache":
-            *sizes, kv_cache_dtype, layer_places = request[1:]
-            self.worker.init_cache(*sizes, kv_cache_dtype, layer_places=layer_places)
+            *sizes, kv_cache_dtype, layer_places, max_model_len = request[1:]
+            self.worker.init_cache(*sizes, kv_cache_dtype, max_model_len=max_model_len,
+                                   layer_places=layer_places)
             return self.worker.memory_per_rank()[0]["kv_cache"]
         if kind == "step":
             _, cache_ops, (input_ids, positions, meta, sample_indices) = request
@@ -237,8 +238,8 @@ class TensorParallelDriver(Worker):
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
                    use_cuda_graphs: bool = False, max_num_seqs: int = 256,
-                   max_model_len: int = 2048, layer_places: tuple[int, ...] | None = None
-                   ) -> None:
+                   max_model_len: int | None = None,
+                   layer_places: tuple[int, ...] | None = None) -> None:
         """Allocate each rank's cache: the same blocks, ``num_kv_heads / N`` heads each; with
         ``layer_places`` (a hybrid model's KV cache groups, lesson 20) every rank lays its
         layers out by group alike, so each group's block tables (the step's ``group_metas``)
@@ -249,7 +250,7 @@ class TensorParallelDriver(Worker):
         per_rank = num_kv_heads // self.world_size
         self.kv_cache_bytes = self._call(("init_cache", num_layers, per_rank, head_size,
                                           block_size, num_gpu_blocks, num_cpu_blocks,
-                                          kv_cache_dtype, layer_places), "init")
+                                          kv_cache_dtype, layer_places, max_model_len), "init")
 
     def swap_out(self, src_to_dst: dict[int, int]) -> None:
         self._cache_ops.append(("swap_out", dict(src_to_dst)))

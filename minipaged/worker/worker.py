@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from minipaged.kernels.build import start_background_build
+from minipaged.models.rotary import fit_positions
 from minipaged.worker import gpu_memory
 from minipaged.worker.cache_engine import CacheEngine, cache_block_bytes
 from minipaged.worker.cpu_threads import ThreadChooser
@@ -65,7 +66,7 @@ class Worker(ABC):
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
                    use_cuda_graphs: bool = False, max_num_seqs: int = 256,
-                   max_model_len: int = 2048, **hybrid) -> None:
+                   max_model_len: int | None = None, **hybrid) -> None:
         """Allocate the KV pools (once, before the first step).
 
         Args:
@@ -76,7 +77,9 @@ class Worker(ABC):
             kv_cache_dtype: "auto", "fp8" or "int8" (an 8-bit cache, lesson 18).
             use_cuda_graphs: serve decode steps from CUDA graphs where the worker can (lesson
                 15); a worker that cannot (not on CUDA, several processes) runs them eagerly.
-            max_num_seqs, max_model_len: size the graphs' static buffers.
+            max_num_seqs, max_model_len: size the graphs' static buffers (2048 positions
+                where no max_model_len is given); max_model_len also cuts the model's rotary
+                tables to the positions the engine uses (``models/rotary.fit_positions``).
             hybrid: ``layer_places`` for a hybrid model's KV cache groups (lesson 20,
                 ``worker/cache_engine.py``); under tensor parallel each rank gets the same
                 places, and each step's ``group_metas`` (``worker/tensor_parallel.py``).
@@ -199,8 +202,8 @@ class LocalWorker(Worker):
     def init_cache(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int,
                    num_gpu_blocks: int, num_cpu_blocks: int, kv_cache_dtype: str = "auto",
                    use_cuda_graphs: bool = False, max_num_seqs: int = 256,
-                   max_model_len: int = 2048, layer_places: tuple[int, ...] | None = None
-                   ) -> None:
+                   max_model_len: int | None = None,
+                   layer_places: tuple[int, ...] | None = None) -> None:
         if self._on_gpu():  # a clear refusal rather than an out-of-memory error half-way
             num_tensors = num_layers if layer_places is None else max(layer_places) + 1
             need = num_gpu_blocks * cache_block_bytes(block_size, num_tensors, num_kv_heads,
@@ -216,8 +219,10 @@ class LocalWorker(Worker):
             for module in self.model.modules():
                 if hasattr(module, "grouped_cache"):
                     module.grouped_cache = True
+        if max_model_len is not None:  # the rotary tables: the positions the engine uses
+            fit_positions(self.model, max_model_len)
         if use_cuda_graphs and self.device.type == "cuda":  # (lesson 15)
-            self.enable_cuda_graphs(max_num_seqs, max_model_len, block_size)
+            self.enable_cuda_graphs(max_num_seqs, max_model_len or 2048, block_size)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, block_size: int,
                            capture: bool | None = None) -> None:

@@ -39,7 +39,9 @@ def test_every_format_of_the_file_is_held_as_blocks(quantized):
                + sum(p.nbytes for p in model.parameters()))
     print(f"\nGemma 3 270M gguf: weights {weights / 1e6:.1f} MB, all tensors "
           f"{tensor_bytes(model) / 1e6:.1f} MB (with the rotary tables), file {size / 1e6:.1f} MB")
-    assert weights < 1.05 * size  # (the rest: rotary tables of 32,768 positions, two bases)
+    assert weights < 1.05 * size
+    # the rest: two rotary tables (two bases) of max_model_len positions, not the model's 32,768
+    assert tensor_bytes(model) - weights < 2 * 2 * 256 * 256 * 4 + 1e6
 
 
 def test_logits_equal_the_float32_path_within_float_tolerance(quantized):
