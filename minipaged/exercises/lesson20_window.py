@@ -184,6 +184,24 @@ def check_in_the_engine(candidate) -> str:
             f"package's")
 
 
+def in_the_engine() -> str:
+    """The saved copy of the learner's function (once it passed) plugged into the engine on
+    the tiny Gemma 3, against the package's run; prints and returns one line."""
+    if workbench.passed(NAME) is None:
+        said = (f"(your {NAME} has not passed its check yet, so there is no saved copy to plug "
+                f"in; once it passes, run this cell again)")
+    else:
+        found, missing = workbench.collect([NAME])
+        try:
+            if missing:
+                raise ExerciseFailed(f"no saved copy to plug in: {missing[0]}")
+            said = f"✓ your saved {NAME}: {check_in_the_engine(found[NAME])}"
+        except ExerciseFailed as wrong:
+            said = f"✗ your saved {NAME} in the engine: {wrong}"
+    print(said)
+    return said
+
+
 def _check_blocks_out_of_window(candidate, rng: random.Random, num_cases: int) -> int:
     _check_cases(candidate, rng, num_cases)
     check_in_the_engine(candidate)
@@ -196,4 +214,4 @@ workbench.register(workbench.Component(
     solution="minipaged.exercises.answers.lesson20:blocks_out_of_window",
     preamble="from minipaged.exercises.checking import not_done", num_cases=300))
 
-__all__ = ["NAME", "check_in_the_engine", "engine_run"]
+__all__ = ["NAME", "check_in_the_engine", "engine_run", "in_the_engine"]
