@@ -19,20 +19,21 @@ def _learner_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(workbench.LEARNER_DIR_VARIABLE, str(tmp_path / "learner"))
 
 
-def last_position(index, size):
-    return (index + 1) * size - 1
+def is_behind(index, size, first_read):
+    return (index + 1) * size <= first_read
 
 
 def learner_loop(num_tokens, window, block_size, block_table):
-    """A while loop, a helper, other names."""
-    start = num_tokens - window
-    out = []
-    i = 0
-    while i < len(block_table) - 1:
-        if block_table[i] >= 0 and last_position(i, block_size) < start:
-            out.append(i)
-        i += 1
-    return out
+    """A for loop with break and continue, a helper, other names."""
+    result = []
+    for pos, blk in enumerate(block_table):
+        if pos == len(block_table) - 1:
+            break
+        if blk == -1:
+            continue
+        if is_behind(pos, block_size, num_tokens - window):
+            result.append(pos)
+    return result
 
 
 def learner_slices(num_tokens, window, block_size, block_table):
