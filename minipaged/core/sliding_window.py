@@ -44,6 +44,29 @@ from minipaged.sequence import Sequence, SequenceGroup
 DROPPED_NUMBER = -1  # the marker's number in snapshots; the worker reads the sink (or block 0)
 
 
+def blocks_out_of_window(num_tokens: int, window: int, block_size: int,
+                         block_table: list[int]) -> list[int]:
+    """The entries of a sequence's block table whose blocks can go back to the pool.
+
+    Args:
+        num_tokens: the sequence's length, its newest token (at position ``num_tokens - 1``,
+            about to be computed) included; it reads positions ``num_tokens - window`` on.
+        window: the layers' sliding window, in tokens.
+        block_size: tokens per block; entry ``i`` holds positions ``i * block_size`` to
+            ``(i + 1) * block_size - 1``.
+        block_table: the block numbers, ``DROPPED_NUMBER`` (-1) where a block already left.
+
+    Returns:
+        The indices, in increasing order, of the entries that are not yet dropped, whose every
+        position lies before the newest token's window, and that are not the table's last
+        entry (the newest block stays, whatever the window).
+    """
+    oldest_read = num_tokens - window  # the newest token reads from here on
+    num_gone = max(0, oldest_read) // block_size  # blocks wholly before it
+    return [i for i in range(min(num_gone, len(block_table) - 1))
+            if block_table[i] != DROPPED_NUMBER]
+
+
 class _DroppedMarkers:
     """Acquiring and freeing a dropped marker: nothing to count (no allocator owns it)."""
 
@@ -155,21 +178,18 @@ class SlidingWindowBlockManager(BlockSpaceManager):
         return super().append_slot(seq)
 
     def drop_out_of_window(self, seq: Sequence) -> list[int]:
-        """Replace the sequence's blocks that no token from its newest on reads by the marker;
-        returns their numbers (a block shared with another sequence just loses a reference).
+        """Replace the sequence's blocks that no token from its newest on reads by the marker
+        (which: ``blocks_out_of_window``, lesson 20's exercise); returns their numbers (a block shared with another sequence just loses a reference).
 
         Args:
             seq: a running sequence whose newest token (position ``get_len() - 1``) is about
                 to be computed: every later query is at that position or after.
         """
-        oldest_read = seq.get_len() - self.window  # the newest token reads from here on
         table = self.block_tables[seq.seq_id]
-        num_gone = max(0, oldest_read) // self.block_size  # blocks wholly before it
         let_go = []
-        for i in range(min(num_gone, len(table) - 1)):
+        for i in blocks_out_of_window(seq.get_len(), self.window, self.block_size,
+                                      [b.block_number for b in table]):
             block = table[i]
-            if self._is_dropped(block):
-                continue
             if self.enable_prefix_caching and self.gpu_allocator.block_hash_of(
                     table[i + 1]) is None:
                 break  # the next block's name will need this one's: it stays until then

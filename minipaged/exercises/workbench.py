@@ -110,7 +110,8 @@ def component(name: str) -> Component:
 
 
 # the modules that register components (imported lazily: each imports torch and the package)
-_EXERCISE_MODULES = tuple(f"minipaged.exercises.lesson{n:02d}" for n in range(1, 19))
+_EXERCISE_MODULES = (tuple(f"minipaged.exercises.lesson{n:02d}" for n in range(1, 19))
+                     + ("minipaged.exercises.lesson20_window",))
 
 
 def _resolve(path: str):

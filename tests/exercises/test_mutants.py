@@ -28,6 +28,7 @@ from minipaged.exercises.answers import lesson10 as a10
 from minipaged.exercises.answers import lesson11 as a11
 from minipaged.exercises.answers.lesson06 import SOFTMAX_PHASE
 from minipaged.exercises.answers import lesson18 as a18
+from minipaged.exercises.answers import lesson20 as a20
 import test_hints_by_cause as known  # (tests/exercises is on sys.path: pytest's rootdir mode)
 
 
@@ -254,6 +255,26 @@ MUTANTS += [
     ("dequantize_q4_1", "a byte's two codes as neighbours", Q4_1NeighboursInAByte),
 ]
 
+# lesson 20: which entries of a sliding group's table go back to the pool
+WindowFirstTokenFreed = changed(
+    a20, "blocks_out_of_window", ("first_read = num_tokens - window  #",
+                                  "first_read = num_tokens - window + 1  #"))
+PartlyInTheWindowFreed = changed(
+    a20, "blocks_out_of_window", ("if (i + 1) * block_size <= first_read",
+                                  "if i * block_size < first_read"))
+DroppedEntriesFreedAgain = changed(a20, "blocks_out_of_window", (" and number != -1:", ":"))
+LastEntryFreed = changed(a20, "blocks_out_of_window", ("enumerate(block_table[:-1])",
+                                                       "enumerate(block_table)"))
+BlockNumbersReturned = changed(a20, "blocks_out_of_window", ("freed.append(i)",
+                                                             "freed.append(number)"))
+MUTANTS += [
+    ("blocks_out_of_window", "the window's first token taken as out of it", WindowFirstTokenFreed),
+    ("blocks_out_of_window", "a block partly in the window freed", PartlyInTheWindowFreed),
+    ("blocks_out_of_window", "dropped entries freed again", DroppedEntriesFreedAgain),
+    ("blocks_out_of_window", "the table's last entry freed", LastEntryFreed),
+    ("blocks_out_of_window", "block numbers returned, not indices", BlockNumbersReturned),
+]
+
 _FIRST_OF_EACH = {}
 for _row in MUTANTS:
     _FIRST_OF_EACH.setdefault(_row[0], _row)
@@ -358,6 +379,15 @@ HINTS += [
     ("dequantize_q4_1", Q4_1MinBeforeTheScale, "the min is added after the scale", None),
     ("dequantize_q4_1", Q4_1BlockOf18Bytes, "a Q4_1 block is 20 bytes", None),
     ("dequantize_q4_1", Q4_1NeighboursInAByte, "byte i holds weights i and i + 16", None),
+]
+
+HINTS += [
+    ("blocks_out_of_window", WindowFirstTokenFreed, "is the first position of the window",
+     None),
+    ("blocks_out_of_window", PartlyInTheWindowFreed, "are still in the window", None),
+    ("blocks_out_of_window", DroppedEntriesFreedAgain, "frees it twice", None),
+    ("blocks_out_of_window", LastEntryFreed, "the newest block the sequence holds stays", None),
+    ("blocks_out_of_window", BlockNumbersReturned, "return their indices", None),
 ]
 
 
