@@ -361,3 +361,9 @@ def _draw_free_list(root, free: list[int], x, y, max_entries):
     if not free:
         text(group, x, y + 20, "(empty: the next new block means preemption)", size=9,
              fill=HIGHLIGHT)
+
+
+def block_tables_of(step_snapshot) -> dict[int, list[int]]:
+    """{seq_id: its block table} of an engine's ``StepSnapshot`` (lesson 16's live view compares
+    the learner's and ``LLM()``'s at each step)."""
+    return {s["seq_id"]: s["block_table"] for s in step_snapshot.block_manager["sequences"]}

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints of the LLaMA-like families, saved with transformers (lesson 20).
+"""Tiny random checkpoints of the LLaMA-like families, saved with transformers (lesson 20;
+``save_random`` saves any config, lessons 04 and 14).
 
 Each is a real checkpoint directory (``config.json`` and ``model.safetensors``) that ``LLM(path)``
 loads, with random weights: small enough to build in well under a second on a CPU. transformers
@@ -78,6 +79,29 @@ def save_tiny(family: str, path, seed: int = 0, **overrides):
         if bars:
             hf_logging.enable_progress_bar()
     return model
+
+
+def save_random(config, prefix: str = "tiny_", seed: int = 0):
+    """A ``tempfile.TemporaryDirectory`` holding a random model of ``config``, saved with
+    transformers (lessons 04 and 14): ``LLM(folder.name)`` loads it.
+
+    NOTE: keep the returned object while the folder is needed. It is removed by
+    ``.cleanup()``, when it is garbage-collected, or when the kernel stops or restarts: no model is
+    left behind in the temp folder, however far the lesson ran.
+
+    Args:
+        config: a transformers config (e.g. ``LlamaConfig(...)``).
+        prefix: the folder name's start.
+        seed: ``torch.manual_seed`` before the weights are drawn.
+    """
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder.name)
+    return folder
 
 
 @torch.no_grad()

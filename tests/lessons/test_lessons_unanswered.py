@@ -12,9 +12,9 @@ MINIPAGED_UNANSWERED_HEADLESS=1. Without Chromium or JupyterLab, this is the una
 
 Slow: runs all sixteen lessons, several minutes on the 2-core machine; not measured this session.
 """
+import importlib.util
 import os
 import pathlib
-import time
 
 import pytest
 
@@ -27,8 +27,6 @@ pytestmark = pytest.mark.slow
 
 def _browser_test_runs() -> bool:
     """The JupyterLab-in-Chromium test runs every lesson unanswered too; then this is a repeat."""
-    import importlib.util
-
     from process_helpers import chromium_path  # tests/helpers/ is on sys.path (tests/conftest.py)
     return (chromium_path() is not None and importlib.util.find_spec("jupyterlab") is not None
             and importlib.util.find_spec("playwright") is not None
@@ -36,18 +34,15 @@ def _browser_test_runs() -> bool:
 
 
 def execute_unanswered(path: pathlib.Path, timeout: int = 240):
-    """(the executed notebook, seconds) for the lesson at ``path``, MINIPAGED_SOLUTIONS unset."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    notebook = nbformat.read(path, as_version=4)
-    env = {k: v for k, v in os.environ.items() if k != "MINIPAGED_SOLUTIONS"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p)
-    client = nbclient.NotebookClient(notebook, timeout=timeout, allow_errors=True,
-                                     kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
-    start = time.perf_counter()
-    client.execute(env=env)
-    return notebook, time.perf_counter() - start
+    """(the executed notebook, seconds) for the lesson at ``path``, MINIPAGED_SOLUTIONS unset:
+    scripts/run_all_lessons.py's run (a fresh kernel, from a temporary copy)."""
+    pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    spec = importlib.util.spec_from_file_location("run_all_lessons",
+                                                  ROOT / "scripts" / "run_all_lessons.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.execute_unanswered(path, timeout)
 
 
 def cell_errors(notebook):
