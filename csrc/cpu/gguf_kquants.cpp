@@ -51,20 +51,6 @@ constexpr int kRows = 4;         // input rows that share each group's codes onc
 
 constexpr int64_t kbytes(int64_t format) { return format == kQ4_K ? 144 : 210; }
 
-inline float f16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(bits);  // exact, as numpy's conversion
-}
-
-inline v8 splat8(float v) { return v8{v, v, v, v, v, v, v, v}; }
-
-inline float sum8(v8 v) {
-  float s = 0.f;
-  for (int l = 0; l < 8; ++l) s += v[l];
-  return s;
-}
-
 // 32 codes as 4 vectors of 8 floats. AVX2: the codes are 32 bytes in one register; generic: an
 // array of 32 bytes.
 #if defined(__AVX2__)
@@ -164,7 +150,7 @@ void q4_k_row(const uint8_t* w, int64_t num_blocks, const float* x, int64_t x_st
   for (int j = 0; j < R; ++j) acc[j] = v8{}, mins[j] = 0.f;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = w + b * kbytes(kQ4_K);
-    const float d = f16_at(block), dmin = f16_at(block + 2);
+    const float d = half_at(block), dmin = half_at(block + 2);
     float sc[8], mn[8];
     q4_k_scales(block + 4, sc, mn);
     for (int g = 0; g < 4; ++g) {
@@ -193,7 +179,7 @@ void q6_k_row(const uint8_t* w, int64_t num_blocks, const float* x, int64_t x_st
   for (int j = 0; j < R; ++j) acc[j] = v8{};
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = w + b * kbytes(kQ6_K);
-    const float d = f16_at(block + 208);
+    const float d = half_at(block + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
     for (int h = 0; h < 2; ++h) {
       for (int g = 0; g < 4; ++g) {

@@ -54,24 +54,6 @@ constexpr int64_t block_bytes(int64_t format) {
 }
 constexpr int kRows = 4;  // input rows that share each block's codes once they are floats
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);  // (one instruction; exact, as the portable conversion below)
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
-}
-
-inline v8 splat(float v) { return v8{v, v, v, v, v, v, v, v}; }
-
-inline float lanes_sum(v8 v) {
-  float s = 0.f;
-  for (int l = 0; l < 8; ++l) s += v[l];
-  return s;
-}
-
 // The 32 codes of a block as 4 vectors of 8 floats, in the weights' order.
 // NOTE: with AVX2 written as its instructions (widen 8 bytes to 8 ints, convert): GCC's generic
 // 8-byte vectors were converted one lane at a time, and the loop ran slower than float32's.
@@ -128,7 +110,7 @@ inline void q5_0_codes(const uint8_t* block, v8 q[4]) {
     codes[i] = (block[6 + i] & 0x0F) | (((high >> i) & 1u) << 4);
     codes[i + 16] = (block[6 + i] >> 4) | (((high >> (i + 16)) & 1u) << 4);
   }
-  const v8 sixteen = splat(16.f);
+  const v8 sixteen = splat8(16.f);
   for (int c = 0; c < 4; ++c) {
 #if defined(__AVX2__)
     q[c] = bytes_to_floats(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * c)),
@@ -154,7 +136,7 @@ void row_times_inputs(const uint8_t* w, int64_t num_blocks, const float* x, int6
     if (FORMAT == kQ8_0) q8_0_codes(block, q);
     else if (FORMAT == kQ5_0) q5_0_codes(block, q);
     else q4_1_codes(block, q);
-    const v8 d = splat(half_at(block));
+    const v8 d = splat8(half_at(block));
     for (int j = 0; j < R; ++j) {
       const float* xb = x + j * x_stride + b * kBlock;
       const v8 x0 = load8(xb), x1 = load8(xb + 8), x2 = load8(xb + 16),
@@ -163,10 +145,10 @@ void row_times_inputs(const uint8_t* w, int64_t num_blocks, const float* x, int6
       const v8 dot = fma8(q[3], x3, fma8(q[2], x2, fma8(q[1], x1, q[0] * x0)));
       scaled[j] = fma8(d, dot, scaled[j]);
       if (FORMAT == kQ4_1)
-        mins[j] = fma8(splat(half_at(block + 2)), (x0 + x1) + (x2 + x3), mins[j]);
+        mins[j] = fma8(splat8(half_at(block + 2)), (x0 + x1) + (x2 + x3), mins[j]);
     }
   }
-  for (int j = 0; j < R; ++j) y[j * y_stride] = lanes_sum(scaled[j]) + lanes_sum(mins[j]);
+  for (int j = 0; j < R; ++j) y[j * y_stride] = sum8(scaled[j]) + sum8(mins[j]);
 }
 
 template <int64_t FORMAT>

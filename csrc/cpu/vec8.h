@@ -1,13 +1,15 @@
 // 8-float vectors and fused multiply-adds, shared by the C++ CPU op's matmul loops (linear.cpp,
-// gguf_linear.cpp).
+// gguf_linear.cpp, gguf_kquants.cpp), and the float16 scale a GGUF block starts with.
 //
 // `v8` is a GCC/Clang vector of 8 floats: on AVX2 one register and one instruction per
 // operation, elsewhere the compiler splits it (SSE, NEON).
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 #include <cstring>
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +42,25 @@ inline v8 fma8(v8 a, v8 b, v8 c) {
   return r;
 #else
   return a * b + c;
+#endif
+}
+
+inline v8 splat8(float v) { return v8{v, v, v, v, v, v, v, v}; }
+
+inline float sum8(v8 v) {  // (lane by lane, in order: the same sum whatever the tile)
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += v[l];
+  return s;
+}
+
+// The float16 at p (a GGUF block's scale), as float32: exact either way.
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // (one instruction)
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
 #endif
 }
 
