@@ -3,10 +3,10 @@ by (a tick is a promise; a hint names the cause).
 
 Every mutant of ``tests/exercises/test_mutants.py`` (one-line mistakes of the reference answers,
 the learners' mistakes among them) runs through its component's check; every slow-but-correct
-variant of ``tests/exercises/test_cost_checks.py`` and ``test_prefix_cache_design.py`` runs
-through its component's check and then its cost probe. One row each: the component, the
-mistake, the verdict (rejected, or passed with a cost warning) and the first lines of what the
-learner reads.
+variant of ``tests/exercises/test_cost_checks.py``, ``test_block_manager_design.py`` and
+``test_prefix_cache_design.py`` runs through its component's check and then its cost probe. One
+row each: the component, the mistake, the verdict (rejected, or passed with a cost warning) and
+the first lines of what the learner reads.
 
     python scripts/mistake_table.py                 # the mutants (about two minutes)
     python scripts/mistake_table.py --slow          # and the slow variants (several minutes)
@@ -51,13 +51,16 @@ def mutant_rows():
 def slow_variants() -> list:
     """(component, slow-but-correct variant) pairs of the cost tests."""
     import test_cost_checks
+    import test_block_manager_design as tables
     import test_prefix_cache_design as design
 
     variants = []
     for mark in test_cost_checks.test_a_cost_that_grows_with_the_pool_gets_a_verdict_naming_the_operation.pytestmark:  # noqa: E501
         if mark.name == "parametrize":
             variants += [getattr(p, "values", p)[:2] for p in mark.args[1]]
-    variants += [("PrefixCachingAllocator", design.LeastRecentlyUsedAsAList),
+    variants += [("BlockSpaceManager", tables.TablesInAListOfPairs),
+                 ("BlockSpaceManager", tables.FreeTakesBlocksOffOneByOne),
+                 ("PrefixCachingAllocator", design.LeastRecentlyUsedAsAList),
                  ("PrefixCachingAllocator", design.OldestByTimestamp),
                  ("PrefixCachingAllocator", design.LookupScansTheCache)]
     return variants

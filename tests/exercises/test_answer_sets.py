@@ -9,7 +9,6 @@ lesson headless (``make test-all``).
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import linecache
 from pathlib import Path
@@ -18,16 +17,10 @@ import nbformat
 import pytest
 
 from minipaged.exercises import workbench
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from repo_paths import load_script
 
 def _harness():
-    spec = importlib.util.spec_from_file_location("answer_lessons",
-                                                  ROOT / "scripts" / "answer_lessons.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("answer_lessons")
 
 
 harness = _harness()

@@ -9,6 +9,7 @@ import pytest
 from minipaged.exercises import workbench
 from minipaged.exercises.answers.lesson03 import MyBlockSpaceManager
 from minipaged.exercises.cost import measure_cost
+from cost_verdicts import assert_correct_but_warned
 
 
 @pytest.fixture(autouse=True)
@@ -171,14 +172,7 @@ class BlocksByLogicalIndex(MyBlockSpaceManager):
 ])
 def test_a_correct_manager_in_a_poor_structure_passes_the_check_and_gets_the_cost_warning(
         variant, operation):
-    result = workbench.check_component("BlockSpaceManager", variant, save=False)
-    assert result.passed, str(result)
-    verdict = measure_cost("BlockSpaceManager", variant)
-    message = verdict.message()
-    print(message)
-    assert verdict.slow, message
-    assert operation in verdict.slow_operations(), message
-    assert "grows faster with the number of blocks" in message
+    assert_correct_but_warned("BlockSpaceManager", variant, operation, "blocks")
 
 
 @pytest.mark.parametrize("variant", [MyBlockSpaceManager, BlocksByLogicalIndex])

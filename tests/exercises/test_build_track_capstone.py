@@ -9,7 +9,6 @@ goes wrong first. The warm-ups' checkers pass their answers and catch wrong ones
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import re
 import time
@@ -28,7 +27,7 @@ from minipaged.exercises import capstone as capstone_module
 from minipaged.kernels import ops
 from minipaged.exercises.capstone import Request, learner_run, new_engine, run_steps
 from minipaged.outputs import RequestOutput
-from repo_paths import ROOT
+from repo_paths import ROOT, load_script
 
 pytestmark = pytest.mark.lesson16
 
@@ -415,11 +414,7 @@ def test_the_capstone_on_smollm2_preempts_by_recompute_and_swap_and_copies(learn
 
 # -- the "learner typed the answers" harness ----------------------------------------------------
 def _harness():
-    spec = importlib.util.spec_from_file_location("answer_lessons",
-                                                  ROOT / "scripts" / "answer_lessons.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("answer_lessons")
 
 
 def test_the_harness_types_the_answer_in_place_of_the_stub():

@@ -2,21 +2,15 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from repo_paths import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("mistake_table",
-                                                  ROOT / "scripts" / "mistake_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("mistake_table")
 
 
 def test_what_the_learner_reads_is_the_first_line_and_the_hint():
@@ -34,8 +28,9 @@ def test_every_slow_variant_of_the_cost_tests_is_in_the_table():
     variants = _script().slow_variants()
     names = {slow.__name__ for _, slow in variants}
     assert {"LookupWalksTheCache", "SortsWhatIsLeftForEachGroup", "LeastRecentlyUsedAsAList",
-            "OldestByTimestamp", "LookupScansTheCache"} <= names
-    assert len(variants) >= 14
+            "OldestByTimestamp", "LookupScansTheCache", "TablesInAListOfPairs",
+            "FreeTakesBlocksOffOneByOne"} <= names
+    assert len(variants) >= 16
     assert test_cost_checks and test_prefix_cache_design
 
 

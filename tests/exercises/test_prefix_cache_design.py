@@ -6,7 +6,7 @@ import pytest
 
 from minipaged.exercises import workbench
 from minipaged.exercises.answers.lesson11 import MyPrefixCachingAllocator
-from minipaged.exercises.cost import measure_cost
+from cost_verdicts import assert_correct_but_warned
 
 
 @pytest.fixture(autouse=True)
@@ -98,14 +98,7 @@ class LookupScansTheCache(MyPrefixCachingAllocator):
 ])
 def test_a_correct_cache_in_a_poor_structure_passes_the_check_and_gets_the_cost_warning(
         variant, operation):
-    result = workbench.check_component("PrefixCachingAllocator", variant, save=False)
-    assert result.passed, str(result)
-    verdict = measure_cost("PrefixCachingAllocator", variant)
-    message = verdict.message()
-    print(message)
-    assert verdict.slow, message
-    assert operation in verdict.slow_operations(), message
-    assert "grows faster with the number of cached blocks" in message
+    assert_correct_but_warned("PrefixCachingAllocator", variant, operation, "cached blocks")
 
 
 def test_the_stub_dictates_no_structure():

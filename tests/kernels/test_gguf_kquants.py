@@ -8,23 +8,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from budgets import examples
+from gguf_random import random_blocks
 from minipaged.kernels.gguf_blocks import FORMATS
 
 gguf = pytest.importorskip("gguf")
-
-SCALES_AT = {"Q4_K": (0, 2), "Q6_K": (208,)}  # the blocks' float16 scales (d, dmin; d)
-
-
-def random_blocks(name: str, out: int, blocks: int, seed: int) -> np.ndarray:
-    """uint8 (out, blocks * bytes): random codes and small scales, float16 scales finite."""
-    fmt = FORMATS[name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (out * blocks, fmt.bytes), dtype=np.uint8)
-    for at in SCALES_AT[name]:
-        scale = (rng.standard_normal(out * blocks) * 0.05).astype(np.float16)
-        raw[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(out, blocks * fmt.bytes)
-
 
 def matmul(cpu_op, x: torch.Tensor, raw: np.ndarray, name: str) -> torch.Tensor:
     return cpu_op.module.gguf_kquant_linear(x, torch.from_numpy(raw), FORMATS[name].ggml_type)

@@ -1,18 +1,12 @@
 """scripts/run_all_lessons.py on a tiny notebook: the error cells it finds, its table, and that
 a run leaves no file behind (the lessons run from a temporary copy)."""
-import importlib.util
-
 import pytest
 
-from repo_paths import ROOT
+from repo_paths import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("run_all_lessons",
-                                                  ROOT / "scripts" / "run_all_lessons.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("run_all_lessons")
 
 
 def test_the_table_lists_each_lessons_seconds_and_error_cells_then_the_total():

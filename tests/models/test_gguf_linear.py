@@ -1,28 +1,18 @@
 """A weight held as GGUF blocks (``models/gguf_linear.py``): every routine (our C++ op, torch's
 4-bit kernel, dequantized tiles) gives ``x W^T`` with W the blocks' dequantized values, up to
 float rounding; the C++ op's row does not depend on the batch; bad blocks are refused by name."""
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from budgets import examples
+from gguf_random import random_blocks
 from minipaged.kernels.gguf_blocks import FORMATS
 from minipaged.models import gguf_linear
 from minipaged.models.gguf_linear import GGUFWeight, choose_routine
 
-_HALVES = {"Q8_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # float16
-
-
 def random_weight(name: str, out: int, blocks: int, seed: int) -> GGUFWeight:
-    """Random codes, with finite scales of a weight's size (random bytes would give NaNs)."""
-    fmt = FORMATS[name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (out * blocks, fmt.bytes), dtype=np.uint8)
-    for at in _HALVES[name]:
-        scale = (rng.standard_normal(out * blocks) * 0.05).astype(np.float16)
-        raw[:, at:at + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return GGUFWeight(torch.from_numpy(raw.reshape(out, blocks * fmt.bytes)), fmt)
+    return GGUFWeight(torch.from_numpy(random_blocks(name, out, blocks, seed)), FORMATS[name])
 
 
 @pytest.fixture(autouse=True)
