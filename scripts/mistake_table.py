@@ -11,6 +11,7 @@ the first lines of what the learner reads.
     python scripts/mistake_table.py                 # the mutants (about two minutes)
     python scripts/mistake_table.py --slow          # and the slow variants (several minutes)
     python scripts/mistake_table.py --markdown      # as a markdown table
+    python scripts/mistake_table.py --list-variants # the slow variants' names only
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests" / "exercises"
+HELPERS = ROOT / "tests" / "helpers"  # (what the tests import, as pytest's conftest puts it)
 
 
 def said(message: str, width: int = 150) -> str:
@@ -88,8 +90,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slow", action="store_true", help="also the slow-but-correct variants")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--list-variants", action="store_true",
+                        help="only name the slow variants (nothing is run)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(TESTS))
+    sys.path[:0] = [str(TESTS), str(HELPERS)]
+    if args.list_variants:
+        for name, slow in slow_variants():
+            print(f"{name} {slow.__name__}")
+        return 0
     os.environ.setdefault("MINIPAGED_LEARNER_DIR", tempfile.mkdtemp(prefix="mistakes-"))
     started = time.perf_counter()
     rows = list(mutant_rows())

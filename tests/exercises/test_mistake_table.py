@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import subprocess
+import sys
 
 import pytest
 
-from repo_paths import load_script
+from repo_paths import ROOT, load_script
 
 
 def _script():
@@ -32,6 +34,14 @@ def test_every_slow_variant_of_the_cost_tests_is_in_the_table():
             "FreeTakesBlocksOffOneByOne"} <= names
     assert len(variants) >= 16
     assert test_cost_checks and test_prefix_cache_design
+
+
+def test_the_script_finds_its_tests_outside_pytest():
+    """Run as a script, it sets up the paths pytest's conftest sets (tests/helpers too)."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "mistake_table.py"),
+                          "--list-variants"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "BlockSpaceManager TablesInAListOfPairs" in run.stdout.splitlines()
 
 
 @pytest.mark.slow
