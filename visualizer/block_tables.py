@@ -166,12 +166,10 @@ def render_block_tables(snapshot: dict, title: str | None = None,
                    data_request=s["request_id"], data_status=s["status"],
                    data_device=s["device"], data_num_tokens=s["num_tokens"])
         label = _seq_label(s)
-        node = text(group, X_LOGICAL, y + 12, label, fill=c,
-                    weight="bold" if s["seq_id"] == highlight_seq else None)
-        if _is_light(c):  # (a yellow or light blue label on white): a dark edge to read it by
-            node.set("stroke", INK)
-            node.set("stroke-width", "0.6")
-            node.set("paint-order", "stroke")
+        # (a yellow or light blue label on white is drawn darker, in its own hue: an edge drawn
+        # round the letters read as a line struck through them at the page's size)
+        text(group, X_LOGICAL, y + 12, label, fill=label_colour(c),
+             weight="bold" if s["seq_id"] == highlight_seq else None)
         y += ROW_H
         pos = cpu_pos if s["device"] == "cpu" else gpu_pos
         last = len(s["logical_blocks"]) - 1
@@ -262,10 +260,20 @@ def _kinds_drawn(blocks: list[dict], mark_of: dict[int, str], newest) -> set[str
 _PENDING = {"SWAPPED": "(when swapped in)", "WAITING": "(when admitted)"}
 
 
-def _is_light(hex_colour: str) -> bool:
-    """Too light to read as text on white (its brightness, weighted as the eye sees, above 0.6)."""
+def _brightness(hex_colour: str) -> float:
+    """0 (black) to 1 (white), weighted as the eye sees."""
     r, g, b = (int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
-    return 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.6
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def label_colour(hex_colour: str) -> str:
+    """The colour as text on white: as it is, or, where too light to read (brightness above
+    0.6), the same hue darkened to brightness 0.5."""
+    bright = _brightness(hex_colour)
+    if bright <= 0.6:
+        return hex_colour
+    k = 0.5 / bright
+    return "#" + "".join(f"{round(int(hex_colour[i:i + 2], 16) * k):02x}" for i in (1, 3, 5))
 
 
 def _seq_label(s: dict) -> str:
