@@ -189,8 +189,11 @@ def render_block_tables(snapshot: dict, title: str | None = None,
                 prefix = "cpu " if s["device"] == "cpu" else ""
                 entry = el(group, "g", class_="table-entry", data_seq=s["seq_id"], data_index=i,
                            data_block=number, data_device=s["device"])
-                text(entry, X_TABLE, y + 12, f"{i} → {prefix}#{number}  "
-                     f"{lb['num_filled']}/{block_size}", size=10)
+                if number < 0:  # a dropped entry: the block left a sliding window, no KV kept
+                    text(entry, X_TABLE, y + 12, f"{i} → #-1 dropped", size=10, fill=MUTED)
+                else:
+                    text(entry, X_TABLE, y + 12, f"{i} → {prefix}#{number}  "
+                         f"{lb['num_filled']}/{block_size}", size=10)
                 if number in pos:
                     bx, by = pos[number]
                     el(lines, "line", x1=X_TABLE + 128, y1=y + 8, x2=bx, y2=by + BLOCK_H / 2,

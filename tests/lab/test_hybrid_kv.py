@@ -77,4 +77,6 @@ def test_group_rows_draw_one_row_per_group(tmp_path):
     owners = {b["block_number"]: b["owners"] for b in snap["gpu_blocks"] if b["owners"]}
     assert all(owners[n] == [1] for n in sliding["block_table"][3:])
     assert all(owners[n] == [0] for n in full["block_table"])
-    assert "window 16" in render_block_tables(snap)
+    drawn = render_block_tables(snap)
+    assert "window 16" in drawn
+    assert drawn.count("#-1 dropped") == 3  # (the entries before the window, no fill count)
