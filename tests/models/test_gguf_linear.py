@@ -95,3 +95,14 @@ def test_a_weight_counts_its_weights_as_a_float_tensor_does(name):
     """lab/step_breakdown counts a linear layer's weights with ``numel()``."""
     weight = random_weight(name, out=3, blocks=2, seed=0)
     assert weight.numel() == weight.dequantize().numel() == 3 * 2 * FORMATS[name].weights
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_cpp_op_gives_one_hot_rows_the_weights_bit_for_bit(cpu_op, name):
+    """Each code unpacked right (Q5_0's fifth bits, nibble halves, K-quants' scales): one-hot
+    input rows give back exactly the dequantized weights, in every tile of rows."""
+    blocks = 1 if FORMATS[name].weights == 256 else 2
+    weight = random_weight(name, out=5, blocks=blocks, seed=3)
+    weight.use("cpp")
+    got = weight.linear(torch.eye(weight.shape[1]))  # (in, out): row i is column i of W
+    assert torch.equal(got.T, weight.dequantize())
