@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from repo_paths import ROOT
+from repo_paths import ROOT, load_script
 
 LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
 
@@ -38,11 +38,7 @@ def execute_unanswered(path: pathlib.Path, timeout: int = 240):
     scripts/run_all_lessons.py's run (a fresh kernel, from a temporary copy)."""
     pytest.importorskip("nbformat")
     pytest.importorskip("nbclient")
-    spec = importlib.util.spec_from_file_location("run_all_lessons",
-                                                  ROOT / "scripts" / "run_all_lessons.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.execute_unanswered(path, timeout)
+    return load_script("run_all_lessons").execute_unanswered(path, timeout)
 
 
 def cell_errors(notebook):
