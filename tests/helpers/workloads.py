@@ -6,14 +6,35 @@ from minipaged import SamplingParams
 def run_to_end(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list:
     """Add one request per prompt (ids "0", "1", ...), step until all finish; their final
     ``RequestOutput``s in the prompts' order."""
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), None, p, prompt_token_ids=prompt)
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), None, p, prompt_token_ids=prompt)
+    except ValueError:
+        # a refused request: take back the ones added before it, so that the engine (shared
+        # by a property's examples) holds no request "0" when the next workload comes
+        for j in range(i):
+            engine.abort_request(str(j))
+        raise
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = out
     return [outs[str(i)] for i in range(len(prompts))]
+
+
+def fitted(engine, prompt: list[int], params: SamplingParams) -> SamplingParams:
+    """``params`` with ``max_tokens`` lowered until the request fits the engine's KV pool
+    (``validation.max_blocks_needed``): a random workload's n = 2 request with a long prompt
+    may otherwise need more blocks than a small pool has, and the engine refuses it."""
+    from dataclasses import replace
+
+    from minipaged.validation import max_blocks_needed
+
+    room = engine.limits.num_gpu_blocks - engine.limits.watermark_blocks
+    while params.max_tokens > 1 and max_blocks_needed(len(prompt), params, engine.limits) > room:
+        params = replace(params, max_tokens=params.max_tokens - 1)
+    return params
 
 
 def params_of_kind(kind: str, seed: int, max_tokens: int) -> SamplingParams:
