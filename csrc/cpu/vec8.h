@@ -64,4 +64,18 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
+// The two float16s at p (a Q4_1 block's d and m, a K-quant's d and dmin), as float32.
+inline void half_pair_at(const uint8_t* p, float& first, float& second) {
+#if defined(__F16C__)
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));  // (one load)
+  first = _mm_cvtss_f32(both);
+  second = _mm_cvtss_f32(_mm_movehdup_ps(both));
+#else
+  first = half_at(p);
+  second = half_at(p + 2);
+#endif
+}
+
 }  // namespace minipaged_cpu

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from minipaged.models import decode_plan
 from minipaged.models.input_metadata import InputMetadata
 from minipaged.sequence import Sequence, SequenceGroup
 from minipaged.step_record import SequenceRun
@@ -247,6 +248,9 @@ class ModelRunner:
         ``inputs.spec_rows`` entry."""
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
             return self.graph_runner.execute(inputs)  # decode rows are the sampled rows
-        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)  # (T, C)
+        # (a step of decode tokens on the CPU: the layers' kernels called directly, the calls
+        # the modules make, models/decode_plan.py; every other step: the modules)
+        hidden = decode_plan.forward(self.model, inputs.input_ids, inputs.positions, kv_caches,
+                                     inputs.meta)  # (T, C)
         hidden = hidden.index_select(0, inputs.sample_indices)  # (R, C)
         return self.model.compute_logits(hidden).float()  # (R, vocab)
