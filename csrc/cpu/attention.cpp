@@ -776,6 +776,10 @@ void reshape_and_cache_8bit(at::Tensor key, at::Tensor value, at::Tensor key_cac
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
 // y = x W^T with W's GGUF blocks dequantized inside the dot product (gguf_linear.cpp, issue 58)
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format);
+// the same for a batch of rows: dequantized tiles of rows and linear.cpp's loop (gguf_linear.cpp)
+at::Tensor gguf_linear_tiled(const at::Tensor& x, const at::Tensor& blocks, int64_t format);
+// a matrix of GGUF blocks as float32, for BLAS on steps of many rows (gguf_linear.cpp)
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t format);
 // the same for GGUF's blocks of 256 weights, Q4_K and Q6_K (gguf_kquants.cpp)
 at::Tensor gguf_kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format);
 // a LLaMA block's element-wise layers in float32 (layers.cpp)
@@ -821,6 +825,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &minipaged_cpu::gguf_linear,
         "x W^T in float32, W as GGUF blocks (Q4_1 = 3, Q8_0 = 8) dequantized in the dot product",
         py::arg("x"), py::arg("blocks"), py::arg("format"));
+  m.def("gguf_linear_tiled", &minipaged_cpu::gguf_linear_tiled,
+        "x W^T for a batch of rows: tiles of W's rows dequantized, then the few-row float loop",
+        py::arg("x"), py::arg("blocks"), py::arg("format"));
+  m.def("gguf_dequantize", &minipaged_cpu::gguf_dequantize,
+        "GGUF blocks (Q4_1 = 3, Q5_0 = 6, Q8_0 = 8) as float32 weights, (out, in)",
+        py::arg("blocks"), py::arg("format"));
   m.def("gguf_kquant_linear", &minipaged_cpu::gguf_kquant_linear,
         "x W^T in float32, W as GGUF blocks (Q4_K = 12, Q6_K = 14) dequantized in the dot product",
         py::arg("x"), py::arg("blocks"), py::arg("format"));

@@ -30,9 +30,11 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "linear_tile.h"
 #include "vec8.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -242,24 +244,29 @@ void all_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const flo
 
 }  // namespace
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format) {
-  TORCH_CHECK(format == kQ4_1 || format == kQ5_0 || format == kQ8_0, "gguf_linear: block format ",
+// The arguments of gguf_linear and gguf_linear_tiled, checked before any loop runs; `op` names
+// the function in the messages.
+static void check_linear_args(const char* op, const at::Tensor& x, const at::Tensor& blocks,
+                       int64_t format) {
+  TORCH_CHECK(format == kQ4_1 || format == kQ5_0 || format == kQ8_0, op, ": block format ",
               format, " is not one this op reads (Q4_1 = 3, Q5_0 = 6, Q8_0 = 8)");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, "gguf_linear: x must be (rows, in) and blocks "
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2, op, ": x must be (rows, in) and blocks "
               "(out, bytes per row), got x of ", x.sizes(), " and blocks of ", blocks.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32, got ",
-              x.scalar_type());
-  TORCH_CHECK(blocks.scalar_type() == at::kByte, "gguf_linear: blocks must be uint8, got ",
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(blocks.scalar_type() == at::kByte, op, ": blocks must be uint8, got ",
               blocks.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
-  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "gguf_linear: x's rows must be contiguous");
-  TORCH_CHECK(blocks.is_contiguous(), "gguf_linear: blocks must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  const int64_t bytes = block_bytes(format);
-  TORCH_CHECK(K % kBlock == 0, "gguf_linear: x's features (", K, ") must be a multiple of ",
-              kBlock);
-  TORCH_CHECK(blocks.size(1) == K / kBlock * bytes, "gguf_linear: ", K, " features need ",
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, op, ": x's rows must be contiguous");
+  TORCH_CHECK(blocks.is_contiguous(), op, ": blocks must be contiguous");
+  const int64_t K = x.size(1), bytes = block_bytes(format);
+  TORCH_CHECK(K % kBlock == 0, op, ": x's features (", K, ") must be a multiple of ", kBlock);
+  TORCH_CHECK(blocks.size(1) == K / kBlock * bytes, op, ": ", K, " features need ",
               K / kBlock * bytes, " bytes of blocks per row, got ", blocks.size(1));
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t format) {
+  check_linear_args("gguf_linear", x, blocks, format);
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -272,6 +279,108 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   else
     all_rows<kQ4_1>(wp, blocks.size(1), K / kBlock, xp, x.stride(0), M, yp, N);
   return y;
+}
+
+// A matrix of blocks as float32 (N, K): the weights transformers' GGUF loader gives, bit for bit
+// (Q4_1: d * q + m, d * q exact in float32 and rounded once with m; Q8_0: d * q; Q5_0:
+// d * (q - 16): both exact). For a step of many rows, where BLAS on a float tile outruns the
+// loop above (models/gguf_linear.py measures which).
+namespace {
+// Rows [0, count) of blocks as float32, K = num_blocks * 32 floats each, into out.
+template <int64_t FORMAT>
+void dequantize_rows_into(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, int64_t count,
+                          float* out) {
+  constexpr int64_t bytes = block_bytes(FORMAT);
+  const int64_t K = num_blocks * kBlock;
+  for (int64_t n = 0; n < count; ++n)
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = w + n * row_bytes + b * bytes;
+      v8 q[4];
+      block_codes<FORMAT>(block, q);
+      float d, m = 0.f;
+      if (FORMAT == kQ4_1) half_pair_at(block, d, m);
+      else d = half_at(block);
+      const v8 dv = splat8(d), mv = splat8(m);
+      float* o = out + n * K + b * kBlock;
+      for (int c = 0; c < 4; ++c) {
+        const v8 v = FORMAT == kQ4_1 ? fma8(dv, q[c], mv) : dv * q[c];
+        std::memcpy(o + 8 * c, &v, sizeof(v));
+      }
+    }
+}
+
+template <int64_t FORMAT>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, int64_t N,
+                     float* out) {
+  const int64_t K = num_blocks * kBlock;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    dequantize_rows_into<FORMAT>(w + begin * row_bytes, row_bytes, num_blocks, end - begin,
+                                 out + begin * K);
+  });
+}
+}  // namespace
+
+// y = x W^T for a batch of rows: every NB weight rows dequantized into a small buffer (it stays
+// in the L1 cache), then the few-row float32 loop of linear.cpp on them. The weights are read as
+// blocks (a fifth of float32's bytes for Q4_1) and decoded once per batch, not once per 4 rows
+// as in `all_rows`. (A row's result then is linear.cpp's order, not `all_rows`': each routine
+// gives every row of a batch the same result, whatever its other rows.)
+namespace {
+template <int64_t FORMAT>
+void all_rows_tiled(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const float* x,
+                    int64_t x_stride, int64_t M, float* y, int64_t N) {
+  const int64_t K = num_blocks * kBlock;
+  const int64_t num_tiles = (N + NB - 1) / NB;
+  at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(NB * K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * NB, count = std::min<int64_t>(NB, N - n);
+      dequantize_rows_into<FORMAT>(w + n * row_bytes, row_bytes, num_blocks, count, rows.data());
+      // linear_rows reads weight row n + i at w + (n + i) * K: the buffer's row i
+      const float* base = rows.data() - n * K;
+      if (count == NB) linear_rows<NB>(x, x_stride, M, base, K, y, N, n);
+      else
+        for (int64_t r = n; r < n + count; ++r) linear_rows<1>(x, x_stride, M, base, K, y, N, r);
+    }
+  });
+}
+}  // namespace
+
+at::Tensor gguf_linear_tiled(const at::Tensor& x, const at::Tensor& blocks, int64_t format) {
+  check_linear_args("gguf_linear_tiled", x, blocks, format);
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (format == kQ8_0)
+    all_rows_tiled<kQ8_0>(wp, blocks.size(1), K / kBlock, xp, x.stride(0), M, yp, N);
+  else if (format == kQ5_0)
+    all_rows_tiled<kQ5_0>(wp, blocks.size(1), K / kBlock, xp, x.stride(0), M, yp, N);
+  else
+    all_rows_tiled<kQ4_1>(wp, blocks.size(1), K / kBlock, xp, x.stride(0), M, yp, N);
+  return y;
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t format) {
+  TORCH_CHECK(format == kQ4_1 || format == kQ5_0 || format == kQ8_0, "gguf_dequantize: block "
+              "format ", format, " is not one this op reads (Q4_1 = 3, Q5_0 = 6, Q8_0 = 8)");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              blocks.device().is_cpu(), "gguf_dequantize: blocks must be a contiguous uint8 CPU "
+              "tensor (out, bytes per row), got ", blocks.scalar_type(), " ", blocks.sizes());
+  const int64_t bytes = block_bytes(format);
+  TORCH_CHECK(blocks.size(1) % bytes == 0, "gguf_dequantize: a row of ", blocks.size(1),
+              " bytes is not a whole number of ", bytes, "-byte blocks");
+  const int64_t N = blocks.size(0), num_blocks = blocks.size(1) / bytes;
+  at::Tensor out = at::empty({N, num_blocks * kBlock}, blocks.options().dtype(at::kFloat));
+  if (N == 0 || num_blocks == 0) return out;
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (format == kQ8_0) dequantize_rows<kQ8_0>(wp, blocks.size(1), num_blocks, N, op);
+  else if (format == kQ5_0) dequantize_rows<kQ5_0>(wp, blocks.size(1), num_blocks, N, op);
+  else dequantize_rows<kQ4_1>(wp, blocks.size(1), num_blocks, N, op);
+  return out;
 }
 
 }  // namespace minipaged_cpu

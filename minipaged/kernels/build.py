@@ -328,7 +328,7 @@ def _make_cpu_op(job: JitBuild) -> CpuKernels:
         sources=[CSRC / "cpu" / n for n in ("attention.cpp", "attention_int8.cpp",
                                            "attention_fp8.cpp", "linear.cpp", "gguf_linear.cpp",
                                            "gguf_kquants.cpp", "layers.cpp")],
-        depends=[CSRC / "cpu" / "vec8.h"],
+        depends=[CSRC / "cpu" / "vec8.h", CSRC / "cpu" / "linear_tile.h"],
         probe=CPU_OP_PROBE,
         extra_cflags=["-O3", "-fopenmp", *_ARCH_FLAGS.get(capability, [])],
         extra_ldflags=["-fopenmp"])

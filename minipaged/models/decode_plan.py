@@ -68,15 +68,19 @@ def _originals_in_place() -> bool:
 
 def _linear_call(weight, sizes: list[int] | None, kernels):
     """A function ``x -> x W^T`` (split into ``sizes`` when given) by the routine
-    ``cpu_matmul.linear`` would run for a decode step's few rows: the C++ op on a GGUF weight
-    whose routine is ``cpp``, else ``cpu_matmul.linear`` itself (its own choice per shape)."""
+    ``cpu_matmul.linear`` would run: for one row of a GGUF weight whose routine is ``cpp``, the
+    C++ op at once; otherwise ``cpu_matmul.linear`` itself (its own choice per shape and rows)."""
     if isinstance(weight, GGUFWeight) and weight.routine == "cpp" and weight.runs("cpp"):
         op = (kernels.module.gguf_kquant_linear if weight.fmt.name in KQUANTS
               else kernels.module.gguf_linear)
-        blocks, code = weight.blocks, weight.fmt.ggml_type
+        blocks, code, linear = weight.blocks, weight.fmt.ggml_type, weight.linear
+
+        def one_row_at_once(x):
+            return op(x, blocks, code) if x.shape[0] == 1 else linear(x)
+
         if sizes is None:
-            return lambda x: op(x, blocks, code)
-        return lambda x: op(x, blocks, code).split(sizes, dim=-1)
+            return one_row_at_once
+        return lambda x: one_row_at_once(x).split(sizes, dim=-1)
     if sizes is None:
         return lambda x: cpu_matmul.linear(x, weight)
     return lambda x: cpu_matmul.linear(x, weight).split(sizes, dim=-1)

@@ -3,7 +3,7 @@
 ``GGUFWeight`` holds a linear layer's weight (out, in) as the file's rows of blocks
 (``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), never as float32: the embedded
 SmolLM2's layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T``
-by one of three routines:
+by one of four routines:
 
 - ``cpp``: our C++ op reads the blocks and dequantizes each inside the dot product (float32
   inputs, where the C++ CPU op is loaded): ``csrc/cpu/gguf_linear.cpp`` for Q8_0, Q4_1 and Q5_0,
@@ -11,16 +11,21 @@ by one of three routines:
 - ``int4pack``: torch's weight-only 4-bit kernel (``torch._weight_int4pack_mm_for_cpu``), for
   Q4_1, whose weights ``d * q + m`` map exactly onto torch's ``(q - 8) * scale + zero`` with
   ``scale = d`` and ``zero = m + 8 d`` (a copy of the codes in torch's packed layout is made);
-- ``dequant``: the blocks of a tile of rows dequantized in torch, then ``F.linear`` (any format,
-  anywhere: the fallback).
+- ``tiles``: our C++ op dequantizes a few weight rows at a time into a buffer that stays in
+  the cache and runs the few-row float32 loop of ``csrc/cpu/linear.cpp`` on them (Q8_0, Q4_1,
+  Q5_0): for a batch of rows, whose blocks it decodes once, not once per 4 rows;
+- ``dequant``: the blocks of a tile of rows dequantized (by the C++ op for Q8_0, Q4_1 and Q5_0,
+  else in torch: the same values), then ``F.linear`` (any format, anywhere: the fallback).
 
 Which one runs is measured once per weight shape and format when the model is loaded
 (``choose_routine``), on one input row: a decode step, the step whose time is the weights' bytes
 (``dequant`` only where neither other routine runs: it does their work and more).
-(Not per number of rows, as ``cpu_matmul`` does: two layouts of the weights would be held, and
-the memory saved would be lost.) A step of more than ``CPP_MAX_ROWS`` rows (a prompt) runs
-``dequant`` where ``cpp`` was chosen: BLAS on dequantized tiles is made for many rows.
-``MINIPAGED_GGUF_ROUTINE`` fixes the routine where it can run.
+(``int4pack`` is not measured per number of rows, as ``cpu_matmul`` does: two layouts of the
+weights would be held, and the memory saved would be lost.) Where ``cpp`` was chosen, a step of
+several rows (a batch of decodes) runs ``cpp``, ``tiles`` or ``dequant``, measured once per
+number of rows (``_routine_for_rows``), and a step of more than ``CPP_MAX_ROWS`` rows (a prompt)
+runs ``dequant``. ``MINIPAGED_GGUF_ROUTINE`` fixes the
+routine where it can run, for every number of rows.
 
 The routines agree up to float rounding with ``F.linear(x, dequantize())``
 (tests/models/test_gguf_linear.py).
@@ -33,17 +38,25 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.kernels import build
-from minipaged.kernels.gguf_blocks import BlockFormat, dequantize
+from minipaged.kernels.gguf_blocks import BlockFormat, block_format, dequantize
 from minipaged.validation import env_choice
 
 CPP_MAX_ROWS = 256  # more rows than this: BLAS on dequantized tiles
-TILE_ROWS = 512  # weight rows dequantized at once by ``dequant`` (about 1 MB of float32 for 576)
-ROUTINES = ("cpp", "int4pack", "dequant")
+# float32 weights ``dequant`` makes at once (16 MB): SmolLM2's matrices whole, its head in four.
+# NOTE: not 512 rows at a time: a prompt's step then ran as many small matmuls and a cat of
+# their outputs, 40 % slower than float32's one matmul (2026-12-07, the 64-request trace)
+TILE_WEIGHTS = 1 << 22
+ROUTINES = ("cpp", "int4pack", "dequant", "tiles")
 CPP_FORMATS = ("Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")  # the formats the C++ op reads
 KQUANTS = ("Q4_K", "Q6_K")  # ... of them, those of csrc/cpu/gguf_kquants.cpp (256 weights a block)
 
 # (out, in, format, threads, whether the C++ op is loaded) -> the routine measured fastest
 choices: dict[tuple, str] = {}
+# (rows rounded up to a power of two, out, in, format, threads) -> ``cpp`` or ``dequant`` for a step of several
+# rows, where one row's routine is ``cpp`` (``GGUFWeight._routine_for_rows``)
+row_choices: dict[tuple, str] = {}
+DEQUANTIZE_FORMATS = ("Q8_0", "Q4_1", "Q5_0")  # those the C++ op dequantizes (gguf_dequantize)
+_ORIGINAL_DEQUANTIZE = {name: block_format(name).dequantize for name in DEQUANTIZE_FORMATS}
 
 
 class GGUFWeight:
@@ -108,6 +121,8 @@ class GGUFWeight:
             return False
         if routine == "cpp":
             return self.fmt.name in CPP_FORMATS and build.CPU_OP.ready() is not None
+        if routine == "tiles":
+            return self.fmt.name in DEQUANTIZE_FORMATS and build.CPU_OP.ready() is not None
         if routine == "int4pack":
             return (self.fmt.name == "Q4_1" and self.shape[0] % 16 == 0  # (torch's layout)
                     and hasattr(torch, "_weight_int4pack_mm_for_cpu"))
@@ -127,23 +142,60 @@ class GGUFWeight:
         """``x W^T`` for x (rows, in) (or (..., in)), float32 out for float32 in."""
         if x.dim() != 2:
             return self.linear(x.reshape(-1, x.shape[-1]), routine).reshape(*x.shape[:-1], -1)
-        routine = routine or self.routine
-        if routine == "cpp" and (x.shape[0] > CPP_MAX_ROWS or not self.runs("cpp", x)):
+        if routine is None:
+            routine = self.routine
+            if routine == "cpp" and x.shape[0] > 1:  # a step of several rows: measured (below)
+                routine = self._routine_for_rows(x)
+        if routine in ("cpp", "tiles") and (x.shape[0] > CPP_MAX_ROWS
+                                            or not self.runs(routine, x)):
             routine = "dequant"
         if routine == "int4pack" and not self.runs("int4pack", x):
             routine = "dequant"
-        if routine == "cpp":
+        if routine in ("cpp", "tiles"):
             x = x if x.stride(-1) == 1 else x.contiguous()
             module = build.CPU_OP.ready().module
-            op = module.gguf_kquant_linear if self.fmt.name in KQUANTS else module.gguf_linear
+            op = (module.gguf_linear_tiled if routine == "tiles"
+                  else module.gguf_kquant_linear if self.fmt.name in KQUANTS
+                  else module.gguf_linear)
             return op(x, self.blocks, self.fmt.ggml_type)
         if routine == "int4pack":
             packed, scales_zeros = self._int4 if self._int4 is not None else _int4_pack(
                 self.blocks)
             return torch._weight_int4pack_mm_for_cpu(x.contiguous(), packed, 32, scales_zeros)
-        tiles = [F.linear(x, dequantize(part, self.fmt).to(x.dtype))
-                 for part in self.blocks.split(TILE_ROWS)]
+        tiles = [F.linear(x, self._float_rows(part).to(x.dtype))
+                 for part in self.blocks.split(max(1, TILE_WEIGHTS // self.shape[1]))]
         return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+
+    def _float_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """Rows of blocks as float32: by the C++ op where it reads the format (the same
+        values, about 10x faster), else by ``kernels/gguf_blocks.py`` (also where lesson 18
+        put a learner's dequantization in its place)."""
+        op = build.CPU_OP.ready() if part.device.type == "cpu" else None
+        if (op is not None and self.fmt.name in DEQUANTIZE_FORMATS
+                and self.fmt.dequantize is _ORIGINAL_DEQUANTIZE[self.fmt.name]):
+            return op.module.gguf_dequantize(part, self.fmt.ggml_type)
+        return dequantize(part, self.fmt)
+
+    def _routine_for_rows(self, x: torch.Tensor) -> str:
+        """``cpp``, ``tiles`` or ``dequant`` for a step of x's rows: measured once per number
+        of rows (rounded up to a power of two), shape and format. ``cpp`` decodes a block once
+        per 4 rows; ``tiles`` once per step, and BLAS on a dequantized matrix wins for many rows
+        (2026-12-07, 2 Zen 3 cores, SmolLM2's gate/up, 64 rows: cpp 3.6 ms, tiles 1.4, dequant
+        2.0, float32's F.linear 1.7)."""
+        if _forced() is not None or x.shape[0] > CPP_MAX_ROWS or not self.runs("cpp", x):
+            return "cpp"  # (the caller's rules apply: the forced routine, dequant past the rows)
+        key = (1 << (x.shape[0] - 1).bit_length(), *self.shape, self.fmt.name,
+               torch.get_num_threads())  # (rows rounded up to a power of two)
+        name = row_choices.get(key)
+        if name is None:
+            best = {r: float("inf") for r in ("cpp", "tiles", "dequant") if self.runs(r, x)}
+            for _ in range(3):
+                for routine in best:  # in turn: a load that comes and goes hits both
+                    t0 = time.perf_counter()
+                    self.linear(x, routine)
+                    best[routine] = min(best[routine], time.perf_counter() - t0)
+            name = row_choices[key] = min(best, key=best.get)
+        return name
 
 
 def _int4_pack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

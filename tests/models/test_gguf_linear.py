@@ -44,9 +44,10 @@ def test_every_routine_gives_the_dequantized_matmul(cpu_op, name, out, blocks, r
 def test_a_row_s_result_does_not_depend_on_the_batch(cpu_op, name, rows, seed):
     weight = random_weight(name, 37, 2, seed)
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
-    whole = weight.linear(x, "cpp")
-    for i in range(rows):
-        assert torch.equal(weight.linear(x[i:i + 1], "cpp")[0], whole[i])
+    for routine in ("cpp", "tiles") if name in gguf_linear.DEQUANTIZE_FORMATS else ("cpp",):
+        whole = weight.linear(x, routine)
+        for i in range(rows):
+            assert torch.equal(weight.linear(x[i:i + 1], routine)[0], whole[i]), routine
 
 
 def test_the_choice_is_measured_once_per_shape_and_kept(cpu_op):
@@ -88,6 +89,10 @@ def test_the_cpp_op_refuses_bad_blocks(cpu_op):
         cpu_op.module.gguf_linear(torch.randn(2, 31), blocks, 3)
     with pytest.raises(RuntimeError, match="x must be float32"):
         cpu_op.module.gguf_linear(x.double(), blocks, 3)
+    with pytest.raises(RuntimeError, match="gguf_linear_tiled: 32 features need 34 bytes"):
+        cpu_op.module.gguf_linear_tiled(x, blocks, 8)
+    with pytest.raises(RuntimeError, match="gguf_linear_tiled: x must be \\(rows, in\\)"):
+        cpu_op.module.gguf_linear_tiled(torch.randn(32), blocks, 3)
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
@@ -106,3 +111,69 @@ def test_the_cpp_op_gives_one_hot_rows_the_weights_bit_for_bit(cpu_op, name):
     weight.use("cpp")
     got = weight.linear(torch.eye(weight.shape[1]))  # (in, out): row i is column i of W
     assert torch.equal(got.T, weight.dequantize())
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(name=st.sampled_from(gguf_linear.DEQUANTIZE_FORMATS), out=st.integers(1, 40),
+       blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_the_cpp_op_dequantizes_bit_for_bit(cpu_op, name, out, blocks, seed):
+    """The C++ op's float32 weights (the ``dequant`` routine's tiles) are those of
+    ``kernels/gguf_blocks.py``, exactly; with float16 scales of every kind (subnormal,
+    negative, zero) as well as a weight's size."""
+    raw = torch.from_numpy(random_blocks(name, out, blocks, seed))
+    # some blocks' scales drawn from every float16 bit pattern but inf and nan
+    rng = torch.Generator().manual_seed(seed)
+    halves = torch.randint(0, 0x7C00, (out, blocks), generator=rng, dtype=torch.int32)
+    halves |= torch.randint(0, 2, (out, blocks), generator=rng, dtype=torch.int32) << 15
+    as_bytes = torch.stack([halves & 0xFF, halves >> 8], -1).to(torch.uint8)
+    view = raw.view(out, blocks, FORMATS[name].bytes)
+    view[::2, :, 0:2] = as_bytes[::2]
+    if name == "Q4_1":  # (and its m, in the other rows)
+        view[1::2, :, 2:4] = as_bytes[1::2]
+    got = cpu_op.module.gguf_dequantize(raw, FORMATS[name].ggml_type)
+    assert torch.equal(got, GGUFWeight(raw, FORMATS[name]).dequantize())
+
+
+def test_the_cpp_dequantize_refuses_bad_blocks(cpu_op):
+    with pytest.raises(RuntimeError, match="block format 12 is not one this op reads"):
+        cpu_op.module.gguf_dequantize(torch.zeros(2, 144, dtype=torch.uint8), 12)
+    with pytest.raises(RuntimeError, match="not a whole number of 20-byte blocks"):
+        cpu_op.module.gguf_dequantize(torch.zeros(2, 30, dtype=torch.uint8), 3)
+    with pytest.raises(RuntimeError, match="contiguous uint8 CPU tensor"):
+        cpu_op.module.gguf_dequantize(torch.zeros(2, 20), 3)
+
+
+def test_a_step_of_many_rows_measures_its_routine_once(cpu_op, monkeypatch):
+    monkeypatch.setattr(gguf_linear, "row_choices", {})
+    weight = random_weight("Q4_1", 96, 4, 0)
+    weight.use("cpp")
+    x = torch.randn(40, weight.shape[1])
+    first = weight.linear(x)
+    assert list(gguf_linear.row_choices) == [(64, 96, 128, "Q4_1", torch.get_num_threads())]
+    chosen = gguf_linear.row_choices[64, 96, 128, "Q4_1", torch.get_num_threads()]
+    assert torch.equal(first, weight.linear(x, chosen))  # the chosen routine's result
+    assert torch.equal(weight.linear(x[:33]), weight.linear(x[:33], chosen))  # same bucket
+    assert len(gguf_linear.row_choices) == 1
+    weight.linear(x[:1])  # one row: cpp, never measured
+    assert len(gguf_linear.row_choices) == 1
+    monkeypatch.setenv("MINIPAGED_GGUF_ROUTINE", "cpp")  # a fixed routine: every step
+    assert torch.equal(weight.linear(x[:5]), weight.linear(x[:5], "cpp"))
+    assert len(gguf_linear.row_choices) == 1
+
+
+def test_a_learners_dequantization_is_what_dequant_runs(cpu_op, monkeypatch):
+    """Lesson 18 puts the learner's Q4_1 in ``gguf_blocks``' place: the ``dequant`` routine
+    then uses it, not the C++ op's."""
+    from minipaged.kernels import gguf_blocks
+
+    seen = []
+    original = gguf_blocks.dequantize_q4_1
+
+    def learners(blocks):
+        seen.append(blocks.shape)
+        return original(blocks)
+
+    monkeypatch.setattr(gguf_blocks, "dequantize_q4_1", learners)
+    weight = random_weight("Q4_1", 8, 2, 0)
+    weight.linear(torch.randn(3, weight.shape[1]), "dequant")
+    assert seen
