@@ -192,13 +192,14 @@ class LiveBlockTableView(W.VBox):
         self.caption = W.HTML(_caption_html("waiting for the first engine step"))
         self.speed = W.FloatSlider(value=seconds_per_step, min=0.0, max=2.0, step=0.1,
                                    description="s/step", continuous_update=False)
-        # The replay: a Play button and a slider over the kept steps, live once the run is over.
+        # The replay: a Play button and a slider over the kept steps, live once the run is over;
+        # both count engine steps (the number in the caption), as StepPlayer's slider does.
         self.play = W.Play(value=0, min=0, max=0, step=1, interval=int(1000 * SECONDS_PER_STEP),
                            description="replay")
         self.step_slider = W.IntSlider(value=0, min=0, max=0, description="step",
                                        disabled=True)
         W.jslink((self.play, "value"), (self.step_slider, "value"))
-        self.step_slider.observe(lambda change: self._show_frame(change["new"]), names="value")
+        self.step_slider.observe(lambda change: self._show_step(change["new"]), names="value")
         self.view = W.HTML(_figure_html(render_block_tables(engine.block_manager.snapshot(),
                                                             **self.render_kwargs)))
         super().__init__([W.HBox([self.speed, self.play, self.step_slider]), self.caption,
@@ -230,14 +231,20 @@ class LiveBlockTableView(W.VBox):
         """The run is over: show the step that held the most GPU blocks (the first such), not
         the empty pool every run ends on."""
         busiest = max(range(len(self.frames)), key=lambda i: (held_blocks(self.frames[i]), -i))
-        self.step_slider.max = self.play.max = len(self.frames) - 1
+        first, last, shown = self.frames[0].step, self.frames[-1].step, self.frames[busiest].step
+        # Max, then the value, then min: no value is ever out of range, so none is clamped (a
+        # clamped Play value would come back through the browser's link after this one).
+        for widget in (self.play, self.step_slider):  # (the slider's change draws the step)
+            widget.max = max(widget.max, last)
+            widget.value = shown
+            widget.min, widget.max = first, last
         self.step_slider.disabled = False
-        self.play.value = busiest  # the slider follows, and draws that frame
-        self.step_slider.value = busiest
-        self._show_frame(busiest)
+        self._show_step(shown)
 
-    def _show_frame(self, index: int) -> None:
-        if not 0 <= index < len(self.frames):
+    def _show_step(self, step: int) -> None:
+        """Draw the kept frame of engine step ``step`` (the replay's slider value)."""
+        index = next((i for i, f in enumerate(self.frames) if f.step == step), None)
+        if index is None:
             return
         snap = self.frames[index]
         previous = self.frames[index - 1] if index else None

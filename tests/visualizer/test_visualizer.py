@@ -444,11 +444,14 @@ def test_live_view_redraws_once_per_engine_step_then_stays_on_the_busiest(tiny_l
     assert steps == engine.stats.num_steps == 9
     # The run is over: the view shows the step that held the most blocks, not the empty pool.
     most = max(held_blocks(f) for f in view.frames)
-    assert most > 0 and held_blocks(view.frames[view.step_slider.value]) == most
-    assert view.shown_step == view.frames[view.step_slider.value].step
+    # The slider counts engine steps (the caption's number), as StepPlayer's does.
+    shown = next(f for f in view.frames if f.step == view.step_slider.value)
+    assert most > 0 and held_blocks(shown) == most
+    assert (view.step_slider.min, view.step_slider.max) == (1, engine.stats.num_steps)
+    assert view.shown_step == view.step_slider.value
     assert f"engine step {view.shown_step}:" in view.caption.value
     assert "the most blocks" in view.caption.value and view.last_svg not in view.view.value
-    view.step_slider.value = len(view.frames) - 1  # the replay draws any kept step
+    view.step_slider.value = engine.stats.num_steps  # the replay draws any kept step
     assert view.shown_step == engine.stats.num_steps and view.last_svg in view.view.value
 
     # And through generate(): still one redraw per step; the last drawing is the final state.
