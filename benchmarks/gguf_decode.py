@@ -149,7 +149,8 @@ def main() -> None:
 
     systems = {"minipaged gguf": lambda: minipaged_runner(model, prompt_ids,
                                                           quantization="gguf"),
-               "minipaged float32": lambda: minipaged_runner(model, prompt_ids),
+               "minipaged float32": lambda: minipaged_runner(model, prompt_ids,
+                                                             quantization="none"),
                "transformers": lambda: transformers_runner(gguf_path, prompt_ids)}
     skip = {"gguf": "minipaged gguf", "float32": "minipaged float32"}
     skipped = {skip.get(s, s) for s in args.skip}

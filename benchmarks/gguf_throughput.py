@@ -4,7 +4,7 @@
     python benchmarks/gguf_throughput.py --small      # 8 short requests: seconds
 
 The same trace as ``benchmarks/throughput.py`` (``make_trace``: uniform lengths, seeded), all
-requests at once, greedy, on ``LLM(quantization="gguf")`` and on ``LLM()`` (float32) in turn
+requests at once, greedy, on ``LLM(quantization="gguf")`` and ``LLM(quantization="none")`` in turn
 (``--repeats`` rounds, the fastest kept): the generated tokens per second, the speed-up, and
 whether the two engines' greedy tokens are the same for every request.
 """
@@ -47,7 +47,7 @@ def main() -> None:
     num, prompt, output = ((8, (8, 24), (4, 8)) if args.small
                            else (args.num_requests, (16, 256), (16, 128)))
     settings = dict(dtype="float32", max_model_len=512, kv_cache_bytes=1 << 30)
-    engines = {"gguf": LLM(quantization="gguf", **settings), "float32": LLM(**settings)}
+    engines = {"gguf": LLM(quantization="gguf", **settings), "float32": LLM(quantization="none", **settings)}
     vocab = engines["float32"].llm_engine.hf_config.vocab_size
     trace = make_trace("uniform", num, prompt, output, 2048, vocab, seed=0)
     for llm in engines.values():  # (a first run: caches, threads, the routines' set-up)

@@ -22,7 +22,9 @@ from minipaged.validation import as_int, as_number, shown
 
 GiB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # what the KV cache holds (lesson 18)
-QUANTIZATIONS = ("gguf",)  # how the weights are held, besides dtype: the file's own blocks
+# How the weights are held: "gguf" (the file's own blocks) or "none" (converted to dtype); not
+# given (None), the engine decides (engine/llm_engine.py's held_weights)
+QUANTIZATIONS = ("gguf", "none")
 DEFAULT_KV_CACHE_BYTES = GiB  # the CPU pool's budget when no kv_cache_bytes is given
 logger = logging.getLogger("minipaged")
 
@@ -104,7 +106,7 @@ _RULES = {
     "kv_cache_dtype": (lambda v: v if v in KV_CACHE_DTYPES else None, lambda v: True,
                        "one of " + ", ".join(map(repr, KV_CACHE_DTYPES))),
     "quantization": (lambda v: v if v in QUANTIZATIONS else None, lambda v: True,
-                     "None or 'gguf'"),
+                     "None, 'gguf' or 'none'"),
 }
 
 # -- the settings ------------------------------------------------------------------------------
@@ -217,10 +219,12 @@ class EngineConfig:
               "ending in .perfetto-trace or .pftrace gets Perfetto's protobuf format")
 
     quantization: str | None = setting(
-        None, "None (the weights in dtype) or gguf: the linear layers and the embedding hold the "
-              "GGUF file's blocks as stored (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), dequantized inside "
-              "each matmul (models/gguf_linear.py); for the embedded model, gemma-3-270m or a path "
-              "to a .gguf file, on one CPU process", choices=QUANTIZATIONS)
+        None, "gguf: the linear layers and the embedding hold the GGUF file's blocks as stored "
+              "(Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), dequantized inside each matmul "
+              "(models/gguf_linear.py), for the embedded model, gemma-3-270m or a path to a "
+              ".gguf file, on one CPU process; none: the weights converted to dtype; not given: "
+              "gguf for the embedded model on one CPU process in float32 (measured faster, the "
+              "same tokens: benchmarks/RESULTS.md), else none", choices=QUANTIZATIONS)
 
     @classmethod
     def from_settings(cls, model: str | None = None, **settings) -> EngineConfig:

@@ -60,7 +60,9 @@ class LLMEngine:
         start_building_ops(resolved_device)  # a first run's compile overlaps the model's loading
 
         # -- the model ---------------------------------------------------------------------------
-        if cfg.quantization == "gguf":  # the file's blocks as stored
+        # (the config keeps what was asked; ``quantization`` is what the engine chose)
+        self.quantization = held_weights(cfg, resolved_device)
+        if self.quantization == "gguf":  # the file's blocks as stored
             source, weights = checkpoint.resolve_quantized(cfg.model)
             load_format = "gguf"
         else:
@@ -338,3 +340,20 @@ class LLMEngine:
             self.stats.num_aborted_by_engine += 1
             self._forget(seq_group, aborted=True)
         return aborted
+
+
+def held_weights(cfg: EngineConfig, device: torch.device) -> str:
+    """How the engine holds the weights: ``cfg.quantization`` where given ("gguf" or "none"); not
+    given, "gguf" for the embedded model on one CPU process in float32 (its Q4_1 blocks as the
+    file stores them: single-stream decode 2.3x and the 64-request trace 1.06x float32's on a
+    2-core CPU, the same greedy tokens; benchmarks/RESULTS.md), else "none" (the weights
+    converted to ``cfg.dtype``). ``quantization="none"`` keeps float32 weights to read, as the
+    lessons that read them do."""
+    if cfg.quantization is not None:
+        return cfg.quantization
+    float32 = cfg.dtype in ("auto", "float32", "float", torch.float32)
+    one_cpu_process = device.type == "cpu" and cfg.tensor_parallel_size == 1
+    plain_load = cfg.load_format == "auto" and cfg.hf_config is None
+    if checkpoint.is_embedded(cfg.model) and float32 and one_cpu_process and plain_load:
+        return "gguf"
+    return "none"

@@ -34,7 +34,7 @@ def main(model: str | None = None, weights: str = "auto") -> int:
             the embedded model, 1.06x on the 64-request trace), else float32.
     """
     weights = chosen_weights(model, weights)
-    settings = {"quantization": "gguf"} if weights == "gguf" else {}
+    settings = {"quantization": "gguf" if weights == "gguf" else "none"}
     t0 = time.perf_counter()
     llm = LLM(model, **settings)  # float32: a packaged model converted on first use, then cached
     load_s = time.perf_counter() - t0

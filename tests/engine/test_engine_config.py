@@ -151,3 +151,30 @@ def test_from_engine_args_builds_the_engine_its_config_describes(tiny_llama):
     assert engine.block_manager.block_size == 8 and engine.scheduler.config.max_num_seqs == 3
     with pytest.raises(TypeError, match="engine_args must be an EngineConfig, got dict"):
         LLMEngine.from_engine_args({"model": path})
+
+
+def test_the_embedded_model_is_held_as_its_gguf_blocks_where_that_was_measured_faster():
+    """Not given, ``quantization`` is "gguf" for the embedded model on one CPU process in
+    float32 only (benchmarks/RESULTS.md: faster, the same tokens); "none" everywhere else, and
+    what is given is kept. The config keeps what was asked."""
+    import torch
+
+    from minipaged.config import EngineConfig
+    from minipaged.engine.llm_engine import held_weights
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def held(model=None, device=cpu, **settings):
+        config = EngineConfig.from_settings(model, **settings)
+        chosen = held_weights(config, device)
+        assert config.quantization == settings.get("quantization")  # (not changed)
+        return chosen
+
+    assert held() == held("SmolLM2-135M-Instruct") == held(dtype="float32") == "gguf"
+    assert held(quantization="none") == "none" and held(quantization="gguf") == "gguf"
+    for settings in (dict(device=cuda), dict(dtype="bfloat16"), dict(dtype="float16"),
+                     dict(tensor_parallel_size=2), dict(load_format="dummy"),
+                     dict(model="/some/llama_folder"), dict(model="gemma-3-270m")):
+        assert held(**settings) == "none", settings
+    with pytest.raises(ValueError, match="quantization must be None, 'gguf' or 'none'"):
+        EngineConfig.from_settings(None, quantization="float32")

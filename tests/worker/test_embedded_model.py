@@ -48,6 +48,7 @@ def test_embedded_config_is_the_documented_shape(llm):
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_size) == \
         (30, 9, 3, 64)
     assert engine.hf_config.tie_word_embeddings
+    assert engine.quantization == "gguf"  # LLM()'s default for it on a CPU (issue 58)
     assert engine.hf_config.rope_parameters["rope_theta"] == 100000.0
 
 

@@ -21,7 +21,7 @@ SETTINGS = dict(block_size=16, num_gpu_blocks=64, max_model_len=512, dtype="floa
 
 @pytest.fixture(scope="module")
 def llms():
-    return LLM(quantization="gguf", **SETTINGS), LLM(**SETTINGS)
+    return LLM(quantization="gguf", **SETTINGS), LLM(quantization="none", **SETTINGS)
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ def test_quantization_needs_a_gguf_file(tiny_llama):
     path, _ = tiny_llama
     with pytest.raises(ValueError, match="quantization='gguf' reads a GGUF file"):
         LLM(path, quantization="gguf")
-    with pytest.raises(ValueError, match="quantization must be None or 'gguf'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'gguf' or 'none'"):
         LLM(path, quantization="awq")
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         LLM(path, quantization="gguf", tensor_parallel_size=2)

@@ -189,7 +189,7 @@ def test_embedded_smollm2_on_three_ranks_matches_one_rank_and_ends_with_del():
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     small_pool = dict(kv_cache_bytes=1 << 26, swap_space=0.01)
-    reference = LLM(**small_pool).chat(chat, params, use_tqdm=False)
+    reference = LLM(quantization="none", **small_pool).chat(chat, params, use_tqdm=False)
     parallel = LLM(tensor_parallel_size=3, **small_pool)
     _assert_same_outputs(reference, parallel.chat(chat, params, use_tqdm=False))
     engine = parallel.llm_engine
