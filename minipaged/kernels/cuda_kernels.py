@@ -213,6 +213,16 @@ class CudaKernels:
         self.module.silu_and_mul(out, gate, up)
         return out
 
+    # -- x W^T with W as GGUF blocks (csrc/gguf_matmul.cu, models/gguf_linear.py's ``cuda``) -----
+    def gguf_linear(self, x, blocks, ggml_type):
+        """``x W^T`` for x (..., in) and W as uint8 rows of GGUF blocks of format ``ggml_type``
+        (the file's number), dequantized inside the dot product; x's dtype out."""
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x
+        if rows.dim() == 2 and rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = self.module.gguf_linear(rows, blocks, int(ggml_type))
+        return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() > 1 else out
+
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         pairs = [(src, dst) for src, dsts in block_mapping.items() for dst in dsts]
         if pairs:

@@ -46,7 +46,7 @@ from minipaged.kernels.build import CSRC, CUDA_HEADERS, CUDA_PROBE, JitBuild, co
 from minipaged.kernels.cuda_kernels import CudaKernels
 
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
-CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu")
+CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu", "gguf_matmul.cu")
 RUNTIME_SOURCES = ("cuda_on_cpu.cpp",)
 # MINIPAGED_ALL_PARTS: every instance of paged_attention.cu from that one file (the GPU build
 # splits them over three files: see "three translation units" there)
