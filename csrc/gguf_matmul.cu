@@ -116,7 +116,8 @@ struct Q6_K {
   static constexpr int TYPE = 14, WEIGHTS = 256, BYTES = 210;
   __device__ static void slice(const uint8_t* b, int s, float w[SLICE]) {
     const int half = s / 16, group = (s % 16) / 4, i = SLICE * (s % 4);  // i: within the group
-    const float d = scaled(half_at(b + 208), (float)reinterpret_cast<const int8_t*>(b + 192)[s / 2]);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);  // one per 16 weights
+    const float d = scaled(half_at(b + 208), (float)scales[s / 2]);
     const uint8_t* low = b + 64 * half + 32 * (group % 2) + i;
     const uint8_t* high = b + 128 + 32 * half + i;
     const int shift = group < 2 ? 0 : 4;

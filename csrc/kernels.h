@@ -65,7 +65,8 @@ int minipaged_reshape_and_cache_8bit(const void* key, const void* value, void* k
                                      int dtype, int cache_dtype, cudaStream_t stream);
 // gguf_matmul.cu: out [rows, out_features] = x [rows, in_features] W^T, W as rows of GGUF blocks
 // (ggml_type: 8 = Q8_0, 3 = Q4_1, 6 = Q5_0, 12 = Q4_K, 14 = Q6_K); x rows x_stride apart, out
-// contiguous, dtype as above. -14: another ggml_type; -15: in_features is no whole number of blocks.
+// contiguous, dtype as above. -14: another ggml_type; -15: in_features is not a whole number of
+// blocks.
 int minipaged_gguf_linear(void* out, const void* x, const void* weight, int ggml_type, int rows,
                           int out_features, int in_features, int64_t x_stride, int dtype,
                           cudaStream_t stream);

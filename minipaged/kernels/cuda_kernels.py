@@ -10,6 +10,7 @@ builds the same files for the CPU and wraps them in the same class. Its operatio
                     window=None) -> out
     copy_blocks(key_caches, value_caches, block_mapping: dict[int, list[int]])
     swap_blocks(src, dst, block_mapping: dict[int, int])
+    gguf_linear(x, blocks, ggml_type) -> x W^T   (W as GGUF blocks: csrc/gguf_matmul.cu)
 
 The paged-attention kernel is instantiated for the head sizes, block sizes and dtypes below
 (``supports_paged_attention``); ``minipaged.kernels.ops`` sends other shapes to the torch

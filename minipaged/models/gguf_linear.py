@@ -194,10 +194,10 @@ class GGUFWeight:
     def _routine_for_rows(self, x: torch.Tensor, own: str = "cpp") -> str:
         """For a step of x's rows where one row runs ``own``: one of ``ROW_ROUTINES[own]``
         (``cpp``, ``tiles`` or ``dequant``; ``cuda`` or ``dequant`` on a GPU), measured once per
-        number of rows (rounded up to a power of two), shape and format. ``cpp`` decodes a block once
-        per 4 rows; ``tiles`` once per step, and BLAS on a dequantized matrix wins for many rows
-        (2026-12-07, 2 Zen 3 cores, SmolLM2's gate/up, 64 rows: cpp 3.6 ms, tiles 1.4, dequant
-        2.0, float32's F.linear 1.7)."""
+        number of rows (rounded up to a power of two), shape and format. ``cpp`` decodes a block
+        once per 4 rows; ``tiles`` once per step, and BLAS on a dequantized matrix wins for many
+        rows (2026-12-07, 2 Zen 3 cores, SmolLM2's gate/up, 64 rows: cpp 3.6 ms, tiles 1.4,
+        dequant 2.0, float32's F.linear 1.7)."""
         if _forced() is not None or x.shape[0] > CPP_MAX_ROWS or not self.runs(own, x):
             return own  # (the caller's rules apply: the forced routine, dequant past the rows)
         key = (1 << (x.shape[0] - 1).bit_length(), *self.shape, self.fmt.name,
