@@ -136,3 +136,35 @@ def test_the_weight_s_cuda_routine_is_this_kernel(kernels, monkeypatch):
         x = torch.randn(3, weight.shape[1])
         check_product(weight.linear(x, "cuda"), x, weight.blocks, name)
         check_product(weight.linear(x[:1], "cuda"), x[:1], weight.blocks, name)
+
+
+def test_a_model_whose_matmuls_all_run_this_kernel(kernels, monkeypatch, tmp_path):
+    """A tiny random LLaMA written as GGUF (Q4_1 layers, Q8_0 embedding and head), every matmul
+    forced to ``cuda`` (the kernels faked as present on this device): its teacher-forced logits
+    equal those of the CPU's routines within float tolerance. (tests/gpu/test_gguf_gpu.py runs
+    the same on a GPU, and greedy tokens against transformers'.)"""
+    from minipaged.engine.llm_engine import LLMEngine
+    from minipaged.lab.tiny_gguf import save_tiny_gguf
+    from minipaged.worker import checkpoint
+    from minipaged.worker.gguf_loader import quantized_weights
+    from paged_forward import teacher_forced_logits
+
+    pytest.importorskip("gguf")
+    monkeypatch.setattr(checkpoint, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(gguf_linear, "choices", {})
+    monkeypatch.setattr(gguf_linear, "row_choices", {})
+    path, _ = save_tiny_gguf(str(tmp_path), seed=3)
+    settings = dict(block_size=16, num_gpu_blocks=16, max_model_len=64, dtype="float32")
+    on_cpu = LLMEngine(path, quantization="gguf", **settings)
+    monkeypatch.setattr(gguf_linear, "_cuda_op", lambda device: kernels)
+    monkeypatch.setenv("MINIPAGED_GGUF_ROUTINE", "cuda")
+    ours = LLMEngine(path, quantization="gguf", **settings)
+    assert {w.routine for w in quantized_weights(ours.worker.model)} == {"cuda"}
+    launches = kernels.module.counters()[0]
+    prompts = [[5, 17, 200, 3, 64, 9, 31, 77]]  # a prompt of 6, then 2 decode steps
+    got = teacher_forced_logits(ours, prompts, num_prefill=6, block_size=16)
+    assert kernels.module.counters()[0] > launches
+    expected = teacher_forced_logits(on_cpu, prompts, num_prefill=6, block_size=16)
+    for a, b in zip(got, expected):
+        assert b.abs().max() > 1.0
+        torch.testing.assert_close(a, b, atol=5e-4, rtol=1e-3)
