@@ -34,7 +34,7 @@
 #include <cstdint>
 
 #include "kernels.h"     // the extern "C" declarations: the compiler checks they match
-#include "kv_quant.cuh"  // to_float
+#include "kv_quant.cuh"  // to_float, from_float
 
 namespace minipaged {
 namespace gguf {
@@ -129,15 +129,6 @@ struct Q6_K {
   }
 };
 
-template <typename T> __device__ __forceinline__ T round_to(float v);
-template <> __device__ __forceinline__ float round_to<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half round_to<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 round_to<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
 // out [rows, out_features] (contiguous) = x [rows, in_features] (rows x_stride apart) W^T.
 template <typename F, typename T>
 __global__ void __launch_bounds__(WARPS * WARP) gguf_matmul_kernel(
@@ -171,7 +162,7 @@ __global__ void __launch_bounds__(WARPS * WARP) gguf_matmul_kernel(
     }
     if (lane == 0) {
       for (int r = 0; r < count; ++r) {
-        out[(int64_t)(r0 + r) * out_features + n] = round_to<T>(acc[r]);
+        out[(int64_t)(r0 + r) * out_features + n] = from_float<T>(acc[r]);
       }
     }
   }

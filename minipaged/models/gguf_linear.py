@@ -201,7 +201,7 @@ class GGUFWeight:
         if _forced() is not None or x.shape[0] > CPP_MAX_ROWS or not self.runs(own, x):
             return own  # (the caller's rules apply: the forced routine, dequant past the rows)
         key = (1 << (x.shape[0] - 1).bit_length(), *self.shape, self.fmt.name,
-               _where(x))  # (rows rounded up to a power of two)
+               _where(x.device, x.dtype))  # (rows rounded up to a power of two)
         name = row_choices.get(key)
         if name is None:
             best = {r: float("inf") for r in ROW_ROUTINES[own] if self.runs(r, x)}
@@ -234,9 +234,9 @@ def _cuda_op(device: torch.device):
     return build.CUDA_OP.load() if device.type == "cuda" else None
 
 
-def _where(x: torch.Tensor):
+def _where(device: torch.device, dtype: torch.dtype):
     """What a measurement depends on besides the shape: the threads (CPU), x's dtype (GPU)."""
-    return torch.get_num_threads() if x.device.type == "cpu" else str(x.dtype)
+    return torch.get_num_threads() if device.type == "cpu" else str(dtype)
 
 
 def _seconds(run, device: torch.device) -> float:
@@ -259,10 +259,11 @@ def choose_routine(weight: GGUFWeight, tries: int = 5) -> str:
     if forced is not None and weight.runs(forced):
         weight.use(forced)
         return forced
-    x = torch.randn(1, weight.shape[1], device=weight.blocks.device)
-    key = (*weight.shape, weight.fmt.name, _where(x), build.CPU_OP.ready() is not None)
+    key = (*weight.shape, weight.fmt.name, _where(weight.blocks.device, torch.float32),
+           build.CPU_OP.ready() is not None)
     name = choices.get(key)
     if name is None:
+        x = torch.randn(1, weight.shape[1], device=weight.blocks.device)
         trials = {}
         # ``dequant`` does ``cpp``'s work and more (it writes the float tile and reads it again):
         # measured only where nothing else runs (a noisy measurement once chose it). On a GPU
