@@ -63,6 +63,13 @@ int minipaged_reshape_and_cache_8bit(const void* key, const void* value, void* k
                                      int num_kv_heads, int head_size, int block_size,
                                      int64_t key_token_stride, int64_t value_token_stride,
                                      int dtype, int cache_dtype, cudaStream_t stream);
+// gguf_matmul.cu: out [rows, out_features] = x [rows, in_features] W^T, W as rows of GGUF blocks
+// (ggml_type: 8 = Q8_0, 3 = Q4_1, 6 = Q5_0, 12 = Q4_K, 14 = Q6_K); x rows x_stride apart, out
+// contiguous, dtype as above. -14: another ggml_type; -15: in_features is not a whole number of
+// blocks.
+int minipaged_gguf_linear(void* out, const void* x, const void* weight, int ggml_type, int rows,
+                          int out_features, int in_features, int64_t x_stride, int dtype,
+                          cudaStream_t stream);
 int minipaged_copy_blocks(const int64_t* key_cache_ptrs, const int64_t* value_cache_ptrs,
                           const int64_t* block_pairs, int num_layers, int num_pairs,
                           int64_t key_block_bytes, int64_t value_block_bytes,

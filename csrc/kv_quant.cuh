@@ -78,6 +78,15 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(int8_t c) { return (float)c; }
 __device__ __forceinline__ float to_float(fp8_e4m3 c) { return fp8_to_float(c.bits); }
+// ... and a float as T, rounded to nearest even (torch's rounding to a half or bfloat16 tensor).
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // y already clamped to [-max, max].
 __host__ __device__ __forceinline__ void float_to_code(float y, int8_t& out) {

@@ -28,7 +28,7 @@
 #include <cstdint>
 
 #include "kernels.h"     // the extern "C" declarations: the compiler checks they match
-#include "kv_quant.cuh"  // to_float
+#include "kv_quant.cuh"  // to_float, from_float
 
 namespace minipaged {
 namespace layer {
@@ -38,14 +38,7 @@ constexpr int NORM_THREADS = 256;
 constexpr int ROTARY_THREADS = 128;
 constexpr int ELEMENTWISE_THREADS = 256;
 
-template <typename T> __device__ __forceinline__ T round_to(float v);
-template <> __device__ __forceinline__ float round_to<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half round_to<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 round_to<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+template <typename T> __device__ __forceinline__ T round_to(float v) { return from_float<T>(v); }
 // The value a torch op on T tensors produces: computed in float, rounded to T.
 template <typename T> __device__ __forceinline__ float in_t(float v) {
   return to_float(round_to<T>(v));

@@ -71,6 +71,8 @@ void check_code(int code, const std::string& what) {
                     "head, head sizes 64 and 128 and a 16- or 32-bit cache"; break;
     case -12: why = "the reduce mode must be 0 (a reduce kernel) or 1 (fused)"; break;
     case -13: why = "window must be a number of tokens >= 0 (0: the whole context)"; break;
+    case -14: why = "unsupported GGUF block format"; break;
+    case -15: why = "in_features is not a whole number of the format's blocks"; break;
     default:
       why = code > 0 ? std::string("CUDA error: ") +
                            cudaGetErrorString(static_cast<cudaError_t>(code)) + error_detail()
@@ -627,6 +629,54 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate, torch::Tensor up) {
              "silu_and_mul");
 }
 
+// ---------------------------------------------------------------------------------------------
+// y = x W^T with W as the rows of GGUF blocks a file stores (gguf_matmul.cu, issue 58)
+// ---------------------------------------------------------------------------------------------
+struct GGUFFormat {
+  int64_t type;  // the number a GGUF file writes
+  const char* name;
+  int64_t weights, bytes;  // per block
+};
+constexpr GGUFFormat kGGUFFormats[] = {
+    {8, "Q8_0", 32, 34}, {3, "Q4_1", 32, 20}, {6, "Q5_0", 32, 22}, {12, "Q4_K", 256, 144},
+    {14, "Q6_K", 256, 210}};
+
+// x [rows, in_features] (a contiguous last dimension; float32, float16 or bfloat16), weight
+// uint8 [out_features, bytes per row] of format ggml_type -> [rows, out_features] in x's dtype.
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor weight, int64_t ggml_type) {
+  const GGUFFormat* fmt = nullptr;
+  for (const auto& f : kGGUFFormats) fmt = f.type == ggml_type ? &f : fmt;
+  TORCH_CHECK(fmt != nullptr, "gguf_linear: GGUF block format ", ggml_type, " is not "
+              "supported: the kernel reads Q8_0 (8), Q4_1 (3), Q5_0 (6), Q4_K (12), Q6_K (14)");
+  check_device(x, "gguf_linear: x", x.device());
+  check_device(weight, "gguf_linear: weight", x.device());
+  const int dtype = dtype_code(x);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "gguf_linear: x must be [rows, in_features] "
+              "with a contiguous last dimension, got sizes ", x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "gguf_linear: weight must be a contiguous uint8 [out_features, bytes per row] "
+              "tensor of blocks, got ", weight.scalar_type(), " ", weight.sizes(),
+              weight.is_contiguous() ? "" : " (not contiguous)");
+  const int64_t in = x.size(1), rows = x.size(0), out_features = weight.size(0);
+  TORCH_CHECK(in % fmt->weights == 0, "gguf_linear: in_features = ", in, " is not a multiple of ",
+              fmt->name, "'s ", fmt->weights, " weights per block");
+  TORCH_CHECK(weight.size(1) == in / fmt->weights * fmt->bytes, "gguf_linear: weight rows hold ",
+              weight.size(1), " bytes, but ", in, " inputs of ", fmt->name, " take ",
+              in / fmt->weights * fmt->bytes, " (", in / fmt->weights, " blocks of ", fmt->bytes,
+              ")");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(weight.data_ptr()) % 2 == 0,
+              "gguf_linear: weight must start on an even address (its float16 scales)");
+  TORCH_CHECK(rows <= INT32_MAX && out_features <= INT32_MAX && in <= INT32_MAX,
+              "gguf_linear: rows, in_features and out_features must each be below 2^31");
+  auto out = torch::empty({rows, out_features}, x.options());
+  const DeviceGuard guard(x.device());
+  check_code(minipaged_gguf_linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                                   (int)ggml_type, (int)rows, (int)out_features, (int)in,
+                                   x.stride(0), dtype, current_stream()),
+             "gguf_linear");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -674,6 +724,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary(q_out, k_out, q, k, positions, cos, sin): rotate-half RoPE");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(out, gate, up): out = silu(gate) * up");
   m.def("swap_blocks", &swap_blocks, "swap_blocks(src, dst, block_pairs)");
+  m.def("gguf_linear", &gguf_linear,
+        "gguf_linear(x, weight, ggml_type) -> x W^T, W as uint8 rows of GGUF blocks (Q8_0, "
+        "Q4_1, Q5_0, Q4_K, Q6_K) dequantized inside the dot product");
 #ifdef MINIPAGED_CUDA_ON_CPU
   m.def("set_device", [](int device) { check_code((int)cudaSetDevice(device), "set_device"); },
         "the emulated GPU whose limits apply: 0 = H100 (sm_90), 1 = A100 (sm_80)");

@@ -44,6 +44,12 @@ NO_GPU_CALLS = [
     ("swap_blocks, host to host",
      "m.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 8), torch.tensor([[0, 7]]))",
      r"src or dst must be a CUDA tensor"),
+    ("gguf_linear, a block format it does not read",
+     "m.gguf_linear(torch.zeros(1, 32), torch.zeros(1, 34, dtype=torch.uint8), 7)",
+     r"GGUF block format 7 is not supported: the kernel reads Q8_0 \(8\)"),
+    ("gguf_linear on host tensors",
+     "m.gguf_linear(torch.zeros(1, 32), torch.zeros(1, 34, dtype=torch.uint8), 8)",
+     r"gguf_linear: x must be a CUDA tensor, got cpu"),
 ]
 
 

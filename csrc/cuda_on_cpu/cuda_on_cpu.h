@@ -92,6 +92,9 @@ inline unsigned __float_as_uint(float v) { return cuda_on_cpu_bit_cast<unsigned>
 inline int __float_as_int(float v) { return cuda_on_cpu_bit_cast<int>(v); }
 inline float __expf(float v) { return expf(v); }
 inline float __fdividef(float a, float b) { return a / b; }
+// one rounding each, never fused with a neighbour into an fma (the host build makes no fma)
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 
 // ---- half precision: storage types and round-to-nearest-even conversions ---------------------
 struct __attribute__((may_alias, aligned(2))) __half {

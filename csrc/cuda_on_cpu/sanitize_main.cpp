@@ -217,6 +217,53 @@ void cache_cases() {
   report("swap_blocks float16", ok, 0);
 }
 
+// ---- x W^T with W as GGUF blocks (gguf_matmul.cu) ------------------------------------------------
+// Every format over exact-size blocks and rows (ragged: 5 rows of x, 7 weight rows, two blocks
+// of 256 weights a row), the codes random and the float16 scales set to 1/64 (Q6_K's int8
+// scales to 1): every output must be finite, and Q8_0's (w = d * q) equal a double reference.
+void gguf_cases() {
+  if (!selected("gguf_linear")) return;
+  struct Format { int type, weights, bytes; std::vector<int> halves; const char* name; };
+  const Format formats[] = {{8, 32, 34, {0}, "Q8_0"}, {3, 32, 20, {0, 2}, "Q4_1"},
+                            {6, 32, 22, {0}, "Q5_0"}, {12, 256, 144, {0, 2}, "Q4_K"},
+                            {14, 256, 210, {208}, "Q6_K"}};
+  constexpr int rows = 5, out_features = 7, in_features = 512;
+  const auto x = randn<float>((size_t)rows * in_features);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const auto& f : formats) {
+    const int blocks = in_features / f.weights;
+    std::vector<uint8_t> w((size_t)out_features * blocks * f.bytes);
+    for (auto& b : w) b = (uint8_t)byte(rng);
+    const __half scale = from_f<__half>(1.f / 64);
+    for (size_t b = 0; b < (size_t)out_features * blocks; ++b) {
+      for (int at : f.halves) std::memcpy(&w[b * f.bytes + at], &scale, 2);
+      if (f.type == 14) std::memset(&w[b * f.bytes + 192], 1, 16);
+    }
+    std::vector<float> y((size_t)rows * out_features);
+    const int code = minipaged_gguf_linear(y.data(), x.data(), w.data(), f.type, rows,
+                                           out_features, in_features, in_features, 0, nullptr);
+    bool ok = code == 0;
+    double err = 0;
+    for (int r = 0; r < rows; ++r) {
+      for (int n = 0; n < out_features; ++n) {
+        const float got = y[(size_t)r * out_features + n];
+        ok = ok && std::isfinite(got);
+        if (f.type != 8) continue;
+        double ref = 0, size = 0;
+        for (int k = 0; k < in_features; ++k) {
+          const double q = (int8_t)w[((size_t)n * blocks + k / 32) * 34 + 2 + k % 32] / 64.0;
+          ref += q * x[(size_t)r * in_features + k];
+          size += std::fabs(q * x[(size_t)r * in_features + k]);
+        }
+        err = std::max(err, std::fabs(got - ref) / size);
+      }
+    }
+    char name[64];
+    std::snprintf(name, sizeof name, "gguf_linear %s float32", f.name);
+    report(name, ok && err < 1e-5, err);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -252,6 +299,7 @@ int main(int argc, char** argv) {
   minipaged_force_partition_size(0);
   minipaged_set_v2_reduce(0);
   cache_cases();
+  gguf_cases();
   std::printf("%s\n", failures ? "FAILED" : "all cases passed");
   return failures ? 1 : 0;
 }

@@ -345,7 +345,8 @@ CUDA_PROBE = ("m.copy_blocks([torch.zeros(6, 1, 1, 16, 4)], [torch.zeros(6, 1, 4
               "torch.tensor([[0, 9]]))", r"block numbers must be in \[0, 6\)")
 # paged_attention.cu is compiled three times, each a part of its instances (see that file)
 CUDA_SOURCES = ("torch_bindings.cpp", "paged_attention.cu", "paged_attention_8bit.cu",
-                "paged_attention_grouped.cu", "cache_kernels.cu", "layer_kernels.cu")
+                "paged_attention_grouped.cu", "cache_kernels.cu", "layer_kernels.cu",
+                "gguf_matmul.cu")
 # NOTE: every header beside them, so that a new one is copied into the build folder and part of
 # its digest without anyone having to list it (a build compiles from that copy).
 CUDA_HEADERS = tuple(sorted([*CSRC.glob("*.h"), *CSRC.glob("*.cuh")]))

@@ -10,6 +10,7 @@ builds the same files for the CPU and wraps them in the same class. Its operatio
                     window=None) -> out
     copy_blocks(key_caches, value_caches, block_mapping: dict[int, list[int]])
     swap_blocks(src, dst, block_mapping: dict[int, int])
+    gguf_linear(x, blocks, ggml_type) -> x W^T   (W as GGUF blocks: csrc/gguf_matmul.cu)
 
 The paged-attention kernel is instantiated for the head sizes, block sizes and dtypes below
 (``supports_paged_attention``); ``minipaged.kernels.ops`` sends other shapes to the torch
@@ -212,6 +213,16 @@ class CudaKernels:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         self.module.silu_and_mul(out, gate, up)
         return out
+
+    # -- x W^T with W as GGUF blocks (csrc/gguf_matmul.cu, models/gguf_linear.py's ``cuda``) -----
+    def gguf_linear(self, x, blocks, ggml_type):
+        """``x W^T`` for x (..., in) and W as uint8 rows of GGUF blocks of format ``ggml_type``
+        (the file's number), dequantized inside the dot product; x's dtype out."""
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x
+        if rows.dim() == 2 and rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = self.module.gguf_linear(rows, blocks, int(ggml_type))
+        return out.view(*x.shape[:-1], out.shape[-1]) if x.dim() > 1 else out
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         pairs = [(src, dst) for src, dsts in block_mapping.items() for dst in dsts]

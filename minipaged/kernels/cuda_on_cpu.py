@@ -1,7 +1,7 @@
 """The real CUDA kernels of ``csrc/``, compiled for the CPU and run lane by lane (lessons 05, 06).
 
-``load()`` compiles ``csrc/paged_attention.cu``, ``csrc/cache_kernels.cu`` and
-``csrc/torch_bindings.cpp`` with the host C++ compiler (``torch.utils.cpp_extension``, cached on
+``load()`` compiles the ``.cu`` files of ``CU_SOURCES`` (``csrc/paged_attention.cu`` and the
+others) and ``csrc/torch_bindings.cpp`` with the host C++ compiler (``torch.utils.cpp_extension``, cached on
 disk) against ``csrc/cuda_on_cpu/cuda_on_cpu.h``, a small CUDA runtime in which every CUDA
 thread is a host thread: ``__syncthreads`` is a real barrier of the block, ``__shfl_xor_sync`` a
 real exchange among the 32 lanes of a warp, shared memory is sized as on an sm_90 GPU, fp16/bf16
@@ -46,7 +46,7 @@ from minipaged.kernels.build import CSRC, CUDA_HEADERS, CUDA_PROBE, JitBuild, co
 from minipaged.kernels.cuda_kernels import CudaKernels
 
 RUNTIME_DIR = CSRC / "cuda_on_cpu"
-CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu")
+CU_SOURCES = ("paged_attention.cu", "cache_kernels.cu", "layer_kernels.cu", "gguf_matmul.cu")
 RUNTIME_SOURCES = ("cuda_on_cpu.cpp",)
 # MINIPAGED_ALL_PARTS: every instance of paged_attention.cu from that one file (the GPU build
 # splits them over three files: see "three translation units" there)

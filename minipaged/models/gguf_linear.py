@@ -3,7 +3,7 @@
 ``GGUFWeight`` holds a linear layer's weight (out, in) as the file's rows of blocks
 (``kernels/gguf_blocks.py``: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), never as float32: the embedded
 SmolLM2's layers take 0.625 bytes a weight (Q4_1) instead of 4. ``linear(x)`` computes ``x W^T``
-by one of four routines:
+by one of five routines:
 
 - ``cpp``: our C++ op reads the blocks and dequantizes each inside the dot product (float32
   inputs, where the C++ CPU op is loaded): ``csrc/cpu/gguf_linear.cpp`` for Q8_0, Q4_1 and Q5_0,
@@ -14,6 +14,8 @@ by one of four routines:
 - ``tiles``: our C++ op dequantizes a few weight rows at a time into a buffer that stays in
   the cache and runs the few-row float32 loop of ``csrc/cpu/linear.cpp`` on them (Q8_0, Q4_1,
   Q5_0): for a batch of rows, whose blocks it decodes once, not once per 4 rows;
+- ``cuda``: on a GPU, our CUDA kernel (``csrc/gguf_matmul.cu``: a warp per weight row
+  dequantizes the blocks inside the dot product; every format, float32, float16 and bfloat16 x);
 - ``dequant``: the blocks of a tile of rows dequantized (by the C++ op for Q8_0, Q4_1 and Q5_0,
   else in torch: the same values), then ``F.linear`` (any format, anywhere: the fallback).
 
@@ -24,8 +26,9 @@ Which one runs is measured once per weight shape and format when the model is lo
 weights would be held, and the memory saved would be lost.) Where ``cpp`` was chosen, a step of
 several rows (a batch of decodes) runs ``cpp``, ``tiles`` or ``dequant``, measured once per
 number of rows (``_routine_for_rows``), and a step of more than ``CPP_MAX_ROWS`` rows (a prompt)
-runs ``dequant``. ``MINIPAGED_GGUF_ROUTINE`` fixes the
-routine where it can run, for every number of rows.
+runs ``dequant``. On a GPU the same two measurements choose between ``cuda`` and ``dequant``
+(one row when the model is loaded; then once per power of two of rows, up to ``CPP_MAX_ROWS``).
+``MINIPAGED_GGUF_ROUTINE`` fixes the routine where it can run, for every number of rows.
 
 The routines agree up to float rounding with ``F.linear(x, dequantize())``
 (tests/models/test_gguf_linear.py).
@@ -33,6 +36,7 @@ The routines agree up to float rounding with ``F.linear(x, dequantize())``
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +45,24 @@ from minipaged.kernels import build
 from minipaged.kernels.gguf_blocks import BlockFormat, block_format, dequantize
 from minipaged.validation import env_choice
 
-CPP_MAX_ROWS = 256  # more rows than this: BLAS on dequantized tiles
+CPP_MAX_ROWS = 256  # more rows than this: BLAS on dequantized tiles (CPU and GPU)
 # float32 weights ``dequant`` makes at once (16 MB): SmolLM2's matrices whole, its head in four.
 # NOTE: not 512 rows at a time: a prompt's step then ran as many small matmuls and a cat of
 # their outputs, 40 % slower than float32's one matmul (2026-12-07, the 64-request trace)
 TILE_WEIGHTS = 1 << 22
-ROUTINES = ("cpp", "int4pack", "dequant", "tiles")
+ROUTINES = ("cpp", "int4pack", "dequant", "tiles", "cuda")
+# a one-row routine -> the routines measured for a step of several rows (``_routine_for_rows``)
+ROW_ROUTINES = {"cpp": ("cpp", "tiles", "dequant"), "cuda": ("cuda", "dequant")}
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # x's dtypes the CUDA kernel takes
 CPP_FORMATS = ("Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")  # the formats the C++ op reads
 KQUANTS = ("Q4_K", "Q6_K")  # ... of them, those of csrc/cpu/gguf_kquants.cpp (256 weights a block)
 
-# (out, in, format, threads, whether the C++ op is loaded) -> the routine measured fastest
+# (out, in, format, threads or the GPU's dtype, whether the C++ op is loaded) -> the routine
+# measured fastest
 choices: dict[tuple, str] = {}
-# (rows rounded up to a power of two, out, in, format, threads) -> ``cpp`` or ``dequant`` for a step of several
-# rows, where one row's routine is ``cpp`` (``GGUFWeight._routine_for_rows``)
+# (rows rounded up to a power of two, out, in, format, threads or x's dtype on a GPU) -> the
+# routine for a step of several rows, where one row's is ``cpp`` or ``cuda``
+# (``GGUFWeight._routine_for_rows``)
 row_choices: dict[tuple, str] = {}
 DEQUANTIZE_FORMATS = ("Q8_0", "Q4_1", "Q5_0")  # those the C++ op dequantizes (gguf_dequantize)
 _ORIGINAL_DEQUANTIZE = {name: block_format(name).dequantize for name in DEQUANTIZE_FORMATS}
@@ -117,6 +126,10 @@ class GGUFWeight:
         """Whether ``routine`` can compute this weight's matmul here (for ``x``, if given)."""
         if routine == "dequant":
             return True
+        if routine == "cuda":
+            return (self.fmt.name in CPP_FORMATS and _cuda_op(self.blocks.device) is not None
+                    and (x is None or (x.device == self.blocks.device and x.dtype in CUDA_DTYPES
+                                       and x.shape[-1] == self.shape[1])))
         if x is not None and (x.dtype != torch.float32 or x.device.type != "cpu"):
             return False
         if routine == "cpp":
@@ -144,11 +157,13 @@ class GGUFWeight:
             return self.linear(x.reshape(-1, x.shape[-1]), routine).reshape(*x.shape[:-1], -1)
         if routine is None:
             routine = self.routine
-            if routine == "cpp" and x.shape[0] > 1:  # a step of several rows: measured (below)
-                routine = self._routine_for_rows(x)
-        if routine in ("cpp", "tiles") and (x.shape[0] > CPP_MAX_ROWS
-                                            or not self.runs(routine, x)):
+            if routine in ROW_ROUTINES and x.shape[0] > 1:  # several rows: measured (below)
+                routine = self._routine_for_rows(x, routine)
+        if routine in ("cpp", "tiles", "cuda") and (x.shape[0] > CPP_MAX_ROWS
+                                                    or not self.runs(routine, x)):
             routine = "dequant"
+        if routine == "cuda":
+            return _cuda_op(self.blocks.device).gguf_linear(x, self.blocks, self.fmt.ggml_type)
         if routine == "int4pack" and not self.runs("int4pack", x):
             routine = "dequant"
         if routine in ("cpp", "tiles"):
@@ -176,24 +191,24 @@ class GGUFWeight:
             return op.module.gguf_dequantize(part, self.fmt.ggml_type)
         return dequantize(part, self.fmt)
 
-    def _routine_for_rows(self, x: torch.Tensor) -> str:
-        """``cpp``, ``tiles`` or ``dequant`` for a step of x's rows: measured once per number
-        of rows (rounded up to a power of two), shape and format. ``cpp`` decodes a block once
-        per 4 rows; ``tiles`` once per step, and BLAS on a dequantized matrix wins for many rows
-        (2026-12-07, 2 Zen 3 cores, SmolLM2's gate/up, 64 rows: cpp 3.6 ms, tiles 1.4, dequant
-        2.0, float32's F.linear 1.7)."""
-        if _forced() is not None or x.shape[0] > CPP_MAX_ROWS or not self.runs("cpp", x):
-            return "cpp"  # (the caller's rules apply: the forced routine, dequant past the rows)
+    def _routine_for_rows(self, x: torch.Tensor, own: str = "cpp") -> str:
+        """For a step of x's rows where one row runs ``own``: one of ``ROW_ROUTINES[own]``
+        (``cpp``, ``tiles`` or ``dequant``; ``cuda`` or ``dequant`` on a GPU), measured once per
+        number of rows (rounded up to a power of two), shape and format. ``cpp`` decodes a block
+        once per 4 rows; ``tiles`` once per step, and BLAS on a dequantized matrix wins for many
+        rows (2026-12-07, 2 Zen 3 cores, SmolLM2's gate/up, 64 rows: cpp 3.6 ms, tiles 1.4,
+        dequant 2.0, float32's F.linear 1.7)."""
+        if _forced() is not None or x.shape[0] > CPP_MAX_ROWS or not self.runs(own, x):
+            return own  # (the caller's rules apply: the forced routine, dequant past the rows)
         key = (1 << (x.shape[0] - 1).bit_length(), *self.shape, self.fmt.name,
-               torch.get_num_threads())  # (rows rounded up to a power of two)
+               _where(x.device, x.dtype))  # (rows rounded up to a power of two)
         name = row_choices.get(key)
         if name is None:
-            best = {r: float("inf") for r in ("cpp", "tiles", "dequant") if self.runs(r, x)}
+            best = {r: float("inf") for r in ROW_ROUTINES[own] if self.runs(r, x)}
             for _ in range(3):
                 for routine in best:  # in turn: a load that comes and goes hits both
-                    t0 = time.perf_counter()
-                    self.linear(x, routine)
-                    best[routine] = min(best[routine], time.perf_counter() - t0)
+                    best[routine] = min(best[routine],
+                                        _seconds(partial(self.linear, x, routine), x.device))
             name = row_choices[key] = min(best, key=best.get)
         return name
 
@@ -214,6 +229,26 @@ def _int4_pack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales_zeros
 
 
+def _cuda_op(device: torch.device):
+    """Our CUDA kernels where ``device`` is a GPU and they could be built, else None."""
+    return build.CUDA_OP.load() if device.type == "cuda" else None
+
+
+def _where(device: torch.device, dtype: torch.dtype):
+    """What a measurement depends on besides the shape: the threads (CPU), x's dtype (GPU)."""
+    return torch.get_num_threads() if device.type == "cpu" else str(dtype)
+
+
+def _seconds(run, device: torch.device) -> float:
+    """The wall time of ``run()``, the GPU's queue drained before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    run()
+    sync()
+    return time.perf_counter() - t0
+
+
 def _forced() -> str | None:
     return env_choice("MINIPAGED_GGUF_ROUTINE", ROUTINES)
 
@@ -224,15 +259,17 @@ def choose_routine(weight: GGUFWeight, tries: int = 5) -> str:
     if forced is not None and weight.runs(forced):
         weight.use(forced)
         return forced
-    key = (*weight.shape, weight.fmt.name, torch.get_num_threads(),
+    key = (*weight.shape, weight.fmt.name, _where(weight.blocks.device, torch.float32),
            build.CPU_OP.ready() is not None)
     name = choices.get(key)
     if name is None:
         x = torch.randn(1, weight.shape[1], device=weight.blocks.device)
         trials = {}
         # ``dequant`` does ``cpp``'s work and more (it writes the float tile and reads it again):
-        # measured only where nothing else runs (a noisy measurement once chose it)
-        candidates = [r for r in ("cpp", "int4pack") if weight.runs(r, x)] or ["dequant"]
+        # measured only where nothing else runs (a noisy measurement once chose it). On a GPU
+        # it is measured against ``cuda``: a matmul there may beat a kernel of our own.
+        candidates = (["cuda", "dequant"] if weight.runs("cuda", x) else
+                      [r for r in ("cpp", "int4pack") if weight.runs(r, x)] or ["dequant"])
         for routine in candidates:
             if weight.runs(routine, x):
                 trials[routine] = GGUFWeight(weight.blocks, weight.fmt)
@@ -241,9 +278,7 @@ def choose_routine(weight: GGUFWeight, tries: int = 5) -> str:
         best = dict.fromkeys(trials, float("inf"))
         for _ in range(tries):
             for routine, trial in trials.items():  # in turn: a load that comes and goes hits all
-                t0 = time.perf_counter()
-                trial.linear(x)
-                best[routine] = min(best[routine], time.perf_counter() - t0)
+                best[routine] = min(best[routine], _seconds(partial(trial.linear, x), x.device))
         name = choices[key] = min(best, key=best.get)
     weight.use(name)
     return name

@@ -152,7 +152,8 @@ def test_binding_calls_every_launcher_and_exports_the_ops():
                         "force_partition_size", "set_v2_reduce", "reshape_and_cache",
                         "copy_blocks", "swap_blocks",
                         "paged_attention_8bit", "reshape_and_cache_8bit",  # (lesson 18)
-                        "rms_norm", "rotary", "silu_and_mul"}  # (layer_kernels.cu)
+                        "rms_norm", "rotary", "silu_and_mul",  # (layer_kernels.cu)
+                        "gguf_linear"}  # (gguf_matmul.cu)
     # the CPU build (minipaged.kernels.cuda_on_cpu) adds the emulated device's controls only: the device
     # number, the switch that skips the host-data checks as a GPU must, the launch counters, the
     # one-warp shuffle trace and the MP_TRACE event record that lesson 06 draws, and the order

@@ -3,7 +3,7 @@
 csrc/cuda_on_cpu/sanitize_main.cpp runs small cases of every kernel (V1, V2 and its reduce kernel in all
 three dtypes, an empty context between real ones, V2's and version 3's fused reduce with the blocks
 shuffled, reshape_and_cache, copy_blocks, swap_blocks, and the cache launchers after a stale error
-of an earlier launch), built with the real .cu files and
+of an earlier launch, gguf_linear in every block format), built with the real .cu files and
 one host thread per CUDA thread. No Python or torch runs in that process, so a report is about
 our code:
 

@@ -1,13 +1,15 @@
 """A weight held as GGUF blocks (``models/gguf_linear.py``): every routine (our C++ op, torch's
 4-bit kernel, dequantized tiles) gives ``x W^T`` with W the blocks' dequantized values, up to
-float rounding; the C++ op's row does not depend on the batch; bad blocks are refused by name."""
+float rounding; the C++ op's row does not depend on the batch; bad blocks are refused by name.
+On a GPU (the CUDA kernels faked here: tests/kernels/test_gguf_matmul.py runs the real one)
+``cuda`` and ``dequant`` are measured per shape and per bucket of rows."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from budgets import examples
 from gguf_random import random_blocks
-from minipaged.kernels.gguf_blocks import FORMATS
+from minipaged.kernels.gguf_blocks import FORMATS, dequantize
 from minipaged.models import gguf_linear
 from minipaged.models.gguf_linear import GGUFWeight, choose_routine
 
@@ -177,3 +179,73 @@ def test_a_learners_dequantization_is_what_dequant_runs(cpu_op, monkeypatch):
     weight = random_weight("Q4_1", 8, 2, 0)
     weight.linear(torch.randn(3, weight.shape[1]), "dequant")
     assert seen
+
+
+class FakeCudaKernels:
+    """Stands in for the CUDA op on this CPU: the right product, ``delay`` seconds a call."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.calls = delay, 0
+
+    def gguf_linear(self, x, blocks, ggml_type):
+        import time
+
+        self.calls += 1
+        time.sleep(self.delay)
+        fmt = next(f for f in FORMATS.values() if f.ggml_type == ggml_type)
+        return x @ dequantize(blocks, fmt).t()
+
+
+def slow_dequant(monkeypatch, delay: float) -> None:
+    original = GGUFWeight._float_rows
+
+    def slow(self, part):
+        import time
+
+        time.sleep(delay)
+        return original(self, part)
+
+    monkeypatch.setattr(GGUFWeight, "_float_rows", slow)
+
+
+def test_on_a_gpu_cuda_and_dequant_are_measured_per_shape(monkeypatch):
+    """Where the CUDA kernels run (faked here), one row's routine is ``cuda`` or ``dequant``,
+    whichever measured faster, once per shape."""
+    slow_kernel = FakeCudaKernels(0.02)
+    monkeypatch.setattr(gguf_linear, "_cuda_op", lambda device: slow_kernel)
+    weight = random_weight("Q4_K", 16, 1, 0)
+    assert weight.runs("cuda") and not weight.runs("cpp", torch.zeros(1, 256, dtype=torch.half))
+    assert choose_routine(weight) == "dequant" and slow_kernel.calls > 0
+    monkeypatch.setattr(gguf_linear, "choices", {})
+    fast_kernel = FakeCudaKernels(0.0)
+    monkeypatch.setattr(gguf_linear, "_cuda_op", lambda device: fast_kernel)
+    slow_dequant(monkeypatch, 0.02)
+    assert choose_routine(weight) == "cuda" and weight.routine == "cuda"
+    calls = fast_kernel.calls
+    assert choose_routine(random_weight("Q4_K", 16, 1, 1)) == "cuda"  # the same shape: kept
+    assert fast_kernel.calls == calls and len(gguf_linear.choices) == 1
+    x = torch.randn(1, 256)
+    assert torch.equal(weight.linear(x), fast_kernel.gguf_linear(x, weight.blocks, 12))
+    monkeypatch.setenv("MINIPAGED_GGUF_ROUTINE", "dequant")  # fixed: no measurement
+    assert choose_routine(weight) == "dequant"
+
+
+def test_on_a_gpu_a_step_of_many_rows_measures_cuda_against_dequant(monkeypatch):
+    monkeypatch.setattr(gguf_linear, "row_choices", {})
+    kernel = FakeCudaKernels(0.0)
+    monkeypatch.setattr(gguf_linear, "_cuda_op", lambda device: kernel)
+    slow_dequant(monkeypatch, 0.02)
+    weight = random_weight("Q8_0", 24, 2, 0)
+    weight.use("cuda")
+    x = torch.randn(40, 64)
+    assert torch.equal(weight.linear(x), kernel.gguf_linear(x, weight.blocks, 8))
+    assert gguf_linear.row_choices == {(64, 24, 64, "Q8_0", torch.get_num_threads()): "cuda"}
+    weight.linear(x[:33])  # the same bucket: not measured again
+    assert len(gguf_linear.row_choices) == 1
+    calls = kernel.calls
+    weight.linear(torch.randn(gguf_linear.CPP_MAX_ROWS + 1, 64))  # a prompt: dequant, unmeasured
+    assert kernel.calls == calls and len(gguf_linear.row_choices) == 1
+    # the kernel slower than dequant (0.05 s against 0.02): dequant wins the next bucket
+    monkeypatch.setattr(gguf_linear, "_cuda_op", lambda device: FakeCudaKernels(0.05))
+    weight.linear(x[:3])
+    assert gguf_linear.row_choices[4, 24, 64, "Q8_0", torch.get_num_threads()] == "dequant"
