@@ -122,7 +122,10 @@ def write_rewritten_sources(out_dir: Path, drop_barrier: str | None = None) -> l
     for file, text in rewritten_sources(drop_barrier).items():
         target = out_dir / file
         if not target.exists() or target.read_text() != text:
-            target.write_text(text)
+            # (whole or not at all: another process may be compiling the same file right now)
+            part = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            part.write_text(text)
+            os.replace(part, target)
         written.append(target)
     return written
 
@@ -264,7 +267,7 @@ def build_sanitizer_program(sanitizer: str, drop_barrier: str | None = None,
         objects.append(obj)
         if not obj.exists():
             jobs.append((obj, subprocess.Popen(
-                [compiler, *flags, "-x", "c++", "-c", str(source), "-o", f"{obj}.tmp"],
+                [compiler, *flags, "-x", "c++", "-c", str(source), "-o", _part(obj)],
                 stderr=subprocess.PIPE, text=True)))
         if len(jobs) >= int(os.environ.get("MAX_JOBS", "2")):
             _wait(*jobs.pop(0))
@@ -274,7 +277,7 @@ def build_sanitizer_program(sanitizer: str, drop_barrier: str | None = None,
     if not program.exists():
         _wait(program, subprocess.Popen(
             [compiler, *SANITIZERS[sanitizer], "-pthread", *map(str, objects), "-o",
-             f"{program}.tmp"], stderr=subprocess.PIPE, text=True))
+             _part(program)], stderr=subprocess.PIPE, text=True))
     return program
 
 
@@ -285,9 +288,16 @@ def _digest(*parts) -> str:
     return h.hexdigest()[:16]
 
 
+def _part(target: Path) -> str:
+    """Where this process writes ``target`` before renaming it: its own file, so that two
+    processes building the same object (two test workers) never rename each other's."""
+    return f"{target}.{os.getpid()}.tmp"
+
+
 def _wait(target: Path, process: subprocess.Popen) -> None:
-    """Wait for a compile or link of ``target`` (written as target.tmp, renamed when done)."""
+    """Wait for a compile or link of ``target`` (written as ``_part(target)``, renamed when
+    done; the same bytes whichever process renames last)."""
     _, err = process.communicate()
     if process.returncode:
         raise RuntimeError(f"building the sanitizer program failed:\n{err}")
-    Path(f"{target}.tmp").rename(target)
+    os.replace(_part(target), target)
