@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import inspect
 import os
 import re
@@ -185,26 +184,6 @@ def run_lesson(path: Path, env: dict, timeout: int,
     return notebook, time.perf_counter() - start, errors
 
 
-def installed_but_not_found(errors: list[str]) -> str | None:
-    """The module of the first ``ModuleNotFoundError`` among a lesson's errors when this
-    interpreter (the kernel's) finds it installed, else None.
-
-    NOTE: twice in CI's full run (never here), a lesson's kernel failed to import a package
-    that was installed and unchanged (``regex._main`` in lesson 11, ``markupsafe`` in lesson
-    08), each on the first model load of the kernel, in the reference answers' run. That is not
-    the learner's code nor the course; the harness runs such a lesson once more, and says so.
-    """
-    for error in errors:
-        found = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", error)
-        if found:
-            try:
-                if importlib.util.find_spec(found.group(1)) is not None:
-                    return found.group(1)
-            except (ImportError, ValueError):
-                return None
-    return None
-
-
 def where(error_output, frames: int = 8) -> str:
     """The last lines of an error cell's traceback (colours removed), so that a failure seen
     once in CI says where it came from."""
@@ -251,13 +230,6 @@ def main(argv: list[str] | None = None) -> int:
         names = [component_of(c) for c in nbformat.read(path, as_version=4).cells
                  if component_of(c)]
         notebook, seconds, errors = run_lesson(path, env, args.timeout, args.answers)
-        missing = installed_but_not_found(errors)
-        if missing:  # once: a kernel that could not find an installed package (see below)
-            print(f"note: {path.stem}'s kernel could not import {missing}, which is installed "
-                  f"here; the lesson runs once more. Its first run's errors:")
-            for error in errors:
-                print(f"    {error}")
-            notebook, seconds, errors = run_lesson(path, env, args.timeout, args.answers)
         text = printed(notebook)
         print(f"{path.stem}: {seconds:.1f} s, components {', '.join(names) or 'none'}")
         for line in text.splitlines():

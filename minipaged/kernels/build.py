@@ -154,6 +154,7 @@ class JitBuild:
         with _start_lock:
             if not self.enabled() or self._done or self._thread is not None:
                 return
+            import_build_modules()
             self._thread = threading.Thread(target=self._load_quietly, daemon=True,
                                             name=f"minipaged build: {self.what}")
             self._thread.start()
@@ -185,6 +186,18 @@ class JitBuild:
 
 
 _start_lock = threading.Lock()
+
+
+def import_build_modules() -> None:
+    """Import what a build imports, in the calling thread, before a build thread starts.
+
+    NOTE: ``torch.utils.cpp_extension`` imports setuptools, whose first import puts a finder at
+    the front of ``sys.meta_path`` and takes it out again. Python looks a module up by walking
+    that list in place, so a lookup in another thread at that moment can skip the finder of
+    installed packages and fail: a package that is there is "not found" (seen in CI's full run,
+    at the first model load of a lesson's kernel, while the main thread imported transformers).
+    Imported here first, the build thread changes no list that another thread walks."""
+    from torch.utils import cpp_extension  # noqa: F401
 
 
 def _lower_this_threads_priority() -> None:

@@ -118,16 +118,3 @@ def test_every_lesson_and_the_capstone_pass_with_the_answer_set(answers, tmp_pat
             assert f"✓ {name}:" in out, (name, out)
             assert (tmp_path / f"{name}.py").exists()
     assert "✓ capstone:" in out
-
-
-def test_a_kernel_that_missed_an_installed_package_is_named_for_one_more_run():
-    """Only an installed package counts (the harness itself runs in the kernels' interpreter):
-    a learner's misspelt import, or any other error, is reported as it is."""
-    found = harness.installed_but_not_found
-    assert found(["cell 9: ModuleNotFoundError: No module named 'regex._main'\n    | tail"]) \
-        == "regex._main"
-    assert found(["cell 3: NameError: x", "cell 18: ModuleNotFoundError: No module named "
-                  "'markupsafe'"]) == "markupsafe"
-    assert found(["cell 4: ModuleNotFoundError: No module named 'numpyy'"]) is None
-    assert found(["cell 4: ModuleNotFoundError: No module named 'nope.sub'"]) is None
-    assert found(["cell 5: NameError: name 'engine' is not defined"]) is None

@@ -138,3 +138,39 @@ def test_prebuild_never_fails_the_set_up(monkeypatch, capsys):
     with pytest.warns(RuntimeWarning):
         build.prebuild()
     assert "could not be built here" in capsys.readouterr().err
+
+
+# The real CPU op's build in a fresh process, with sys.meta_path replaced by a list that notes
+# which thread changes it. Python walks that list in place for every import, so a change made by
+# the build thread can make another thread's import skip the finder of installed packages.
+_META_PATH_SPY = r"""
+import sys, threading
+class Spy(list):
+    changes = []
+    def insert(self, i, x):
+        Spy.changes.append(threading.current_thread().name); super().insert(i, x)
+    def remove(self, x):
+        Spy.changes.append(threading.current_thread().name); super().remove(x)
+sys.meta_path = Spy(sys.meta_path)
+from minipaged.kernels import build
+assert "setuptools" not in sys.modules  # (else this process cannot show the change)
+build.start_background_build("cpu")
+build.CPU_OP.load()
+print("changes:", Spy.changes)
+print("by other threads:", [t for t in Spy.changes if t != "MainThread"])
+"""
+
+
+def test_a_background_build_never_changes_the_import_finders_another_thread_walks():
+    """CI saw installed packages "not found" (markupsafe, regex, a transformers module) at the
+    first model load of a lesson's kernel: setuptools' first import, in the build thread, put a
+    finder at the front of sys.meta_path and took it out while the main thread imported."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "MINIPAGED_CPU_OP": "1"}
+    run = subprocess.run([sys.executable, "-c", _META_PATH_SPY], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "by other threads: []" in run.stdout, run.stdout
+    assert "changes: ['MainThread'" in run.stdout, run.stdout  # setuptools did change it
