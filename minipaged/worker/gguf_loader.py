@@ -22,6 +22,7 @@ from minipaged.kernels import build
 from minipaged.kernels.gguf_blocks import UNQUANTIZED, block_format
 from minipaged.models.gguf_linear import GGUFWeight, choose_routine
 from minipaged.models.parallel_layers import FusedColumns
+from minipaged.worker.gguf_file import read_gguf
 
 _LAYER_NAMES = {  # blk.N.<gguf name> -> layers.N.<our name>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -57,9 +58,7 @@ def our_name(gguf_name: str, arch: str = "llama") -> str:
 def open_checked(path: str):
     """The file's reader, once its architecture and every tensor's format are known to be ones
     minipaged reads (else a ValueError, before any weight is loaded)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in ARCHITECTURES:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from minipaged import LLM, SamplingParams
 from minipaged.engine.llm_engine import LLMEngine
@@ -165,3 +166,66 @@ def test_quantization_needs_a_gguf_file(tiny_llama):
         LLM(path, quantization="awq")
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         LLM(path, quantization="gguf", tensor_parallel_size=2)
+
+
+def _damaged(folder, good: str, how: str) -> str:
+    """A copy of the GGUF file ``good`` damaged as ``how`` says, in ``folder``/``how``."""
+    data = open(good, "rb").read()
+    damaged = {"empty": b"", "not gguf": b"PK\x03\x04" + data[4:],
+               "cut in the header": data[:200], "cut in the data": data[:len(data) // 2],
+               "one byte short": data[:-1]}[how]
+    target = os.path.join(folder, how.replace(" ", "_"))
+    os.makedirs(target, exist_ok=True)
+    path = os.path.join(target, "tiny.gguf")
+    with open(path, "wb") as f:
+        f.write(damaged)
+    return path
+
+
+@pytest.mark.parametrize("quantization", ["gguf", None])
+@pytest.mark.parametrize("how, said", [
+    ("empty", r"is empty \(0 bytes\), so it is not a GGUF file"),
+    ("not gguf", r"is not a GGUF file: it starts with b'PK\\x03\\x04', and a GGUF file with "
+                 r"b'GGUF'"),
+    ("cut in the header", r"cannot be read as a GGUF file \(200 bytes\): .*cut short inside "
+                          r"its header"),
+    ("cut in the data", r"is cut short: its header describes tensor data up to byte [\d,]+, "
+                        r"and the file has [\d,]+ bytes"),
+    ("one byte short", r"is cut short: .* up to byte ([\d,]+), and the file has [\d,]+ bytes"),
+])
+def test_a_damaged_file_is_named_with_what_is_wrong_before_anything_reads_it(
+        tmp_path, tiny_file, quantization, how, said):
+    """A download cut short, an empty file, another format under the .gguf name: both ways of
+    reading the file (as stored, and converted by transformers) say so, nothing deeper."""
+    path = _damaged(str(tmp_path), tiny_file[0], how)
+    with pytest.raises(ValueError, match=said) as caught:
+        LLM(path, quantization=quantization, **SETTINGS)
+    assert path in str(caught.value)
+    if how == "one byte short":
+        assert caught.match(f"up to byte {os.path.getsize(path) + 1:,}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, 10**6),  # (positions past the end wrap: the header is the first 2 KB)
+       flips=st.lists(st.tuples(st.one_of(st.integers(0, 2047), st.integers(0, 10**6)),
+                                st.integers(1, 255)), max_size=3))
+def test_any_cut_or_flipped_bytes_give_a_reader_or_a_value_error_naming_the_file(
+        tmp_path_factory, tiny_file, cut, flips):
+    """Whatever is left of the file, or changed in it: a reader, or a ValueError that names the
+    file (never the parser's IndexError, struct.error or a reshape)."""
+    from minipaged.worker.gguf_file import read_gguf
+
+    data = bytearray(open(tiny_file[0], "rb").read())
+    data = data[:cut % (len(data) + 1)]
+    for at, xor in flips:
+        if data:
+            data[at % len(data)] ^= xor
+    path = str(tmp_path_factory.mktemp("cut") / "f.gguf")
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    try:
+        reader = read_gguf(path)
+    except ValueError as error:
+        assert path in str(error)
+    else:
+        assert reader.tensors is not None
