@@ -74,14 +74,18 @@ class GGUFWeight:
     Args:
         blocks: uint8 (out, bytes per row), each row its ``in / fmt.weights`` blocks.
         fmt: the block format.
+        dtype: the model's dtype: an embedding's rows come in it (a matmul's result comes in
+            its input's dtype).
     """
 
-    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat) -> None:
+    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat,
+                 dtype: torch.dtype = torch.float32) -> None:
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % fmt.bytes:
             raise ValueError(f"{fmt.name} blocks must be uint8 (out, a multiple of {fmt.bytes}"
                              f" bytes), got {blocks.dtype} {tuple(blocks.shape)}")
         self.blocks = blocks.contiguous()
         self.fmt = fmt
+        self.dtype = dtype
         self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // fmt.bytes * fmt.weights))
         self.routine = "dequant"
         self._int4 = None  # (packed codes, scales and zeros) once ``int4pack`` is chosen
@@ -105,12 +109,14 @@ class GGUFWeight:
         return dequantize(self.blocks, self.fmt)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows ``index`` dequantized, (len(index), in): an embedding's lookup."""
-        return dequantize(self.blocks.index_select(0, index.reshape(-1)), self.fmt)
+        """Rows ``index`` dequantized, (len(index), in), in the model's dtype: an embedding's
+        lookup."""
+        return dequantize(self.blocks.index_select(0, index.reshape(-1)),
+                          self.fmt).to(self.dtype)
 
     def split_rows(self, sizes: list[int]) -> list[GGUFWeight]:
         """Consecutive row ranges as weights of their own, views of these blocks."""
-        return [GGUFWeight(part, self.fmt) for part in self.blocks.split(sizes)]
+        return [GGUFWeight(part, self.fmt, self.dtype) for part in self.blocks.split(sizes)]
 
     @staticmethod
     def cat(weights: list[GGUFWeight]) -> GGUFWeight:
@@ -119,7 +125,7 @@ class GGUFWeight:
         if any(w.fmt != fmt or w.shape[1] != weights[0].shape[1] for w in weights):
             raise ValueError("fused GGUF weights must share their format and input size: "
                              + ", ".join(repr(w) for w in weights))
-        return GGUFWeight(torch.cat([w.blocks for w in weights]), fmt)
+        return GGUFWeight(torch.cat([w.blocks for w in weights]), fmt, weights[0].dtype)
 
     # -- the routines ------------------------------------------------------------------------
     def runs(self, routine: str, x: torch.Tensor | None = None) -> bool:
@@ -272,7 +278,7 @@ def choose_routine(weight: GGUFWeight, tries: int = 5) -> str:
                       [r for r in ("cpp", "int4pack") if weight.runs(r, x)] or ["dequant"])
         for routine in candidates:
             if weight.runs(routine, x):
-                trials[routine] = GGUFWeight(weight.blocks, weight.fmt)
+                trials[routine] = GGUFWeight(weight.blocks, weight.fmt, weight.dtype)
                 trials[routine].use(routine)
                 trials[routine].linear(x)  # (a first run: caches, lazy set-up)
         best = dict.fromkeys(trials, float("inf"))

@@ -106,7 +106,8 @@ def load_gguf_weights(model: torch.nn.Module, path: str, hf_config) -> None:
                 values = values - 1  # (transformers' Gemma processor: the offset from 1)
             _copy_into(getattr(module, kind), values, t.name)
         else:
-            weight = GGUFWeight(rows.to(device), block_format(t.tensor_type.name))
+            weight = GGUFWeight(rows.to(device), block_format(t.tensor_type.name),
+                                getattr(module, kind).dtype)
             expected = tuple(getattr(module, kind).shape)
             if tuple(weight.shape) != expected:
                 raise ValueError(f"weight {t.name!r} has shape {tuple(weight.shape)}, "

@@ -142,6 +142,30 @@ def test_a_gemma3_file_gives_transformers_logits_and_tokens(tiny_gemma_file):
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_half_precision_model_reads_its_blocks_as_the_float_path_does(tiny_file, dtype):
+    """In bfloat16 or float16 the embedding's rows and every matmul come in the model's dtype
+    (the embedding's rows came in float32, and the first step's cache write raised), and the
+    logits are the float path's in that dtype: the same weights, rounded once to it."""
+    path, reference = tiny_file
+    settings = {**SETTINGS, "dtype": str(dtype).removeprefix("torch.")}
+    blocks = LLMEngine(path, quantization="gguf", **settings)
+    floats = LLMEngine(path, quantization="none", **settings)
+    prompts = pick_prompts(reference, [13, 18, 9], 10, seed=5)
+    ours = teacher_forced_logits(blocks, prompts, num_prefill=9, block_size=4)
+    theirs = teacher_forced_logits(floats, prompts, num_prefill=9, block_size=4)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == dtype and b.abs().max() > 1.0
+        ulp = torch.finfo(dtype).eps * b.abs().max().item()  # (bit-equal on a Zen 3)
+        torch.testing.assert_close(a.float(), b.float(), atol=4 * ulp, rtol=0)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = [LLM(path, quantization=q, **settings).generate(
+        prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+        for q in ("gguf", "none")]
+    assert ([o.outputs[0].token_ids for o in runs[0]]
+            == [o.outputs[0].token_ids for o in runs[1]])
+
+
 def test_a_block_format_not_read_is_named_before_any_weight_loads(tmp_path):
     path, _ = save_tiny_gguf(str(tmp_path), seed=3, layers="Q5_1")
     from minipaged.worker import gguf_loader
