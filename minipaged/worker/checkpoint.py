@@ -242,8 +242,16 @@ def _has_tokenizer(gguf_path: str) -> bool:
 
 
 def is_gguf_file(model: str | None) -> bool:
-    """Whether ``model`` is a path to a GGUF file (read through transformers, or as stored)."""
-    return model is not None and model.endswith(".gguf") and os.path.isfile(model)
+    """Whether ``model`` is a path to a GGUF file (read through transformers, or as stored).
+
+    Raises:
+        FileNotFoundError: ``model`` names a ``.gguf`` file that is not there.
+    """
+    if model is None or not model.endswith(".gguf") or os.path.isdir(model):
+        return False  # (a model directory may have any name)
+    if not os.path.isfile(model):
+        raise FileNotFoundError(f"no GGUF file at {model!r}")
+    return True
 
 
 def _file_cache_dir(kind: str, gguf_path: str) -> str:

@@ -253,3 +253,11 @@ def test_any_cut_or_flipped_bytes_give_a_reader_or_a_value_error_naming_the_file
         assert path in str(error)
     else:
         assert reader.tensors is not None
+
+
+@pytest.mark.parametrize("quantization", ["gguf", None])
+def test_a_gguf_path_with_no_file_is_named(tmp_path, quantization):
+    """Not "cannot load model ...: could not be fetched from a model hub": the file is missing."""
+    missing = str(tmp_path / "gone" / "model.gguf")
+    with pytest.raises(FileNotFoundError, match=f"no GGUF file at '{missing}'$"):
+        LLM(missing, quantization=quantization, **SETTINGS)
