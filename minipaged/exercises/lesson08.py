@@ -185,7 +185,19 @@ def _check_prepare_inputs(candidate, rng, num_cases: int) -> int:
         step = random_step(rng, rng.choice([1, 2, 4, 8, 16]), max_runs=6)
         expected = _fields(package_prepare_inputs(step.runs, step.block_size,
                                                   torch.device("cpu")))
-        got = candidate(list(step.runs), step.block_size, torch.device("cpu"))
+        before, said = [_run_fields(run) for run in step.runs], describe(step)
+        given = list(step.runs)
+        got = candidate(given, step.block_size, torch.device("cpu"))
+        changed = next((i for i, run in enumerate(step.runs)
+                        if _run_fields(run) != before[i]), None)
+        if changed is not None or [id(r) for r in given] != [id(r) for r in step.runs]:
+            where = ("the list of runs (reordered, or runs added or taken out)" if changed is None
+                     else f"run {changed}")
+            fail("prepare_inputs", case, said, f"{where} changed by your code",
+                 "the step's runs as given",
+                 "your prepare_inputs changed the step it was given (a block table padded in "
+                 "place, the runs sorted, a token list extended, ...): the engine reads the same "
+                 "runs again after the model ran (the sampler), so build new lists")
         if not isinstance(got, PreparedInputs):
             fail("prepare_inputs", case, describe(step), type(got).__name__, "PreparedInputs",
                  "return a PreparedInputs(input_ids, positions, meta, rows, sample_indices, "
@@ -210,6 +222,12 @@ def _check_prepare_inputs(candidate, rng, num_cases: int) -> int:
                 fail("prepare_inputs", case, describe(step) + f"; field {name}", got[name],
                      value, hint)
     return num_cases
+
+
+def _run_fields(run) -> tuple:
+    """What a run holds, copied (to see whether the learner's code changed it)."""
+    return (list(run.seq_ids), list(run.token_ids), run.start, list(run.block_table), run.sample,
+            run.is_prompt, tuple(tuple(t) for t in run.other_block_tables))
 
 
 class _Said(str):

@@ -38,6 +38,21 @@ from minipaged.spec_decode import rejection_sampler
 from minipaged.worker.sampler import draw
 
 
+def _inputs_unchanged(name: str, case: int, inputs: str, given: tuple, kept: tuple,
+                      names: tuple) -> None:
+    """Fail when the learner's function changed a list or tensor it was given."""
+    for after, before, what in zip(given, kept, names):
+        same = (after is None if before is None else
+                torch.equal(after, before) if isinstance(before, torch.Tensor) else
+                after == before)
+        if not same:
+            shown = _rounded(after) if isinstance(after, torch.Tensor) else after
+            fail(name, case, inputs, f"{what} after your call: {shown}", f"{what} as given",
+                 f"your function changed the {what} it was given (pop, remove, an in-place -= "
+                 f"or clamp_, ...): the engine reads them again after the verification (its "
+                 f"acceptance counts use the drafts), so work on a copy or with indices")
+
+
 def _greedy_verify_cases(verify, name: str, rng, num_cases: int) -> None:
     """Random guesses (none, all or some right) against the package's ``greedy_verify``."""
     for case in range(num_cases):
@@ -47,9 +62,12 @@ def _greedy_verify_cases(verify, name: str, rng, num_cases: int) -> None:
         agree = rng.choice([0, k, rng.randint(0, k)])  # none, all, or some drafts right
         drafts = target[:agree] + [rng.randrange(vocab) for _ in range(k - agree)]
         expected = rejection_sampler.greedy_verify(list(target), list(drafts))
-        got = verify(list(target), list(drafts))
+        given = (list(target), list(drafts))
+        got = verify(*given)
         if isinstance(got, tuple):
             got = list(got)
+        _inputs_unchanged(name, case, f"target_argmax_ids={target}, draft_token_ids={drafts}",
+                          given, (target, drafts), ("target_argmax_ids", "draft_token_ids"))
         if got != expected:
             accepted = len(expected) - 1
             if isinstance(got, list) and got == expected[:-1]:
@@ -235,12 +253,14 @@ def _check_rejection_sample(candidate, rng, num_cases: int) -> int:
         target, drafts, draft_probs, seed = _rejection_case(rng, case)
         theirs, mine = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         expected = rejection_sampler.rejection_sample(target, drafts, draft_probs, theirs)
-        got = candidate(target.clone(), list(drafts),
-                        None if draft_probs is None else draft_probs.clone(), mine)
+        given = (target.clone(), list(drafts), None if draft_probs is None else draft_probs.clone())
+        got = candidate(*given, mine)
         got = list(got) if isinstance(got, tuple) else got
         inputs = (f"target_probs={_rounded(target)}, draft_token_ids={drafts}, "
                   f"draft_probs={None if draft_probs is None else _rounded(draft_probs)}, "
                   f"generator seeded {seed}")
+        _inputs_unchanged("rejection_sample", case, inputs, given, (target, drafts, draft_probs),
+                          ("target_probs", "draft_token_ids", "draft_probs"))
         if got != expected:
             fail("rejection_sample", case, inputs, got, expected,
                  _rejection_hint(got, expected, drafts, draft_probs is None))

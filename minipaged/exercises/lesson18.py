@@ -156,7 +156,13 @@ def _check_dequantize_q4_1(candidate, rng, num_cases: int) -> int:
         inputs = f"{n} block(s), the first: d={float(blocks[0, :2].view(torch.float16)):.4g}, "\
                  f"m={float(blocks[0, 2:4].view(torch.float16)):.4g}, codes bytes " \
                  f"{blocks[0, 4:8].tolist()}..."
-        got = candidate(blocks.clone())
+        given = blocks.clone()
+        got = candidate(given)
+        if not torch.equal(given, blocks):
+            fail(Q4_1, case, inputs, "blocks changed by your code", "the blocks as given",
+                 "your code changed the blocks it was given (an in-place operation such as >>= "
+                 "or &= on a slice of them writes into the blocks themselves): the engine "
+                 "passes the model's own weights, so compute into new tensors")
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             fail(Q4_1, case, inputs, shape, tuple(want.shape),

@@ -54,13 +54,14 @@ def verify(logits: torch.Tensor, spec_rows: list[SpecRow],
             rows = rows / params.temperature
         logprobs = torch.log_softmax(rows, dim=-1)  # (k + 1, V)
         if params.greedy:
-            emitted = greedy_verify(torch.argmax(rows, dim=-1).tolist(), row.draft_token_ids)
+            emitted = greedy_verify(torch.argmax(rows, dim=-1).tolist(),
+                                    list(row.draft_token_ids))  # (a copy: counted after)
         else:
             host = rows.cpu()
             probs = torch.stack([torch.softmax(top_k_top_p_filter(host[i], params.top_k,
                                                                   params.top_p), dim=-1)
                                  for i in range(k + 1)])  # (k + 1, V)
-            emitted = rejection_sample(probs, row.draft_token_ids,
+            emitted = rejection_sample(probs, list(row.draft_token_ids),
                                        draft_probs.get(row.seq_id), generators[row.seq_id])
         positions = torch.arange(len(emitted), device=logprobs.device)
         chosen = logprobs[positions, torch.tensor(emitted, device=logprobs.device)].tolist()

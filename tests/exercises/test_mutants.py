@@ -248,8 +248,14 @@ Q4_1BlockOf18Bytes = changed(a18, "dequantize_q4_1", ("codes = blocks[:, 4:]",
 Q4_1NeighboursInAByte = changed(
     a18, "dequantize_q4_1", ("torch.cat([codes & 0x0F, codes >> 4], dim=1)",
                              "torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(-1, 32)"))
+Q4_1ShiftsTheBlocksInPlace = changed(  # right for this call; the model's weights are changed
+    a18, "dequantize_q4_1", ("    q = torch.cat([codes & 0x0F, codes >> 4], dim=1)",
+                             "    low = codes & 0x0F\n    codes >>= 4\n"
+                             "    q = torch.cat([low, codes], dim=1)"))
 MUTANTS += [
     ("dequantize_q4_1", "nibble order swapped", Q4_1NibblesSwapped),
+    ("dequantize_q4_1", "the codes shifted in place (the blocks given change)",
+     Q4_1ShiftsTheBlocksInPlace),
     ("dequantize_q4_1", "the min added before the scale", Q4_1MinBeforeTheScale),
     ("dequantize_q4_1", "a block taken for 18 bytes (codes from byte 2)", Q4_1BlockOf18Bytes),
     ("dequantize_q4_1", "a byte's two codes as neighbours", Q4_1NeighboursInAByte),
@@ -273,6 +279,45 @@ MUTANTS += [
     ("blocks_out_of_window", "dropped entries freed again", DroppedEntriesFreedAgain),
     ("blocks_out_of_window", "the table's last entry freed", LastEntryFreed),
     ("blocks_out_of_window", "block numbers returned, not indices", BlockNumbersReturned),
+]
+
+# Right results, inputs changed: the engine reads the same lists and runs again afterwards.
+def verify_popping_the_drafts(target_argmax_ids, draft_token_ids):
+    """A learner's loop that consumes the drafts (the acceptance counts then see none)."""
+    out, position = [], 0
+    while draft_token_ids:
+        draft = draft_token_ids.pop(0)
+        if draft != target_argmax_ids[position]:
+            return out + [target_argmax_ids[position]]
+        out.append(draft)
+        position += 1
+    return out + [target_argmax_ids[position]]
+
+
+def rejection_sample_residual_in_place(target_probs, draft_token_ids, draft_probs, generator):
+    """The residual max(0, p - q) made in the target's own rows, after the right answer."""
+    from minipaged.exercises.answers.lesson12 import rejection_sample
+
+    emitted = rejection_sample(target_probs, draft_token_ids, draft_probs, generator)
+    if draft_probs is not None:
+        target_probs[:len(draft_token_ids)].sub_(draft_probs).clamp_(min=0)
+    return emitted
+
+
+def prepare_inputs_padding_the_tables(seq_runs, block_size, device):
+    """A padded table for the tensor, padded in the runs themselves."""
+    from minipaged.exercises.answers.lesson08 import prepare_inputs
+
+    longest = max(len(run.block_table) for run in seq_runs)
+    for run in seq_runs:
+        run.block_table += [0] * (longest - len(run.block_table))
+    return prepare_inputs(seq_runs, block_size, device)
+
+
+MUTANTS += [
+    ("greedy_verify", "the drafts popped from the list given", verify_popping_the_drafts),
+    ("rejection_sample", "the residual made in target_probs", rejection_sample_residual_in_place),
+    ("prepare_inputs", "the runs' tables padded in place", prepare_inputs_padding_the_tables),
 ]
 
 _FIRST_OF_EACH = {}
@@ -379,6 +424,12 @@ HINTS += [
     ("dequantize_q4_1", Q4_1MinBeforeTheScale, "the min is added after the scale", None),
     ("dequantize_q4_1", Q4_1BlockOf18Bytes, "a Q4_1 block is 20 bytes", None),
     ("dequantize_q4_1", Q4_1NeighboursInAByte, "byte i holds weights i and i + 16", None),
+    ("dequantize_q4_1", Q4_1ShiftsTheBlocksInPlace, "changed the blocks it was given", None),
+    ("greedy_verify", verify_popping_the_drafts, "changed the draft_token_ids it was given",
+     None),
+    ("rejection_sample", rejection_sample_residual_in_place,
+     "changed the target_probs it was given", None),
+    ("prepare_inputs", prepare_inputs_padding_the_tables, "changed the step it was given", None),
 ]
 
 HINTS += [
