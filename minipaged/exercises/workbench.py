@@ -39,6 +39,8 @@ it, so that a helper of the learner's named like one of the lesson's wins, as in
 """
 from __future__ import annotations
 
+import builtins
+import collections
 import contextlib
 import datetime
 import importlib
@@ -148,10 +150,11 @@ def check_component(name: str, candidate, num_cases: int | None = None,
             f"… {name}: not done yet. Write your code in place of not_done(), then run its "
             f"cell again (the check runs with it).", "not done")
     except ExerciseFailed as wrong:
-        result = CheckResult(str(wrong), "failed")
+        result = CheckResult(str(wrong) + _shared_state_note(candidate), "failed")
     except Exception as crash:  # the learner's code raised: show where, in their code only
         result = CheckResult(f"✗ {name}: your code raised {type(crash).__name__}: {crash}\n"
-                             f"{_learner_frames(crash)}", "failed")
+                             f"{_learner_frames(crash)}{_shared_state_note(candidate)}",
+                             "failed")
     else:
         if used_solution:
             result = CheckResult(f"{name}: not done yet, so the reference answer was used "
@@ -164,6 +167,29 @@ def check_component(name: str, candidate, num_cases: int | None = None,
             result = _save_and_check_again(spec, candidate, ran, cases, seed)
     print(result)
     return result
+
+
+_MUTABLE = (list, dict, set, bytearray, collections.deque)
+
+
+def _shared_state_note(candidate) -> str:
+    """A line for a failed class whose own class body (not the package's) holds a list, dict,
+    set or deque: one object shared by every instance, a classic cause of a state that leaks
+    from one pool or manager into the next."""
+    if not isinstance(candidate, type):
+        return ""
+    shared = [(cls.__name__, attr, type(value).__name__)
+              for cls in candidate.__mro__
+              if getattr(builtins, cls.__name__, None) is not cls  # (object, dict, ...)
+              and not cls.__module__.startswith("minipaged.")  # (the package's classes)
+              for attr, value in vars(cls).items()
+              if not attr.startswith("__") and isinstance(value, _MUTABLE)]
+    if not shared:
+        return ""
+    owner, attr, kind = shared[0]
+    return (f"\n  note: {attr} (a {kind}) is made once, in the class body of {owner}, so every "
+            f"instance shares it (each pool or manager this check builds sees the others' "
+            f"changes); if each instance needs its own, make it in __init__ (self.{attr} = ...)")
 
 
 def _save_and_check_again(spec: Component, candidate, ran: int, cases: int,

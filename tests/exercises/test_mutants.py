@@ -18,6 +18,7 @@ from collections import Counter
 import pytest
 import torch
 
+from minipaged.block import PhysicalTokenBlock
 from minipaged.exercises import lesson16, workbench
 from minipaged.exercises.answers import lesson02 as a02
 from minipaged.exercises.answers import lesson03 as a03
@@ -314,7 +315,26 @@ def prepare_inputs_padding_the_tables(seq_runs, block_size, device):
     return prepare_inputs(seq_runs, block_size, device)
 
 
+# State in the class body: one list or dict for every instance (every pool, every manager).
+class StackInTheClassBody(a02.MyFreeListAllocator):
+    stack: list = []
+
+    def __init__(self, device, block_size, num_blocks):
+        self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
+        self.num_evictions = 0
+        self.blocks = [PhysicalTokenBlock(device, n, block_size) for n in range(num_blocks)]
+        self.stack.extend(self.blocks[::-1])
+
+
+TablesInTheClassBody = changed(
+    a03, "MyBlockSpaceManager",
+    ("        self.tables: dict[int, list] = {}  # seq_id -> its blocks, in logical order\n", ""),
+    ("    def __init__(self, block_size: int,", "    tables: dict = {}\n\n"
+                                                 "    def __init__(self, block_size: int,"))
+
 MUTANTS += [
+    ("FreeListAllocator", "the free stack made in the class body", StackInTheClassBody),
+    ("BlockSpaceManager", "the tables made in the class body", TablesInTheClassBody),
     ("greedy_verify", "the drafts popped from the list given", verify_popping_the_drafts),
     ("rejection_sample", "the residual made in target_probs", rejection_sample_residual_in_place),
     ("prepare_inputs", "the runs' tables padded in place", prepare_inputs_padding_the_tables),
@@ -425,6 +445,10 @@ HINTS += [
     ("dequantize_q4_1", Q4_1BlockOf18Bytes, "a Q4_1 block is 20 bytes", None),
     ("dequantize_q4_1", Q4_1NeighboursInAByte, "byte i holds weights i and i + 16", None),
     ("dequantize_q4_1", Q4_1ShiftsTheBlocksInPlace, "changed the blocks it was given", None),
+    ("FreeListAllocator", StackInTheClassBody, "stack (a list) is made once, in the class body",
+     None),
+    ("BlockSpaceManager", TablesInTheClassBody, "tables (a dict) is made once, in the class body",
+     None),
     ("greedy_verify", verify_popping_the_drafts, "changed the draft_token_ids it was given",
      None),
     ("rejection_sample", rejection_sample_residual_in_place,
