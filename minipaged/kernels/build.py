@@ -41,6 +41,7 @@ from typing import Callable
 from minipaged.kernels.build_cache import (build_folder, build_key, build_lock, copy_sources,
                                            prune_siblings, toolchain_identity)
 from minipaged.kernels.build_progress import finish_before_exit
+from minipaged.kernels.build_thread import before_a_build_thread, lower_this_threads_priority
 from minipaged.kernels.cpu_kernels import CpuKernels
 from minipaged.kernels.cuda_kernels import CudaKernels
 from minipaged.kernels.library_check import verify
@@ -154,7 +155,7 @@ class JitBuild:
         with _start_lock:
             if not self.enabled() or self._done or self._thread is not None:
                 return
-            import_build_modules()
+            before_a_build_thread()
             self._thread = threading.Thread(target=self._load_quietly, daemon=True,
                                             name=f"minipaged build: {self.what}")
             self._thread.start()
@@ -163,7 +164,7 @@ class JitBuild:
         atexit.register(finish_before_exit, self)
 
     def _load_quietly(self) -> None:
-        _lower_this_threads_priority()
+        lower_this_threads_priority()
         try:
             self.load()
         except Exception:  # noqa: BLE001 - a strict build's error is raised again by load()
@@ -186,35 +187,6 @@ class JitBuild:
 
 
 _start_lock = threading.Lock()
-
-
-def import_build_modules() -> None:
-    """Import what a build imports, in the calling thread, before a build thread starts.
-
-    NOTE: ``torch.utils.cpp_extension`` imports setuptools, whose first import puts a finder at
-    the front of ``sys.meta_path`` and takes it out again. Python looks a module up by walking
-    that list in place, so a lookup in another thread at that moment can skip the finder of
-    installed packages and fail: a package that is there is "not found" (seen in CI's full run,
-    at the first model load of a lesson's kernel, while the main thread imported transformers).
-    Imported here first, the build thread changes no list that another thread walks."""
-    try:
-        from torch.utils import cpp_extension  # noqa: F401
-    except Exception:  # noqa: BLE001 - (no setuptools, ...): the build says so, as it did
-        pass
-
-
-def _lower_this_threads_priority() -> None:
-    """Let a background build take only the CPU the engine leaves.
-
-    On Linux a thread's nice value is its own, and the compiler processes the thread starts
-    inherit it: a first run's model conversion and generation then come first where they would
-    compete for a core. Elsewhere ``os.nice`` would lower the whole process, so it is left alone
-    there."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.nice(10)
-        except OSError:  # (not allowed here: the build simply competes)
-            pass
 
 
 class LibraryRefused(RuntimeError):

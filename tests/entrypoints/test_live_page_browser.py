@@ -58,6 +58,12 @@ def open_tab(context, url: str):
     return page
 
 
+def pool_of(page) -> tuple[int, int, int] | None:
+    """(held, shared, free) as the page drew them last, or None before its first frame."""
+    pool = page.evaluate("() => Object.assign({}, document.getElementById('blocks').dataset)")
+    return (int(pool["held"]), int(pool["shared"]), int(pool["free"])) if pool else None
+
+
 def ask(page, text: str, seed: int) -> None:
     page.fill("#temperature", "0.8")
     page.fill("#max-tokens", str(MAX_TOKENS))
@@ -90,13 +96,21 @@ def test_two_tabs_chat_at_once_and_the_page_draws_the_steps(server, tmp_path):
             while len(engine.scheduler.waiting) < len(ASKS):
                 assert time.monotonic() < deadline, "the two chats never reached the engine"
                 time.sleep(0.05)
+            # Two steps from the page while paused (the prefill of both, a decode), each waited
+            # for until the page draws it: the feed sends at most a share of the time (SHARE),
+            # so a busy machine may draw no frame of a short run at all.
+            for _ in range(2):
+                drawn = int(tabs[0].evaluate("() => document.body.dataset.step"))
+                tabs[0].click("#step")
+                tabs[0].wait_for_function(f"() => Number(document.body.dataset.step) > {drawn}",
+                                          timeout=60_000)
+                seen.append(pool_of(tabs[0]) or (0, 0, 0))
             tabs[0].click("#pause")  # (now labelled Resume)
             shot_taken = preemption_shot = False
             for _ in range(600):
-                pool = tabs[0].evaluate("() => Object.assign({}, "
-                                        "document.getElementById('blocks').dataset)")
+                pool = pool_of(tabs[0])
                 if pool:
-                    seen.append((int(pool["held"]), int(pool["shared"]), int(pool["free"])))
+                    seen.append(pool)
                 if not shot_taken and seen and seen[-1][0] > 0:
                     tabs[0].wait_for_timeout(300)
                     tabs[0].screenshot(path=str(images / "live_page_two_tabs.png"))
@@ -109,7 +123,11 @@ def test_two_tabs_chat_at_once_and_the_page_draws_the_steps(server, tmp_path):
                     break
                 tabs[0].wait_for_timeout(50)
             streamed = [t.inner_text(".assistant .choice") for t in tabs]
-            # the pool is all free again once both finished, and the page says so
+            # the pool is all free again once both finished, and the page says so: its frame
+            # of the engine's last step (not an older one that also had no block held)
+            last = engine.stats.num_steps
+            tabs[0].wait_for_function(f"() => Number(document.body.dataset.step) >= {last}",
+                                      timeout=60_000)
             tabs[0].wait_for_function(
                 "() => document.getElementById('blocks').dataset.held === '0'", timeout=30_000)
             log = tabs[0].inner_text("#event-log")
