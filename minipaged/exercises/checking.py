@@ -85,6 +85,23 @@ def fail(name: str, case: int, inputs: str, got, expected, hint: str) -> None:
                          f"  yours:    {got!r}\n  expected: {expected!r}\n  hint: {hint}")
 
 
+def fail_if_changed(name: str, case: int, inputs: str, given: tuple, kept: tuple,
+                    names: tuple, how: str, why: str) -> None:
+    """Fail when the learner's function changed one of the lists or tensors it was ``given``
+    (``kept`` holds untouched copies, ``names`` their parameters): ``how`` such a change is
+    made, ``why`` the engine needs them unchanged."""
+    for after, before, what in zip(given, kept, names):
+        if before is None:
+            same = after is None
+        elif hasattr(before, "equal"):  # a tensor (torch is not imported here)
+            same = before.equal(after)
+        else:
+            same = after == before
+        if not same:
+            fail(name, case, inputs, f"{what} changed by your call", f"{what} as given",
+                 f"your function changed the {what} it was given ({how}): {why}")
+
+
 def passed(learner: Learner, num_cases: int) -> CheckResult:
     if learner.used_solution:
         return CheckResult(f"{learner.name}: not done yet, so the solution was used "

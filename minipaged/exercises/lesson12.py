@@ -32,25 +32,15 @@ from __future__ import annotations
 import torch
 
 from minipaged.exercises import checking, workbench
-from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, not_done, passed,
-                                          rng_for)
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail,
+                                          fail_if_changed, not_done, passed, rng_for)
 from minipaged.spec_decode import rejection_sampler
 from minipaged.worker.sampler import draw
 
 
-def _inputs_unchanged(name: str, case: int, inputs: str, given: tuple, kept: tuple,
-                      names: tuple) -> None:
-    """Fail when the learner's function changed a list or tensor it was given."""
-    for after, before, what in zip(given, kept, names):
-        same = (after is None if before is None else
-                torch.equal(after, before) if isinstance(before, torch.Tensor) else
-                after == before)
-        if not same:
-            shown = _rounded(after) if isinstance(after, torch.Tensor) else after
-            fail(name, case, inputs, f"{what} after your call: {shown}", f"{what} as given",
-                 f"your function changed the {what} it was given (pop, remove, an in-place -= "
-                 f"or clamp_, ...): the engine reads them again after the verification (its "
-                 f"acceptance counts use the drafts), so work on a copy or with indices")
+_CHANGED = ("pop, remove, an in-place -= or clamp_, ...",
+            "the engine reads them again after the verification (its acceptance counts use the "
+            "drafts), so work on a copy or with indices")
 
 
 def _greedy_verify_cases(verify, name: str, rng, num_cases: int) -> None:
@@ -66,8 +56,9 @@ def _greedy_verify_cases(verify, name: str, rng, num_cases: int) -> None:
         got = verify(*given)
         if isinstance(got, tuple):
             got = list(got)
-        _inputs_unchanged(name, case, f"target_argmax_ids={target}, draft_token_ids={drafts}",
-                          given, (target, drafts), ("target_argmax_ids", "draft_token_ids"))
+        fail_if_changed(name, case, f"target_argmax_ids={target}, draft_token_ids={drafts}",
+                        given, (target, drafts), ("target_argmax_ids", "draft_token_ids"),
+                        *_CHANGED)
         if got != expected:
             accepted = len(expected) - 1
             if isinstance(got, list) and got == expected[:-1]:
@@ -259,8 +250,8 @@ def _check_rejection_sample(candidate, rng, num_cases: int) -> int:
         inputs = (f"target_probs={_rounded(target)}, draft_token_ids={drafts}, "
                   f"draft_probs={None if draft_probs is None else _rounded(draft_probs)}, "
                   f"generator seeded {seed}")
-        _inputs_unchanged("rejection_sample", case, inputs, given, (target, drafts, draft_probs),
-                          ("target_probs", "draft_token_ids", "draft_probs"))
+        fail_if_changed("rejection_sample", case, inputs, given, (target, drafts, draft_probs),
+                        ("target_probs", "draft_token_ids", "draft_probs"), *_CHANGED)
         if got != expected:
             fail("rejection_sample", case, inputs, got, expected,
                  _rejection_hint(got, expected, drafts, draft_probs is None))

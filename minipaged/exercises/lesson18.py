@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from minipaged.exercises import checking, workbench
-from minipaged.exercises.checking import CheckResult, Learner, exercise, fail, passed, rng_for
+from minipaged.exercises.checking import (CheckResult, Learner, exercise, fail, fail_if_changed,
+                                          passed, rng_for)
 from minipaged.kernels import kv_quant
 
 FORMATS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -158,11 +159,10 @@ def _check_dequantize_q4_1(candidate, rng, num_cases: int) -> int:
                  f"{blocks[0, 4:8].tolist()}..."
         given = blocks.clone()
         got = candidate(given)
-        if not torch.equal(given, blocks):
-            fail(Q4_1, case, inputs, "blocks changed by your code", "the blocks as given",
-                 "your code changed the blocks it was given (an in-place operation such as >>= "
-                 "or &= on a slice of them writes into the blocks themselves): the engine "
-                 "passes the model's own weights, so compute into new tensors")
+        fail_if_changed(Q4_1, case, inputs, (given,), (blocks,), ("blocks",),
+                        "an in-place operation such as >>= or &= on a slice of them writes into "
+                        "the blocks themselves",
+                        "the engine passes the model's own weights, so compute into new tensors")
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             fail(Q4_1, case, inputs, shape, tuple(want.shape),

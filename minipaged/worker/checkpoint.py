@@ -192,12 +192,12 @@ def _convert_gguf(gguf_path: str, target: str, label: str, duration: str,
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from minipaged.worker.gguf_file import check_gguf_file
+    from minipaged.worker.gguf_file import read_gguf
 
     folder, name = os.path.split(gguf_path)
     with _gguf_parsed_once():
-        check_gguf_file(gguf_path)  # an empty, foreign or cut-short file said as such (and
-        # the parse is kept for transformers' reads below)
+        read_gguf(gguf_path)  # an empty, foreign or cut-short file said as such (and the
+        # parse is kept for transformers' reads below)
         if weights:
             print(f"minipaged: converting {label} from GGUF (once, {duration}) into {target}")
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,

@@ -51,11 +51,6 @@ def check_gguf_start(path: str) -> None:
                          f"with {GGUF_MAGIC!r}")
 
 
-def check_gguf_file(path: str) -> None:
-    """``read_gguf``'s checks alone (the reader is let go): before another parser reads it."""
-    read_gguf(path)
-
-
 def _data_end(path: str) -> int | None:
     """Where the header says the last tensor's data ends (in bytes from the file's start), or
     None when the header itself cannot be read."""
